@@ -1,0 +1,68 @@
+"""Development sweep: launch configs of the norm / SiLU kernels on the GPU (feeds the heuristics).
+
+Times each candidate as CUDA-graph replays with rotated inputs; prints one line per config.
+Run: PYTHONPATH=src python benchmarks/sweep_norm_configs.py [--out rows.json]
+"""
+
+import argparse
+import itertools
+
+import torch
+
+from fastdecode.bench.harness import make_row, rotation_count, time_cuda, write_rows
+from fastdecode.kernels.activation import launch_silu_and_mul
+from fastdecode.kernels.norm import OUT_FP8_DYNAMIC, OUT_NATIVE, launch_rms_norm
+
+
+def sweep_norm(rows, M, H, mode):
+    e = 2
+    nb = M * H * 3 * e + M * H * (e if mode == OUT_NATIVE else 1)
+    sets = [(torch.randn(M, H, device="cuda", dtype=torch.bfloat16),
+             torch.randn(M, H, device="cuda", dtype=torch.bfloat16)) for _ in range(rotation_count(nb))]
+    w = torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(M, H, device="cuda", dtype=torch.bfloat16 if mode == OUT_NATIVE else torch.float8_e4m3fn)
+    scale = torch.empty(M, 1, device="cuda")
+    bh = triton_np2(H)
+    for block_m, warps in itertools.product([1, 2, 4], [4, 8, 16, 32]):
+        if block_m > 1 and M < 64:
+            continue
+        cfg = {"BLOCK_M": block_m, "BLOCK_H": bh, "num_warps": warps}
+        calls = [lambda x=x, r=r: launch_rms_norm(x, r, w, out, scale, 1e-6, mode, cfg) for x, r in sets]
+        t = time_cuda(calls, graph=True)
+        rows.append(make_row("sweep_add_rms_norm", f"mode{mode}", {"M": M, "H": H, **cfg}, t, bytes_moved=nb))
+        print(rows[-1]["shape"], rows[-1]["median_us"], rows[-1]["tbps"], flush=True)
+
+
+def sweep_silu(rows, M, I, mode):
+    nb = M * I * 4 + M * I * (2 if mode == OUT_NATIVE else 1)
+    sets = [torch.randn(M, 2 * I, device="cuda", dtype=torch.bfloat16) for _ in range(rotation_count(nb))]
+    out = torch.empty(M, I, device="cuda", dtype=torch.bfloat16 if mode == OUT_NATIVE else torch.float8_e4m3fn)
+    scale = torch.empty(M, 1, device="cuda")
+    blocks = [512, 1024, 2048, 4096] if mode == OUT_NATIVE else [triton_np2(I)]
+    for block, warps in itertools.product(blocks, [2, 4, 8, 16, 32]):
+        if mode == OUT_NATIVE and warps * 32 * 2 > block:
+            continue
+        cfg = {"BLOCK": block, "num_warps": warps}
+        calls = [lambda x=x: launch_silu_and_mul(x, out, scale, mode, cfg) for x in sets]
+        t = time_cuda(calls, graph=True)
+        rows.append(make_row("sweep_silu_and_mul", f"mode{mode}", {"M": M, "I": I, **cfg}, t, bytes_moved=nb))
+        print(rows[-1]["shape"], rows[-1]["median_us"], rows[-1]["tbps"], flush=True)
+
+
+def triton_np2(n):
+    return 1 << (n - 1).bit_length()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--out")
+    a = p.parse_args()
+    rows = []
+    for M in (1, 256, 32768):
+        sweep_norm(rows, M, 8192, OUT_NATIVE)
+        sweep_norm(rows, M, 8192, OUT_FP8_DYNAMIC)
+        sweep_silu(rows, M, 28672, OUT_NATIVE)
+        sweep_silu(rows, M, 28672, OUT_FP8_DYNAMIC)
+        torch.cuda.empty_cache()
+    if a.out:
+        write_rows(rows, a.out)

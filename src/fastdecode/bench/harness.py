@@ -1,0 +1,165 @@
+"""Benchmark harness shared by every ``fastdecode bench`` command.
+
+Method (DESIGN.md): CUDA events after warm-up; the median of many; launch-bound sizes are timed as
+CUDA-graph replays of ``calls_per_graph`` back-to-back calls (so the ~1.4 us graph launch is what a
+decode step pays, not the ~23 us eager launch); inputs rotate over enough copies to exceed the L2
+(60 MB on the H200), so large sizes read HBM rather than cache; bytes and FLOPs are counted by the
+caller and turned into TB/s and TFLOP/s here. Every row carries the GPU and software versions.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+L2_BYTES_DEFAULT = 60 * 2**20
+
+
+@functools.cache
+def env_info() -> dict:
+    """GPU name and software versions recorded in every result row."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # pragma: no cover
+        triton_version = None
+    sha = os.environ.get("FASTDECODE_GIT_SHA")
+    if not sha:
+        try:
+            sha = subprocess.run(
+                ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5,
+                cwd=Path(__file__).resolve().parent,
+            ).stdout.strip() or None
+        except Exception:
+            sha = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "git_sha": sha}
+
+
+def l2_bytes() -> int:
+    if torch.cuda.is_available():
+        return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", L2_BYTES_DEFAULT))
+    return L2_BYTES_DEFAULT
+
+
+def rotation_count(bytes_per_call: int, factor: float = 3.0, cap: int = 64) -> int:
+    """How many input copies make a round of calls read ``factor`` x the L2 (at least 1)."""
+    if bytes_per_call <= 0:
+        return 1
+    return int(max(1, min(cap, -(-int(factor * l2_bytes()) // bytes_per_call))))
+
+
+@dataclass
+class Timing:
+    median_us: float
+    p10_us: float
+    p90_us: float
+    n: int
+
+
+def _stats(samples: Sequence[float]) -> Timing:
+    s = sorted(samples)
+    q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
+    return Timing(statistics.median(s), q(0.1), q(0.9), len(s))
+
+
+def time_cuda(
+    calls: Sequence[Callable[[], object]],
+    *,
+    graph: bool,
+    calls_per_graph: int = 20,
+    warmup: int = 5,
+    reps: int = 30,
+) -> Timing:
+    """Time one call, cycling through ``calls`` (one closure per rotated input set).
+
+    graph=True: capture ``calls_per_graph`` calls (cycling the list) into one CUDA graph and time
+    replays; the per-call time is replay time / calls_per_graph. graph=False: time each eager call
+    of a whole rotation round and divide.
+    """
+    calls = list(calls)
+    for _ in range(warmup):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    if graph:
+        n = max(calls_per_graph, len(calls))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for i in range(n):
+                calls[i % len(calls)]()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(n):
+                calls[i % len(calls)]()
+        g.replay()
+        torch.cuda.synchronize()
+        run, per = g.replay, n
+    else:
+        def run():
+            for c in calls:
+                c()
+        per = len(calls)
+    samples = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) * 1000.0 / per)
+    if graph:
+        del g
+    return _stats(samples)
+
+
+def make_row(
+    op: str,
+    impl: str,
+    shape: dict,
+    t: Timing,
+    *,
+    bytes_moved: Optional[int] = None,
+    flops: Optional[int] = None,
+    **extra,
+) -> dict:
+    row = {"op": op, "impl": impl, "shape": shape, "median_us": round(t.median_us, 3),
+           "p10_us": round(t.p10_us, 3), "p90_us": round(t.p90_us, 3)}
+    if bytes_moved is not None:
+        row["bytes"] = int(bytes_moved)
+        row["tbps"] = round(bytes_moved / (t.median_us * 1e-6) / 1e12, 3)
+    if flops is not None:
+        row["flops"] = int(flops)
+        row["tflops"] = round(flops / (t.median_us * 1e-6) / 1e12, 2)
+    row.update(extra)
+    row.update(env_info())
+    return row
+
+
+def write_rows(rows: list[dict], path: str | os.PathLike) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def print_table(rows: list[dict], keys: Sequence[str] = ("op", "impl", "shape", "median_us", "tbps")) -> None:
+    """A plain aligned table of some keys of the rows (stdout)."""
+    cells = [[str(k) for k in keys]] + [
+        [json.dumps(r.get(k), separators=(",", ":")) if isinstance(r.get(k), dict) else str(r.get(k, ""))
+         for k in keys] for r in rows
+    ]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
+    for c in cells:
+        print("  ".join(x.ljust(w) for x, w in zip(c, widths)), flush=True)

@@ -1,0 +1,6 @@
+"""Numeric constants shared by kernels and ops (no imports: any layer may use them)."""
+
+#: Largest finite value of float8_e4m3fn.
+FP8_MAX = 448.0
+#: Lower bound of a dynamic FP8 scale (real = fp8 * scale), so an all-zero row never divides by 0.
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)

@@ -1,0 +1,79 @@
+"""SiLU-and-mul kernels: ``out = silu(gate) * up`` for ``x = [gate | up]``, native or FP8 output."""
+
+import triton
+import triton.language as tl
+
+from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
+from fastdecode.kernels.norm import OUT_FP8_DYNAMIC, OUT_FP8_STATIC, OUT_NATIVE  # noqa: F401
+
+
+@triton.jit
+def _silu_mul(x_ptr, row_off, cols, mask, I):
+    g = tl.load(x_ptr + row_off + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row_off + I + cols, mask=mask, other=0.0).to(tl.float32)
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, scale_ptr, I, stride_x, stride_o,
+    OUT_MODE: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+):
+    """Grid (M, column blocks). Native and static-FP8 modes: each program writes BLOCK columns.
+
+    Dynamic FP8 (per-token scale) needs the whole row: the grid is (M, 1); with NUM_CHUNKS == 1 the
+    row stays in registers; otherwise pass 1 finds the row maximum and pass 2 recomputes and writes.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    x_off = row * stride_x
+    o_off = row * stride_o
+    if OUT_MODE != 2:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < I
+        y = _silu_mul(x_ptr, x_off, cols, mask, I)
+        if OUT_MODE == 0:
+            tl.store(out_ptr + o_off + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            q = y / tl.load(scale_ptr)
+            q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+            tl.store(out_ptr + o_off + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    elif NUM_CHUNKS == 1:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < I
+        y = _silu_mul(x_ptr, x_off, cols, mask, I)
+        s = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, s)
+        q = tl.minimum(tl.maximum(y / s, -FP8_MAX), FP8_MAX)
+        tl.store(out_ptr + o_off + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            cols = c * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < I
+            amax = tl.maximum(amax, tl.abs(_silu_mul(x_ptr, x_off, cols, mask, I)))
+        s = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, s)
+        for c in range(NUM_CHUNKS):
+            cols = c * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < I
+            y = _silu_mul(x_ptr, x_off, cols, mask, I)
+            q = tl.minimum(tl.maximum(y / s, -FP8_MAX), FP8_MAX)
+            tl.store(out_ptr + o_off + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_silu_and_mul(x, out, scale, out_mode, config):
+    """x: (M, 2I) rows with unit inner stride; out: (M, I). ``config``: dict(BLOCK, num_warps)."""
+    M, I = out.shape
+    block = config["BLOCK"]
+    if out_mode == OUT_FP8_DYNAMIC:
+        grid = (M, 1)
+        num_chunks = triton.cdiv(I, block)
+    else:
+        grid = (M, triton.cdiv(I, block))
+        num_chunks = 1
+    _silu_and_mul_kernel[grid](
+        x, out, scale if scale is not None else x, I, x.stride(0), out.stride(0),
+        OUT_MODE=out_mode, BLOCK=block, NUM_CHUNKS=num_chunks,
+        FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=config["num_warps"],
+    )

@@ -1,0 +1,11 @@
+"""Public ops: validate -> allocate -> one registered custom op (``torch.ops.fastdecode.*``).
+
+Each op has a ``*_ref`` plain-PyTorch reference beside it; see ``_common`` for the backend switch.
+"""
+
+from fastdecode.ops.norm import (
+    fused_add_rms_norm, fused_add_rms_norm_fp8, fused_add_rms_norm_fp8_ref, fused_add_rms_norm_ref,
+    rms_norm, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref,
+)
+from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
+from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref

@@ -1,0 +1,210 @@
+"""What every op shares: backend choice, capability checks, argument validation.
+
+Backends
+--------
+Each op has two backends:
+
+* ``"triton"``: the Triton kernel. Runs on CUDA tensors, and on CPU tensors when the Triton
+  interpreter is on (``TRITON_INTERPRET=1``), which is how CI tests kernels without a GPU.
+* ``"torch"``: the plain-PyTorch reference; runs everywhere and is the CPU path of the engine.
+
+The backend is chosen by the ``backend=`` argument of an op, else by the environment variable
+``FASTDECODE_BACKEND`` (``auto`` | ``triton`` | ``torch``), else ``auto``. ``auto`` picks Triton when
+it can run on the tensor's device and falls back to ``torch`` with one log line per reason. An
+explicit request that cannot be met raises ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE  # noqa: F401  (re-exported)
+
+log = logging.getLogger("fastdecode")
+
+BACKENDS = ("auto", "triton", "torch")
+FP8_DTYPE = torch.float8_e4m3fn
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def interpreter_on() -> bool:
+    """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Triton is imported lazily, by the kernels on their first launch: TRITON_INTERPRET is read when
+# triton is imported, so importing fastdecode must not import triton.
+_TRITON_OK = importlib.util.find_spec("triton") is not None
+
+
+def triton_available() -> bool:
+    return _TRITON_OK
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device. One place, so tests can patch it."""
+    return torch.cuda.get_device_capability(device)
+
+
+def require_sm(device: torch.device, major: int, minor: int, what: str) -> None:
+    """Raise RuntimeError when ``device`` is a CUDA GPU older than sm_{major}{minor}.
+
+    CPU tensors pass: the reference path and the interpreter emulate every dtype.
+    """
+    if device.type != "cuda":
+        return
+    cap = device_capability(device)
+    if cap < (major, minor):
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(
+            f"{what} needs a GPU with compute capability >= {major}.{minor} "
+            f"(sm_{major}{minor}+); {name} has {cap[0]}.{cap[1]}"
+        )
+
+
+_logged_fallbacks: set[str] = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _logged_fallbacks:
+        _logged_fallbacks.add(msg)
+        log.info(msg)
+
+
+def resolve_backend(backend: Optional[str], device: torch.device, op: str) -> str:
+    """Return ``"triton"`` or ``"torch"`` for an op running on ``device``."""
+    requested = backend if backend is not None else os.environ.get("FASTDECODE_BACKEND", "auto")
+    requested = requested.lower()
+    if requested not in BACKENDS:
+        raise ValueError(
+            f"backend must be one of {BACKENDS} (argument or FASTDECODE_BACKEND), got {requested!r}"
+        )
+    if requested == "torch":
+        return "torch"
+    reason = None
+    if not triton_available():
+        reason = "triton is not importable"
+    elif device.type == "cpu" and not interpreter_on():
+        reason = "tensors are on the CPU and TRITON_INTERPRET is not set"
+    elif device.type not in ("cpu", "cuda"):
+        reason = f"device type {device.type!r} has no Triton backend"
+    if reason is None:
+        return "triton"
+    if requested == "triton":
+        raise RuntimeError(f"{op}: backend='triton' was requested but {reason}")
+    _log_once(f"fastdecode: {op} uses the torch backend because {reason}")
+    return "torch"
+
+
+def is_tracing() -> bool:
+    """True under torch.compile tracing or CUDA-graph capture: no host syncs allowed then."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_tensor(name: str, t, *, dtypes=FLOAT_DTYPES, ndim: Optional[int] = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def check_same_device(**tensors) -> None:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    name0, t0 = items[0]
+    for name, t in items[1:]:
+        if t.device != t0.device:
+            raise ValueError(f"{name} is on {t.device} but {name0} is on {t0.device}; put them on one device")
+
+
+def as_rows(name: str, t: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+    """View ``t`` (..., H) as rows (M, H) with unit stride along H.
+
+    A row stride is kept (no copy). A tensor whose last dimension is strided is copied, unless it is
+    written in place (``inplace``), which raises instead since a copy would lose the write.
+    """
+    if t.dim() < 1:
+        raise ValueError(f"{name} must have at least 1 dimension, got a scalar")
+    H = t.shape[-1]
+    if t.dim() == 1:
+        t = t.unsqueeze(0)
+    elif t.dim() > 2:
+        try:
+            t = t.view(-1, H)
+        except RuntimeError:
+            if inplace:
+                raise ValueError(
+                    f"{name} of shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as "
+                    f"rows (M, {H}); it is updated in place, so it must be"
+                ) from None
+            t = t.reshape(-1, H)
+    if H > 1 and t.stride(1) != 1:
+        if inplace:
+            raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
+        t = t.contiguous()
+    return t
+
+
+def check_out(name: str, out: Optional[torch.Tensor], shape, dtype, device) -> None:
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(
+            f"{name} must be a tensor of shape {tuple(shape)}, dtype {dtype} on {device}; "
+            f"got shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}"
+        )
+    if not out.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {out.stride()}")
+
+
+def static_scale(scale, device: torch.device, name: str = "scale") -> torch.Tensor:
+    """Validate a static per-tensor FP8 scale (``real = fp8 * scale``) and return a 1-element fp32 tensor.
+
+    A Python number becomes a new tensor (an allocation per call: pass a tensor in hot loops).
+    Positivity of a tensor is checked unless we are tracing or capturing a graph, where reading
+    the value back would force a host sync.
+    """
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        if not scale > 0 or scale != scale or scale == float("inf"):
+            raise ValueError(f"{name} must be a positive finite number, got {scale}")
+        return torch.full((1,), float(scale), dtype=torch.float32, device=device)
+    if not isinstance(scale, torch.Tensor):
+        raise ValueError(f"{name} must be a positive float or a 1-element float32 tensor, got {type(scale).__name__}")
+    if scale.numel() != 1:
+        raise ValueError(f"{name} must hold one element (a per-tensor scale), got shape {tuple(scale.shape)}")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32, got {scale.dtype}")
+    if scale.device != device:
+        raise ValueError(f"{name} is on {scale.device} but the input is on {device}")
+    if not is_tracing():
+        v = float(scale.reshape(()).item())
+        if not (v > 0 and v != float("inf")):
+            raise ValueError(f"{name} must be positive and finite, got {v}")
+    return scale.reshape(1)
+
+
+def check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    return float(eps)

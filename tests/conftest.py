@@ -1,0 +1,32 @@
+"""Test setup: kernels run under the Triton interpreter when there is no GPU.
+
+TRITON_INTERPRET must be set before triton is imported anywhere, hence here, at collection start.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    skip_multi = pytest.mark.skip(reason="needs two or more CUDA GPUs")
+    for item in items:
+        if "multigpu" in item.keywords and n_gpu < 2:
+            item.add_marker(skip_multi)
+        elif "gpu" in item.keywords and n_gpu < 1:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    """Fresh random inputs in every test, but reproducible from the printed seed on failure."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    yield seed
