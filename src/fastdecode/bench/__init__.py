@@ -1,0 +1,1 @@
+"""Benchmarks: harness and one module per op family (``fastdecode bench ...``)."""
