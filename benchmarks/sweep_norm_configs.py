@@ -23,8 +23,8 @@ def sweep_norm(rows, M, H, mode):
     out = torch.empty(M, H, device="cuda", dtype=torch.bfloat16 if mode == OUT_NATIVE else torch.float8_e4m3fn)
     scale = torch.empty(M, 1, device="cuda")
     bh = triton_np2(H)
-    for block_m, warps in itertools.product([1, 2, 4], [4, 8, 16, 32]):
-        if block_m > 1 and M < 64:
+    for block_m, warps in itertools.product([1, 2, 4], [1, 2, 4, 8, 16, 32]):
+        if (block_m > 1 and M < 4096) or warps * 32 * 4 > bh * block_m or (block_m == 4 and warps < 4):
             continue
         cfg = {"BLOCK_M": block_m, "BLOCK_H": bh, "num_warps": warps}
         calls = [lambda x=x, r=r: launch_rms_norm(x, r, w, out, scale, 1e-6, mode, cfg) for x, r in sets]
@@ -38,9 +38,9 @@ def sweep_silu(rows, M, I, mode):
     sets = [torch.randn(M, 2 * I, device="cuda", dtype=torch.bfloat16) for _ in range(rotation_count(nb))]
     out = torch.empty(M, I, device="cuda", dtype=torch.bfloat16 if mode == OUT_NATIVE else torch.float8_e4m3fn)
     scale = torch.empty(M, 1, device="cuda")
-    blocks = [512, 1024, 2048, 4096] if mode == OUT_NATIVE else [triton_np2(I)]
+    blocks = [1024, 2048, 4096] if mode == OUT_NATIVE else [triton_np2(I)]
     for block, warps in itertools.product(blocks, [2, 4, 8, 16, 32]):
-        if mode == OUT_NATIVE and warps * 32 * 2 > block:
+        if (mode == OUT_NATIVE and warps * 32 * 2 > block) or (mode != OUT_NATIVE and warps < 8):
             continue
         cfg = {"BLOCK": block, "num_warps": warps}
         calls = [lambda x=x: launch_silu_and_mul(x, out, scale, mode, cfg) for x in sets]
@@ -58,11 +58,17 @@ if __name__ == "__main__":
     p.add_argument("--out")
     a = p.parse_args()
     rows = []
-    for M in (1, 256, 32768):
-        sweep_norm(rows, M, 8192, OUT_NATIVE)
-        sweep_norm(rows, M, 8192, OUT_FP8_DYNAMIC)
-        sweep_silu(rows, M, 28672, OUT_NATIVE)
-        sweep_silu(rows, M, 28672, OUT_FP8_DYNAMIC)
+    for M in (1, 16, 4096, 32768):
+        for H in (4096, 8192):
+            sweep_norm(rows, M, H, OUT_NATIVE)
+            if M in (1, 32768):
+                sweep_norm(rows, M, H, OUT_FP8_DYNAMIC)
         torch.cuda.empty_cache()
+    for M in (1, 32768):
+        for I in (14336, 28672):
+            sweep_silu(rows, M, I, OUT_NATIVE)
+            if M == 32768:
+                sweep_silu(rows, M, I, OUT_FP8_DYNAMIC)
+            torch.cuda.empty_cache()
     if a.out:
         write_rows(rows, a.out)

@@ -69,6 +69,11 @@ def quant_per_token(x):
 
 
 def _compiled(fn):
+    # one specialisation per shape, as a user compiling for a fixed decode batch gets; the sweep
+    # compiles ~10 shapes per function, past dynamo's default recompile limit of 8
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
     return torch.compile(fn, fullgraph=True, dynamic=False)
 
 

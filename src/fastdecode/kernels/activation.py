@@ -20,16 +20,24 @@ def _silu_and_mul_kernel(
     OUT_MODE: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):
-    """Grid (M, column blocks). Native and static-FP8 modes: each program writes BLOCK columns.
+    """1-D grid. Native and static-FP8 modes: program p writes BLOCK columns of row p // NBLK, with
+    the column block fastest so that neighbouring programs stream neighbouring memory.
 
-    Dynamic FP8 (per-token scale) needs the whole row: the grid is (M, 1); with NUM_CHUNKS == 1 the
+    Dynamic FP8 (per-token scale) needs the whole row: one program per row; with NUM_CHUNKS == 1 the
     row stays in registers; otherwise pass 1 finds the row maximum and pass 2 recomputes and writes.
     """
-    row = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
+    if OUT_MODE != 2:
+        nblk = tl.cdiv(I, BLOCK)
+        row = (pid // nblk).to(tl.int64)
+        cblk = pid % nblk
+    else:
+        row = pid.to(tl.int64)
+        cblk = 0
     x_off = row * stride_x
     o_off = row * stride_o
     if OUT_MODE != 2:
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        cols = cblk * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
         y = _silu_mul(x_ptr, x_off, cols, mask, I)
         if OUT_MODE == 0:
@@ -67,10 +75,10 @@ def launch_silu_and_mul(x, out, scale, out_mode, config):
     M, I = out.shape
     block = config["BLOCK"]
     if out_mode == OUT_FP8_DYNAMIC:
-        grid = (M, 1)
+        grid = (M,)
         num_chunks = triton.cdiv(I, block)
     else:
-        grid = (M, triton.cdiv(I, block))
+        grid = (M * triton.cdiv(I, block),)
         num_chunks = 1
     _silu_and_mul_kernel[grid](
         x, out, scale if scale is not None else x, I, x.stride(0), out.stride(0),
