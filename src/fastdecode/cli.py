@@ -25,6 +25,11 @@ def _cmd_bench(args) -> int:
         return 0
     if args.what == "linear":
         return _bench_linear(args)
+    if args.what == "allreduce":
+        from fastdecode.bench import allreduce as bar
+
+        bar.run(args.world, args.out or "benchmarks/results/allreduce.json", quick=args.quick)
+        return 0
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
@@ -48,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_selfcheck)
 
     b = sub.add_parser("bench", help="benchmark kernels against PyTorch eager / torch.compile / cuBLAS")
-    b.add_argument("what", choices=["norm", "silu", "quant", "linear", "all"])
+    b.add_argument("what", choices=["norm", "silu", "quant", "linear", "allreduce", "all"])
+    b.add_argument("--world", type=int, default=2, help="GPUs for the all-reduce benchmark")
     b.add_argument("--out", default=None, help="JSON result file")
     b.add_argument("--quick", action="store_true", help="fewer sizes")
     b.set_defaults(func=_cmd_bench)

@@ -1,0 +1,151 @@
+"""Benchmark: all-reduce and fused all-reduce + add + RMSNorm against NCCL (+ PyTorch), in CUDA graphs.
+
+Run on a machine with >= 2 GPUs: ``fastdecode bench allreduce --world 2`` (spawns one process per GPU).
+Each timing is CUDA-graph replays of 20 back-to-back calls, after a ``dist.barrier`` so that ranks
+start together; rank 0 reports the median of 30 replays. Rows also record which path ``auto`` took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from fastdecode.bench.harness import Timing, _stats, env_info, print_table, write_rows
+
+CALLS = 20
+
+
+def _time_graph(fn, reps=30) -> Timing:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000 / CALLS)
+    del g
+    # every rank's median; report the slowest rank (an all-reduce is as fast as its last rank)
+    t = torch.tensor([_stats(ts).median_us], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return Timing(float(t), min(ts), max(ts), len(ts))
+
+
+def _row(rows, rank, op, impl, shape, t, nbytes, **extra):
+    if rank == 0:
+        r = {"op": op, "impl": impl, "shape": shape, "median_us": round(t.median_us, 2), "bytes": nbytes,
+             "algbw_gbps": round(nbytes / (t.median_us * 1e-6) / 1e9, 1), **extra, **env_info()}
+        rows.append(r)
+        print(json.dumps({k: r[k] for k in ("op", "impl", "shape", "median_us")}), flush=True)
+
+
+def _worker(rank, world, port, out, quick):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    import fastdecode as fd
+    from fastdecode.ops.allreduce import CommWorkspace, all_reduce, all_reduce_add_rms_norm
+
+    rows: list[dict] = []
+    dev = torch.device("cuda", rank)
+    ws = CommWorkspace(max_bytes=64 << 20)
+    auto_paths = dict(ws.path_bytes)
+    force = {"one_shot": {"one_shot": 1 << 40, "two_shot": 0},
+             "two_shot": {"one_shot": 0, "two_shot": 1 << 40}}
+
+    # 1. fused all-reduce + add + RMSNorm vs NCCL + PyTorch (and NCCL + our fused norm)
+    for H in (4096, 8192):
+        w = torch.randn(H, device=dev, dtype=torch.bfloat16)
+        for M in ((1, 32, 512) if quick else (1, 8, 32, 128, 512, 2048, 4096)):
+            x = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
+            r = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
+            shape = {"M": M, "H": H, "world": world}
+            nb = M * H * 2
+
+            def nccl_torch():
+                dist.all_reduce(x)
+                h = x + r
+                r.copy_(h)
+                return F.rms_norm(h, (H,), w, 1e-6)
+
+            def nccl_fd():
+                dist.all_reduce(x)
+                return fd.fused_add_rms_norm(x, r, w, 1e-6)
+
+            ws.path_bytes = auto_paths
+            path = ws.path_for(nb, fused=True, H=H)
+            _row(rows, rank, "all_reduce_add_rms_norm", "nccl+torch_eager", shape, _time_graph(nccl_torch), nb)
+            _row(rows, rank, "all_reduce_add_rms_norm", "nccl+fastdecode_norm", shape, _time_graph(nccl_fd), nb)
+            _row(rows, rank, "all_reduce_add_rms_norm", "fastdecode", shape,
+                 _time_graph(lambda: all_reduce_add_rms_norm(x, r, w, 1e-6, ws)), nb, path=path)
+            _row(rows, rank, "all_reduce_add_rms_norm_fp8", "fastdecode", shape,
+                 _time_graph(lambda: all_reduce_add_rms_norm(x, r, w, 1e-6, ws, fp8=True)), nb, path=path)
+            del x, r
+    # 2. plain all-reduce, 8 KB .. 64 MB: every path, and what auto picks
+    sizes = [8 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    if not quick:
+        sizes += [16 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20, 32 << 20]
+    for nb in sorted(sizes):
+        x = torch.randn(nb // 2, device=dev, dtype=torch.bfloat16)
+        shape = {"bytes": nb, "world": world}
+        _row(rows, rank, "all_reduce", "nccl", shape, _time_graph(lambda: dist.all_reduce(x)), nb)
+        for path, pb in force.items():
+            if nb <= ws.max_bytes and (path == "two_shot" or nb <= (4 << 20)):
+                ws.path_bytes = pb
+                _row(rows, rank, "all_reduce", f"fastdecode_{path}", shape,
+                     _time_graph(lambda: all_reduce(x, ws, inplace=True)), nb)
+        ws.path_bytes = auto_paths
+        _row(rows, rank, "all_reduce", "fastdecode", shape,
+             _time_graph(lambda: all_reduce(x, ws, inplace=True)), nb, path=ws.path_for(nb))
+        del x
+    ws.destroy()
+    if rank == 0:
+        if out:
+            write_rows(rows, out)
+        print_table(rows, ("op", "impl", "shape", "median_us", "path"))
+    dist.destroy_process_group()
+
+
+def run(world: int = 2, out=None, quick=False):
+    if torch.cuda.device_count() < world:
+        raise RuntimeError(f"the all-reduce benchmark needs {world} GPUs, found {torch.cuda.device_count()}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(world, port, out, quick), nprocs=world)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args(argv)
+    run(a.world, a.out, a.quick)
+
+
+if __name__ == "__main__":
+    main()

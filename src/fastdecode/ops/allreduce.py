@@ -1,0 +1,300 @@
+"""Low-latency all-reduce for tensor-parallel decode, and the fused all-reduce + add + RMSNorm.
+
+``CommWorkspace`` owns what the kernels need: on CUDA, PyTorch symmetric memory (one buffer per rank,
+mapped into every peer over NVLink/P2P; chosen over raw CUDA IPC handles because PyTorch does the
+exchange, the mapping and the clean-up, and works for any world size on one host) holding barrier
+flags, an input region and a result region. Create it once per process group, **before** any
+CUDA-graph capture, and ``destroy()`` it when done (or use it as a context manager).
+
+Paths, chosen per call by message size (thresholds are data, per world size; see ``PATH_BYTES``):
+
+* ``one_shot``: each rank copies its partial into its buffer, one barrier, every rank reads all
+  partials and sums them (same order everywhere, so all ranks get identical bits), closing barrier.
+* ``two_shot``: reduce-scatter + all-gather over the same buffers (each rank sums 1/world).
+* ``nccl``: ``torch.distributed.all_reduce`` above the crossover, or when peers are not reachable.
+* ``torch``: CPU tensors (gloo): ``torch.distributed.all_reduce`` and the reference norm.
+
+Stream contract: every call is enqueued on the current stream; all ranks must make the same
+sequence of calls with the same shapes (as with NCCL). Barriers keep no host-side state, so graphs
+may be replayed any number of times. With ``check=True`` (or ``FASTDECODE_COMM_CHECK=1``) eager
+calls first compare shapes across ranks and raise on a mismatch instead of hanging or corrupting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from fastdecode.ops._common import (
+    FP8_DTYPE, as_rows, check_eps, check_out, check_same_device, check_tensor, is_tracing, next_pow2,
+    require_sm, resolve_backend, static_scale,
+)
+
+log = logging.getLogger("fastdecode")
+
+# Largest message (bytes) for each symmetric-memory path, by world size: measured on 2xH200
+# (benchmarks/results/allreduce.json); other world sizes start from the same values until measured.
+PATH_BYTES = {2: {"one_shot": 512 * 1024, "two_shot": 8 * 1024 * 1024}}
+DEFAULT_PATH_BYTES = {"one_shot": 256 * 1024, "two_shot": 8 * 1024 * 1024}
+MAX_FUSED_H = 32768  # the fused kernel keeps a row in registers
+
+_WORKSPACES: dict[int, "CommWorkspace"] = {}
+_ids = itertools.count(1)
+
+
+class CommWorkspace:
+    """Peer-visible buffers + barrier flags for one process group (see the module docstring)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, max_bytes: int = 16 * 1024 * 1024,
+                 max_blocks: int = 64, path_bytes: Optional[dict] = None, check: Optional[bool] = None):
+        if not dist.is_initialized():
+            raise RuntimeError("CommWorkspace needs torch.distributed to be initialised (init_process_group)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.max_bytes = int(max_bytes)
+        self.max_blocks = int(max_blocks)
+        self.path_bytes = dict(path_bytes or PATH_BYTES.get(self.world, DEFAULT_PATH_BYTES))
+        self.check = check if check is not None else os.environ.get("FASTDECODE_COMM_CHECK", "0") == "1"
+        self.backend = dist.get_backend(self.group)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.mode = "torch" if self.device.type == "cpu" else "symm"
+        self.reason = "CPU process group" if self.mode == "torch" else ""
+        self._buf = self._hdl = None
+        if self.mode == "symm":
+            try:
+                self._setup_symm()
+            except Exception as e:  # other node, no P2P, no symmetric memory: NCCL for everything
+                self.mode, self.reason = "nccl", f"peer memory unavailable ({type(e).__name__}: {e})"
+        if self.mode != "symm":
+            log.info("fastdecode: all-reduce on %d ranks uses %s: %s", self.world, self.mode, self.reason)
+        self.handle = next(_ids)
+        _WORKSPACES[self.handle] = self
+
+    def _setup_symm(self):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        for peer in range(torch.cuda.device_count()):
+            if peer != self.device.index and not torch.cuda.can_device_access_peer(self.device.index, peer):
+                raise RuntimeError(f"GPU {self.device.index} cannot access GPU {peer} directly")
+        flag_bytes = 2 * self.max_blocks * self.world * 4
+        self.flag_bytes = (flag_bytes + 255) // 256 * 256
+        total = self.flag_bytes + 2 * self.max_bytes
+        self._buf = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        self._hdl = symm_mem.rendezvous(self._buf, self.group.group_name)
+        self._buf[: self.flag_bytes].zero_()
+        base = list(self._hdl.buffer_ptrs)
+        mk = lambda off: torch.tensor([b + off for b in base], dtype=torch.int64, device=self.device)  # noqa: E731
+        self.flag_ptrs = mk(0)
+        self.buf_ptrs = mk(self.flag_bytes)
+        self.res_ptrs = mk(self.flag_bytes + self.max_bytes)
+        torch.cuda.synchronize(self.device)
+        dist.barrier(self.group)  # every rank's flags are zero before anyone signals
+
+    # -- life cycle
+    def destroy(self) -> None:
+        """Free the peer buffers (collective: call on every rank, outside graph capture)."""
+        if self.handle in _WORKSPACES:
+            del _WORKSPACES[self.handle]
+            if self._buf is not None:
+                torch.cuda.synchronize(self.device)
+                dist.barrier(self.group)
+            self._buf = self._hdl = None
+            self.mode = "destroyed"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+    def __repr__(self):
+        return (f"CommWorkspace(rank={self.rank}, world={self.world}, mode={self.mode!r}, "
+                f"max_bytes={self.max_bytes}, paths={self.path_bytes})")
+
+    # -- policy
+    def path_for(self, nbytes: int, fused: bool = False, H: int = 0) -> str:
+        """Which path a message of ``nbytes`` takes on this workspace."""
+        if self.mode != "symm":
+            return self.mode
+        if nbytes <= min(self.path_bytes["one_shot"], self.max_bytes):
+            if not fused or H <= MAX_FUSED_H:
+                return "one_shot"
+        if nbytes <= min(self.path_bytes["two_shot"], self.max_bytes):
+            return "two_shot"
+        return "nccl"
+
+    def _check_shapes(self, *tensors):
+        if not self.check or is_tracing():
+            return
+        mine = [tuple(t.shape) + (str(t.dtype),) for t in tensors]
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        if any(e != mine for e in everyone):
+            raise ValueError(f"all-reduce called with different shapes/dtypes across ranks: {everyone}")
+
+
+def _get(handle: int) -> CommWorkspace:
+    ws = _WORKSPACES.get(handle)
+    if ws is None:
+        raise RuntimeError("the CommWorkspace of this call was destroyed")
+    return ws
+
+
+def _check_ws(workspace) -> CommWorkspace:
+    if not isinstance(workspace, CommWorkspace):
+        raise ValueError(f"workspace must be a CommWorkspace, got {type(workspace).__name__}")
+    if workspace.mode == "destroyed":
+        raise ValueError("workspace has been destroyed")
+    return workspace
+
+
+# ----------------------------------------------------------------------------- registered ops
+
+
+@torch.library.custom_op("fastdecode::all_reduce", mutates_args=("out",))
+def _all_reduce_op(x: torch.Tensor, out: torch.Tensor, handle: int, path: str) -> None:
+    ws = _get(handle)
+    if path in ("one_shot", "two_shot"):
+        from fastdecode.kernels.allreduce import launch_all_reduce
+
+        cfg = {"BLOCK": 2048, "num_warps": 8}
+        launch_all_reduce(x, out, ws.buf_ptrs, ws.res_ptrs, ws.flag_ptrs, ws.rank, ws.world,
+                          path == "two_shot", ws.max_blocks, cfg)
+        return
+    if out.data_ptr() != x.data_ptr():
+        out.copy_(x)
+    dist.all_reduce(out, group=ws.group)
+
+
+@_all_reduce_op.register_fake
+def _(x, out, handle, path):
+    return None
+
+
+@torch.library.custom_op(
+    "fastdecode::all_reduce_add_rms_norm", mutates_args=("residual", "out", "scale_out")
+)
+def _all_reduce_add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+    scale_in: Optional[torch.Tensor], scale_out: Optional[torch.Tensor], eps: float, handle: int,
+    path: str, backend: str,
+) -> None:
+    ws = _get(handle)
+    if path == "one_shot":
+        from fastdecode.kernels.allreduce import launch_all_reduce_add_rms_norm
+        from fastdecode.kernels.norm import OUT_FP8_DYNAMIC, OUT_FP8_STATIC, OUT_NATIVE
+
+        if out.dtype != FP8_DTYPE:
+            mode, scale = OUT_NATIVE, None
+        elif scale_in is not None:
+            mode, scale = OUT_FP8_STATIC, scale_in
+        else:
+            mode, scale = OUT_FP8_DYNAMIC, scale_out
+        num_warps = min(max(next_pow2(x.shape[1]) // 1024, 4), 16)
+        launch_all_reduce_add_rms_norm(x, residual, weight, out, scale, eps, mode, ws.buf_ptrs, ws.flag_ptrs,
+                                       ws.rank, ws.world, ws.max_blocks, num_warps)
+        return
+    # unfused: all-reduce (two-shot, NCCL or gloo) into a temporary, then the fused add + RMSNorm
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if path == "two_shot":
+        _all_reduce_op(x.contiguous(), s, handle, path)
+    else:
+        s.copy_(x)
+        dist.all_reduce(s, group=ws.group)
+    from fastdecode.ops.norm import _rms_norm_op
+
+    _rms_norm_op(s, residual, weight, out, scale_in, scale_out, eps, backend)
+
+
+@_all_reduce_add_rms_norm_op.register_fake
+def _(x, residual, weight, out, scale_in, scale_out, eps, handle, path, backend):
+    return None
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def all_reduce(x: torch.Tensor, workspace: CommWorkspace, *, out: Optional[torch.Tensor] = None,
+               inplace: bool = False) -> torch.Tensor:
+    """``out = sum over ranks of x`` (fp32 accumulation in rank order, rounded to x.dtype).
+
+    Returns a new tensor (or ``out``; ``inplace=True`` writes into x). The path (one-shot, two-shot,
+    NCCL, gloo) is chosen by ``workspace.path_for(x.nbytes)``.
+    """
+    ws = _check_ws(workspace)
+    check_tensor("x", x)
+    if x.device.type != ws.device.type:
+        raise ValueError(f"x is on {x.device} but the workspace's process group works on {ws.device.type}")
+    if inplace and out is not None:
+        raise ValueError("pass either out= or inplace=True, not both")
+    if inplace:
+        out = x
+    check_out("out", out, x.shape, x.dtype, x.device)
+    path = ws.path_for(x.numel() * x.element_size())
+    src = x if x.is_contiguous() or path in ("nccl", "torch") else x.contiguous()
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif inplace and not x.is_contiguous():
+        raise ValueError("inplace=True needs a contiguous x")
+    ws._check_shapes(x)
+    if x.numel():
+        _all_reduce_op(src, out, ws.handle, path)
+    return out
+
+
+def all_reduce_add_rms_norm(x, residual, weight, eps: float, workspace: CommWorkspace, *,
+                            fp8: bool = False, scale=None, out=None, backend: Optional[str] = None):
+    """One kernel for small messages: ``s = all_reduce(x)``; ``residual <- s + residual`` (in place);
+    ``out = rmsnorm(residual) * weight``, in x.dtype or, with ``fp8=True``, FP8 e4m3 with a static
+    ``scale`` or dynamic per-token scales (returns ``(out, scale)``; ``real = fp8 * scale``).
+
+    Bit for bit the same as ``fused_add_rms_norm(all_reduce(x), residual, weight, eps)``.
+    """
+    ws = _check_ws(workspace)
+    check_tensor("x", x)
+    check_tensor("residual", residual)
+    check_tensor("weight", weight, ndim=1)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    H = x.shape[-1]
+    if weight.shape[0] != H:
+        raise ValueError(f"weight must have {H} elements (the last dimension of x), got {weight.shape[0]}")
+    eps = check_eps(eps)
+    check_same_device(x=x, residual=residual, weight=weight)
+    if x.device.type != ws.device.type:
+        raise ValueError(f"x is on {x.device} but the workspace's process group works on {ws.device.type}")
+    if scale is not None and not fp8:
+        raise ValueError("scale is only meaningful with fp8=True")
+    scale_t = static_scale(scale, x.device) if scale is not None else None
+    out_dtype = FP8_DTYPE if fp8 else x.dtype
+    check_out("out", out, x.shape, out_dtype, x.device)
+    be = resolve_backend(backend, x.device, "all_reduce_add_rms_norm")
+    if fp8:
+        require_sm(x.device, 8, 9, "FP8 output")
+    x2 = as_rows("x", x)
+    r2 = as_rows("residual", residual, inplace=True)
+    path = ws.path_for(x.numel() * x.element_size(), fused=True, H=H)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device) if out is None else out
+    dynamic = fp8 and scale_t is None
+    scale_out = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device) if dynamic else None
+    ws._check_shapes(x, residual)
+    if x2.shape[0] and H:
+        _all_reduce_add_rms_norm_op(x2, r2, weight.contiguous(), out.view(-1, H), scale_t,
+                                    scale_out.view(-1, 1) if dynamic else None, eps, ws.handle, path, be)
+    if fp8:
+        return out, (scale_out if dynamic else scale_t)
+    return out
+
+
+def all_reduce_ref(partials: list[torch.Tensor]) -> torch.Tensor:
+    """Reference: fp32 sum of every rank's partial in rank order, rounded to the input dtype."""
+    acc = torch.zeros(partials[0].shape, dtype=torch.float32, device=partials[0].device)
+    for p in partials:
+        acc += p.float()
+    return acc.to(partials[0].dtype)
