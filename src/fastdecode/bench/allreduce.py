@@ -96,7 +96,7 @@ def _worker(rank, world, port, out, quick):
                 return fd.fused_add_rms_norm(x, r, w, 1e-6)
 
             ws.path_bytes = auto_paths
-            path = ws.path_for(nb, fused=True, H=H)
+            path = ws.path_for(M * H, 2, rows=M)
             _row(rows, rank, "all_reduce_add_rms_norm", "nccl+torch_eager", shape, _time_graph(nccl_torch), nb)
             _row(rows, rank, "all_reduce_add_rms_norm", "nccl+fastdecode_norm", shape, _time_graph(nccl_fd), nb)
             _row(rows, rank, "all_reduce_add_rms_norm", "fastdecode", shape,
@@ -113,13 +113,13 @@ def _worker(rank, world, port, out, quick):
         shape = {"bytes": nb, "world": world}
         _row(rows, rank, "all_reduce", "nccl", shape, _time_graph(lambda: dist.all_reduce(x)), nb)
         for path, pb in force.items():
-            if nb <= ws.max_bytes and (path == "two_shot" or nb <= (4 << 20)):
-                ws.path_bytes = pb
+            ws.path_bytes = pb
+            if ws.path_for(nb // 2, 2) == path:
                 _row(rows, rank, "all_reduce", f"fastdecode_{path}", shape,
                      _time_graph(lambda: all_reduce(x, ws, inplace=True)), nb)
         ws.path_bytes = auto_paths
         _row(rows, rank, "all_reduce", "fastdecode", shape,
-             _time_graph(lambda: all_reduce(x, ws, inplace=True)), nb, path=ws.path_for(nb))
+             _time_graph(lambda: all_reduce(x, ws, inplace=True)), nb, path=ws.path_for(nb // 2, 2))
         del x
     ws.destroy()
     if rank == 0:

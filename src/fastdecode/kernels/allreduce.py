@@ -1,13 +1,19 @@
 """All-reduce kernels over peer-visible (symmetric) memory: one-shot, two-shot, one-shot fused with
 residual-add + RMSNorm (+FP8). No policy here; ``fastdecode.ops.allreduce`` owns the workspace.
 
-Memory of every rank's workspace (bytes, same layout on all ranks):
-``[flags: int32[2 * MAX_BLOCKS * WORLD]] [input region] [result region]``; ``buf_ptrs[p]`` holds the
-address of rank p's input region, ``res_ptrs[p]`` of its result region, ``flag_ptrs[p]`` of its flags.
+Every rank's workspace has the same layout; ``*_ptrs[p]`` are int64 tensors with rank p's addresses.
 
-Barriers are stateless between calls, so a captured CUDA graph can replay them any number of times:
-slot ``(barrier, block, peer)`` of a rank's flags is set to 1 by ``peer`` (a release store over
-NVLink) and consumed back to 0 by the owner (acquire compare-and-swap 1 -> 0).
+One-shot (push): program b of each rank keeps a call counter ``c`` (local memory, advanced once per
+launch of program b; identical on all ranks since all ranks launch the same grids in the same
+order). It writes its part of x into slab ``(b, c % 2, rank)`` of every rank's push region, then
+stores ``c`` into flag ``(b, rank)`` of every rank (release), waits until its own flags
+``(b, p)`` reach ``c`` (acquire), and sums the slabs ``(b, c % 2, p)`` locally. One exchange per call
+and no closing barrier: a rank can run at most one call ahead of a peer (it waits for the peer's
+flag of every call), so the other parity's slabs are never overwritten while being read.
+
+Two-shot: barriers with stateless flags: slot ``(barrier, block, peer)`` is set to 1 by ``peer``
+(release store) and consumed back to 0 by the owner (acquire compare-and-swap 1 -> 0).
+Both schemes keep no host-side state, so captured CUDA graphs can be replayed any number of times.
 """
 
 import triton
@@ -18,28 +24,42 @@ from fastdecode.kernels.norm import _finish_row
 
 
 @triton.jit
-def _signal(addr):
-    """Thread 0 of the program does ``st.release.sys.u32 [addr], 1``: a flag write that orders all
-    of this thread's earlier writes before it (no return trip, unlike an atomic)."""
+def _signal(addr, value):
+    """Thread 0 of the program does ``st.release.sys.u32 [addr], value``: a flag write that orders
+    the program's earlier writes (after a bar.sync) before it, with no return trip."""
     addrs = addr + tl.zeros((1,), dtype=tl.int32)  # the asm takes tensors; tid.x == 0 alone stores
+    vals = value + tl.zeros((1,), dtype=tl.int32)
     tl.inline_asm_elementwise(
         """
         {
-            .reg .u32 %fd_t, %fd_one;
+            .reg .u32 %fd_t;
             .reg .pred %p;
             mov.u32 %fd_t, %tid.x;
-            mov.u32 %fd_one, 1;
             setp.eq.u32 %p, %fd_t, 0;
-            @%p st.release.sys.global.u32 [$1], %fd_one;
+            @%p st.release.sys.global.u32 [$1], $2;
             mov.u32 $0, 0;
         }
         """,
-        "=r,l",
-        [addrs],
+        "=r,l,r",
+        [addrs, vals],
         dtype=tl.int32,
         is_pure=False,
         pack=1,
     )
+
+
+@triton.jit
+def _publish_and_wait(eflag_ptrs, c, rank, WORLD: tl.constexpr):
+    pid = tl.program_id(0)
+    tl.debug_barrier()  # every thread's pushes precede the release below
+    for p in tl.static_range(WORLD):
+        peer_flags = tl.load(eflag_ptrs + p).to(tl.pointer_type(tl.int32))
+        _signal(peer_flags + pid * WORLD + rank, c)
+    my_flags = tl.load(eflag_ptrs + rank).to(tl.pointer_type(tl.int32))
+    for p in tl.static_range(WORLD):
+        while tl.atomic_add(my_flags + pid * WORLD + p, 0, sem="acquire", scope="sys") < c:
+            pass
+    tl.debug_barrier()  # no thread reads the slabs before the acquire above
 
 
 @triton.jit
@@ -48,7 +68,7 @@ def _barrier(flag_ptrs, slot, rank, WORLD: tl.constexpr):
     tl.debug_barrier()  # every thread's earlier writes precede the release below
     for p in tl.static_range(WORLD):
         peer_flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
-        _signal(peer_flags + slot * WORLD + rank)
+        _signal(peer_flags + slot * WORLD + rank, 1)
     my_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
     for p in tl.static_range(WORLD):
         while tl.atomic_cas(my_flags + slot * WORLD + p, 1, 0, sem="acquire", scope="sys") != 1:
@@ -57,28 +77,37 @@ def _barrier(flag_ptrs, slot, rank, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _one_shot_kernel(x_ptr, out_ptr, n, buf_ptrs, flag_ptrs, rank,
-                     WORLD: tl.constexpr, MAX_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
-    """out = sum over ranks of x (flat, n elements): copy in, barrier, read all peers, barrier."""
+def _one_shot_kernel(x_ptr, out_ptr, n, push_ptrs, eflag_ptrs, cnt_ptr, rank, SLAB,
+                     WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum over ranks of x (flat, n elements). Chunk j of this program (element offset
+    (pid + j * nprog) * BLOCK) travels in slab position j * BLOCK."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     dtype = x_ptr.dtype.element_ty
-    my_buf = tl.load(buf_ptrs + rank).to(tl.pointer_type(dtype))
+    c = tl.load(cnt_ptr + pid) + 1
+    tl.store(cnt_ptr + pid, c)
+    par = c % 2
+    mine = ((pid * 2 + par) * WORLD + rank).to(tl.int64) * SLAB
     for start in range(pid * BLOCK, n, nprog * BLOCK):
+        j = (start - pid * BLOCK) // (nprog * BLOCK)
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        tl.store(my_buf + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-    _barrier(flag_ptrs, pid, rank, WORLD)
+        v = tl.load(x_ptr + offs, mask=mask)
+        for p in tl.static_range(WORLD):
+            peer = tl.load(push_ptrs + p).to(tl.pointer_type(dtype))
+            tl.store(peer + mine + j * BLOCK + tl.arange(0, BLOCK), v, mask=mask)
+    _publish_and_wait(eflag_ptrs, c, rank, WORLD)
+    my_push = tl.load(push_ptrs + rank).to(tl.pointer_type(dtype))
     for start in range(pid * BLOCK, n, nprog * BLOCK):
+        j = (start - pid * BLOCK) // (nprog * BLOCK)
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for p in tl.static_range(WORLD):  # same order on every rank: identical results everywhere
-            peer = tl.load(buf_ptrs + p).to(tl.pointer_type(dtype))
-            acc += tl.load(peer + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+            slab = ((pid * 2 + par) * WORLD + p).to(tl.int64) * SLAB
+            acc += tl.load(my_push + slab + j * BLOCK + tl.arange(0, BLOCK), mask=mask, other=0.0,
+                           cache_modifier=".cv").to(tl.float32)
         tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
-    # nobody may overwrite its input region (next call) while a peer still reads it
-    _barrier(flag_ptrs, MAX_BLOCKS + pid, rank, WORLD)
 
 
 @triton.jit
@@ -123,31 +152,39 @@ def _two_shot_kernel(x_ptr, out_ptr, n, buf_ptrs, res_ptrs, flag_ptrs, rank,
 
 @triton.jit
 def _one_shot_add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, buf_ptrs, flag_ptrs, rank,
-    M, H, stride_x, stride_r, stride_o, eps,
-    WORLD: tl.constexpr, MAX_BLOCKS: tl.constexpr, OUT_MODE: tl.constexpr, BLOCK_H: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, push_ptrs, eflag_ptrs, cnt_ptr, rank,
+    M, H, stride_x, stride_r, stride_o, eps, SLAB,
+    WORLD: tl.constexpr, OUT_MODE: tl.constexpr, BLOCK_H: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):
-    """Row m (program m % nprog): s = sum_p x_p[m] rounded to x.dtype (what a plain all-reduce
+    """Row m = pid + j * nprog: s = sum_p x_p[m] rounded to x.dtype (what a plain all-reduce
     returns), residual[m] <- s + residual[m], out[m] = rmsnorm(residual[m]) * w (native or FP8)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     dtype = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    my_buf = tl.load(buf_ptrs + rank).to(tl.pointer_type(dtype))
+    c = tl.load(cnt_ptr + pid) + 1
+    tl.store(cnt_ptr + pid, c)
+    par = c % 2
+    mine = ((pid * 2 + par) * WORLD + rank).to(tl.int64) * SLAB
     for m in range(pid, M, nprog):
-        row = m.to(tl.int64)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cmask)
-        tl.store(my_buf + row * H + cols, x, mask=cmask)
-    _barrier(flag_ptrs, pid, rank, WORLD)
+        j = (m - pid) // nprog
+        x = tl.load(x_ptr + m.to(tl.int64) * stride_x + cols, mask=cmask)
+        for p in tl.static_range(WORLD):
+            peer = tl.load(push_ptrs + p).to(tl.pointer_type(dtype))
+            tl.store(peer + mine + j * H + cols, x, mask=cmask)
+    _publish_and_wait(eflag_ptrs, c, rank, WORLD)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    my_push = tl.load(push_ptrs + rank).to(tl.pointer_type(dtype))
     for m in range(pid, M, nprog):
+        j = (m - pid) // nprog
         row = m.to(tl.int64)
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for p in tl.static_range(WORLD):
-            peer = tl.load(buf_ptrs + p).to(tl.pointer_type(dtype))
-            acc += tl.load(peer + row * H + cols, mask=cmask, other=0.0, cache_modifier=".cv").to(tl.float32)
+            slab = ((pid * 2 + par) * WORLD + p).to(tl.int64) * SLAB
+            acc += tl.load(my_push + slab + j * H + cols, mask=cmask, other=0.0,
+                           cache_modifier=".cv").to(tl.float32)
         s = acc.to(dtype).to(tl.float32)
         r_ptrs = res_ptr + row * stride_r + cols
         r = tl.load(r_ptrs, mask=cmask, other=0.0)
@@ -159,30 +196,30 @@ def _one_shot_add_rms_norm_kernel(
         rows = m + tl.arange(0, 1)
         _finish_row(y[None, :], out_ptr + row * stride_o + cols[None, :], cmask[None, :], scale_ptr,
                     rows, rows < M, OUT_MODE, FP8_MAX, MIN_SCALE)
-    _barrier(flag_ptrs, MAX_BLOCKS + pid, rank, WORLD)
 
 
-def launch_all_reduce(x, out, bufs, res_bufs, flags, rank, world, two_shot, max_blocks, config):
-    """x, out: contiguous, same numel. bufs / res_bufs / flags: int64 tensors of peer addresses."""
+def launch_all_reduce(x, out, ws, two_shot, config):
+    """x, out: contiguous, same numel; ``ws`` gives the peer address tensors and sizes."""
     n = x.numel()
     block = config["BLOCK"]
-    grid = (max(1, min(triton.cdiv(n, block), max_blocks)),)
+    grid = (max(1, min(triton.cdiv(n, block), ws.max_blocks)),)
     if two_shot:
-        _two_shot_kernel[grid](x, out, n, bufs, res_bufs, flags, rank, WORLD=world, MAX_BLOCKS=max_blocks,
-                               BLOCK=block, num_warps=config["num_warps"])
+        _two_shot_kernel[grid](x, out, n, ws.buf_ptrs, ws.res_ptrs, ws.flag_ptrs, ws.rank, WORLD=ws.world,
+                               MAX_BLOCKS=ws.max_blocks, BLOCK=block, num_warps=config["num_warps"])
     else:
-        _one_shot_kernel[grid](x, out, n, bufs, flags, rank, WORLD=world, MAX_BLOCKS=max_blocks,
-                               BLOCK=block, num_warps=config["num_warps"])
+        _one_shot_kernel[grid](x, out, n, ws.push_ptrs, ws.eflag_ptrs, ws.counters, ws.rank,
+                               ws.slab_elems(x.element_size()), WORLD=ws.world, BLOCK=block,
+                               num_warps=config["num_warps"])
 
 
-def launch_all_reduce_add_rms_norm(x, residual, weight, out, scale, eps, out_mode, bufs, flags, rank,
-                                   world, max_blocks, num_warps):
+def launch_all_reduce_add_rms_norm(x, residual, weight, out, scale, eps, out_mode, ws, num_warps):
     """x, residual, out: (M, H) rows (unit inner stride)."""
     M, H = x.shape
-    grid = (max(1, min(M, max_blocks)),)
+    grid = (max(1, min(M, ws.max_blocks)),)
     _one_shot_add_rms_norm_kernel[grid](
-        x, residual, weight, out, scale if scale is not None else weight, bufs, flags, rank,
-        M, H, x.stride(0), residual.stride(0), out.stride(0), eps,
-        WORLD=world, MAX_BLOCKS=max_blocks, OUT_MODE=out_mode, BLOCK_H=triton.next_power_of_2(H),
+        x, residual, weight, out, scale if scale is not None else weight, ws.push_ptrs, ws.eflag_ptrs,
+        ws.counters, ws.rank, M, H, x.stride(0), residual.stride(0), out.stride(0), eps,
+        ws.slab_elems(x.element_size()),
+        WORLD=ws.world, OUT_MODE=out_mode, BLOCK_H=triton.next_power_of_2(H),
         FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=num_warps,
     )

@@ -8,8 +8,9 @@ CUDA-graph capture, and ``destroy()`` it when done (or use it as a context manag
 
 Paths, chosen per call by message size (thresholds are data, per world size; see ``PATH_BYTES``):
 
-* ``one_shot``: each rank copies its partial into its buffer, one barrier, every rank reads all
-  partials and sums them (same order everywhere, so all ranks get identical bits), closing barrier.
+* ``one_shot``: each rank pushes its partial into every peer's buffer and raises a flag there; each
+  rank waits for all flags and sums the partials from its own memory (same order everywhere, so all
+  ranks get identical bits). One exchange per call (kernels/allreduce.py explains why it is safe).
 * ``two_shot``: reduce-scatter + all-gather over the same buffers (each rank sums 1/world).
 * ``nccl``: ``torch.distributed.all_reduce`` above the crossover, or when peers are not reachable.
 * ``torch``: CPU tensors (gloo): ``torch.distributed.all_reduce`` and the reference norm.
@@ -38,9 +39,10 @@ from fastdecode.ops._common import (
 log = logging.getLogger("fastdecode")
 
 # Largest message (bytes) for each symmetric-memory path, by world size: measured on 2xH200
-# (benchmarks/results/allreduce.json); other world sizes start from the same values until measured.
-PATH_BYTES = {2: {"one_shot": 512 * 1024, "two_shot": 8 * 1024 * 1024}}
-DEFAULT_PATH_BYTES = {"one_shot": 256 * 1024, "two_shot": 8 * 1024 * 1024}
+# (benchmarks/results/allreduce.json); other world sizes start from these until measured.
+PATH_BYTES = {2: {"one_shot": 4 << 20, "two_shot": 4 << 20}}
+DEFAULT_PATH_BYTES = {"one_shot": 512 << 10, "two_shot": 8 << 20}
+ONE_SHOT_BLOCK = 2048  # elements per chunk of the flat one-shot / two-shot kernels
 MAX_FUSED_H = 32768  # the fused kernel keeps a row in registers
 
 _WORKSPACES: dict[int, "CommWorkspace"] = {}
@@ -50,8 +52,9 @@ _ids = itertools.count(1)
 class CommWorkspace:
     """Peer-visible buffers + barrier flags for one process group (see the module docstring)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, max_bytes: int = 16 * 1024 * 1024,
-                 max_blocks: int = 64, path_bytes: Optional[dict] = None, check: Optional[bool] = None):
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, max_bytes: int = 16 << 20,
+                 max_blocks: int = 64, slab_bytes: int = 64 << 10, path_bytes: Optional[dict] = None,
+                 check: Optional[bool] = None):
         if not dist.is_initialized():
             raise RuntimeError("CommWorkspace needs torch.distributed to be initialised (init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
@@ -59,6 +62,7 @@ class CommWorkspace:
         self.world = dist.get_world_size(self.group)
         self.max_bytes = int(max_bytes)
         self.max_blocks = int(max_blocks)
+        self.slab_bytes = int(slab_bytes)  # one-shot: bytes one program sends per call
         self.path_bytes = dict(path_bytes or PATH_BYTES.get(self.world, DEFAULT_PATH_BYTES))
         self.check = check if check is not None else os.environ.get("FASTDECODE_COMM_CHECK", "0") == "1"
         self.backend = dist.get_backend(self.group)
@@ -82,17 +86,26 @@ class CommWorkspace:
         for peer in range(torch.cuda.device_count()):
             if peer != self.device.index and not torch.cuda.can_device_access_peer(self.device.index, peer):
                 raise RuntimeError(f"GPU {self.device.index} cannot access GPU {peer} directly")
-        flag_bytes = 2 * self.max_blocks * self.world * 4
-        self.flag_bytes = (flag_bytes + 255) // 256 * 256
-        total = self.flag_bytes + 2 * self.max_bytes
+        def align(b):
+            return (b + 255) // 256 * 256
+
+        # [two-shot flags][one-shot epoch flags][one-shot push slabs][two-shot input][two-shot result]
+        flag_bytes = align(2 * self.max_blocks * self.world * 4)
+        eflag_bytes = align(self.max_blocks * self.world * 4)
+        push_bytes = self.max_blocks * 2 * self.world * self.slab_bytes
+        total = flag_bytes + eflag_bytes + push_bytes + 2 * self.max_bytes
         self._buf = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
         self._hdl = symm_mem.rendezvous(self._buf, self.group.group_name)
-        self._buf[: self.flag_bytes].zero_()
+        self._buf[: flag_bytes + eflag_bytes].zero_()
         base = list(self._hdl.buffer_ptrs)
         mk = lambda off: torch.tensor([b + off for b in base], dtype=torch.int64, device=self.device)  # noqa: E731
         self.flag_ptrs = mk(0)
-        self.buf_ptrs = mk(self.flag_bytes)
-        self.res_ptrs = mk(self.flag_bytes + self.max_bytes)
+        self.eflag_ptrs = mk(flag_bytes)
+        self.push_ptrs = mk(flag_bytes + eflag_bytes)
+        self.buf_ptrs = mk(flag_bytes + eflag_bytes + push_bytes)
+        self.res_ptrs = mk(flag_bytes + eflag_bytes + push_bytes + self.max_bytes)
+        # one-shot call counters, one per program: local memory, advanced by the kernels themselves
+        self.counters = torch.zeros(self.max_blocks, dtype=torch.int32, device=self.device)
         torch.cuda.synchronize(self.device)
         dist.barrier(self.group)  # every rank's flags are zero before anyone signals
 
@@ -118,13 +131,27 @@ class CommWorkspace:
                 f"max_bytes={self.max_bytes}, paths={self.path_bytes})")
 
     # -- policy
-    def path_for(self, nbytes: int, fused: bool = False, H: int = 0) -> str:
-        """Which path a message of ``nbytes`` takes on this workspace."""
+    def slab_elems(self, element_size: int) -> int:
+        return self.slab_bytes // element_size
+
+    def _one_shot_fits(self, numel: int, element_size: int, rows: Optional[int]) -> bool:
+        if rows is None:  # flat: chunks of ONE_SHOT_BLOCK elements dealt round-robin to programs
+            chunks = -(-numel // ONE_SHOT_BLOCK)
+            per_prog = -(-chunks // min(chunks, self.max_blocks)) * ONE_SHOT_BLOCK
+        else:  # fused: whole rows dealt round-robin
+            H = numel // max(rows, 1)
+            if next_pow2(H) > MAX_FUSED_H:
+                return False
+            per_prog = -(-rows // min(rows, self.max_blocks)) * H
+        return per_prog * element_size <= self.slab_bytes
+
+    def path_for(self, numel: int, element_size: int = 2, rows: Optional[int] = None) -> str:
+        """Which path an all-reduce of ``numel`` elements takes (``rows``: the fused kernel's rows)."""
         if self.mode != "symm":
             return self.mode
-        if nbytes <= min(self.path_bytes["one_shot"], self.max_bytes):
-            if not fused or H <= MAX_FUSED_H:
-                return "one_shot"
+        nbytes = numel * element_size
+        if nbytes <= self.path_bytes["one_shot"] and self._one_shot_fits(numel, element_size, rows):
+            return "one_shot"
         if nbytes <= min(self.path_bytes["two_shot"], self.max_bytes):
             return "two_shot"
         return "nccl"
@@ -163,9 +190,7 @@ def _all_reduce_op(x: torch.Tensor, out: torch.Tensor, handle: int, path: str) -
     if path in ("one_shot", "two_shot"):
         from fastdecode.kernels.allreduce import launch_all_reduce
 
-        cfg = {"BLOCK": 2048, "num_warps": 8}
-        launch_all_reduce(x, out, ws.buf_ptrs, ws.res_ptrs, ws.flag_ptrs, ws.rank, ws.world,
-                          path == "two_shot", ws.max_blocks, cfg)
+        launch_all_reduce(x, out, ws, path == "two_shot", {"BLOCK": ONE_SHOT_BLOCK, "num_warps": 8})
         return
     if out.data_ptr() != x.data_ptr():
         out.copy_(x)
@@ -197,8 +222,7 @@ def _all_reduce_add_rms_norm_op(
         else:
             mode, scale = OUT_FP8_DYNAMIC, scale_out
         num_warps = min(max(next_pow2(x.shape[1]) // 1024, 4), 16)
-        launch_all_reduce_add_rms_norm(x, residual, weight, out, scale, eps, mode, ws.buf_ptrs, ws.flag_ptrs,
-                                       ws.rank, ws.world, ws.max_blocks, num_warps)
+        launch_all_reduce_add_rms_norm(x, residual, weight, out, scale, eps, mode, ws, num_warps)
         return
     # unfused: all-reduce (two-shot, NCCL or gloo) into a temporary, then the fused add + RMSNorm
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -225,7 +249,7 @@ def all_reduce(x: torch.Tensor, workspace: CommWorkspace, *, out: Optional[torch
     """``out = sum over ranks of x`` (fp32 accumulation in rank order, rounded to x.dtype).
 
     Returns a new tensor (or ``out``; ``inplace=True`` writes into x). The path (one-shot, two-shot,
-    NCCL, gloo) is chosen by ``workspace.path_for(x.nbytes)``.
+    NCCL, gloo) is chosen by ``workspace.path_for(x.numel(), x.element_size())``.
     """
     ws = _check_ws(workspace)
     check_tensor("x", x)
@@ -236,7 +260,7 @@ def all_reduce(x: torch.Tensor, workspace: CommWorkspace, *, out: Optional[torch
     if inplace:
         out = x
     check_out("out", out, x.shape, x.dtype, x.device)
-    path = ws.path_for(x.numel() * x.element_size())
+    path = ws.path_for(x.numel(), x.element_size())
     src = x if x.is_contiguous() or path in ("nccl", "torch") else x.contiguous()
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -279,7 +303,7 @@ def all_reduce_add_rms_norm(x, residual, weight, eps: float, workspace: CommWork
         require_sm(x.device, 8, 9, "FP8 output")
     x2 = as_rows("x", x)
     r2 = as_rows("residual", residual, inplace=True)
-    path = ws.path_for(x.numel() * x.element_size(), fused=True, H=H)
+    path = ws.path_for(x.numel(), x.element_size(), rows=x2.shape[0])
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device) if out is None else out
     dynamic = fp8 and scale_t is None
     scale_out = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device) if dynamic else None

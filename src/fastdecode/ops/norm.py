@@ -25,16 +25,25 @@ from fastdecode.ops._common import (
 MAX_SINGLE_PASS_H = 32768  # wider rows are processed in chunks (re-read from L2)
 
 
-def norm_config(M: int, H: int) -> dict:
-    """Launch config for the RMSNorm kernel (heuristic; measured on the H200, see benchmarks/NOTES.md)."""
+def norm_config(M: int, H: int, fp8: bool = False) -> dict:
+    """Launch config for the RMSNorm kernel: a heuristic fitted to the H200 sweep
+    (benchmarks/sweep_norm_configs.py; numbers in benchmarks/NOTES.md)."""
     block_h = next_pow2(H)
     if block_h > MAX_SINGLE_PASS_H:
         block_h = 8192
     block_m = 1
     if block_h <= 1024:  # narrow rows: several rows per program so each moves a few KB
         block_m = min(max(2048 // block_h, 1), next_pow2(max(M, 1)))
-    elems = block_m * block_h
-    num_warps = min(max(elems // 1024, 1), 16)
+    elif block_h <= 4096 and M >= 4096:
+        block_m = 2  # H=4096, M=32768: 2 rows x 4 warps 4.13 TB/s, 1 row 4.10
+    if block_h <= 2048:
+        num_warps = max(1, block_h * block_m // 512)
+    elif block_h <= 4096:
+        num_warps = 4 if block_m > 1 else 8  # M=1: 8 warps 1.77 us, 4 warps 2.05
+    elif block_h == 8192:
+        num_warps = 8 if fp8 else 4  # M=1: native 4 warps 2.26 us (8: 2.50); FP8 8 warps 2.75 (4: 2.93)
+    else:
+        num_warps = 16
     return {"BLOCK_M": block_m, "BLOCK_H": block_h, "num_warps": num_warps}
 
 
@@ -64,7 +73,7 @@ def _rms_norm_op(
             mode, scale = OUT_FP8_STATIC, scale_in
         else:
             mode, scale = OUT_FP8_DYNAMIC, scale_out
-        launch_rms_norm(x, residual, weight, out, scale, eps, mode, norm_config(*x.shape))
+        launch_rms_norm(x, residual, weight, out, scale, eps, mode, norm_config(*x.shape, fp8=mode != OUT_NATIVE))
         return
     y, new_res, s = _norm_rows_ref(x, residual, weight, eps, out.dtype, scale_in)
     if residual is not None:

@@ -30,7 +30,7 @@ def _quantize_fp8_op(
     if backend == "triton":
         from fastdecode.kernels.quant import QUANT_FROM_AMAX, QUANT_PER_TOKEN, QUANT_STATIC, launch_quantize_fp8
 
-        cfg = norm_config(*x.shape)  # same row-wise memory pattern as RMSNorm
+        cfg = norm_config(*x.shape, fp8=True)  # same row-wise memory pattern as RMSNorm
         if scale_in is not None:
             launch_quantize_fp8(x, out, scale_in, None, QUANT_STATIC, cfg)
         elif per_token:
