@@ -11,6 +11,6 @@ if [ "${ISSUE2:-1}" = 1 ]; then
   export CUDA_VISIBLE_DEVICES=0
   timeout 120 python3 -m pytest -q -x tests/test_norm.py tests/test_activation_quant.py tests/test_backend.py \
       tests/test_gpu_integration.py -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pytest_issue2.txt"
-  timeout 240 python3 -m fastdecode bench norm --out "$OUT/norm_activation_quant.json" > "$OUT/bench_norm.txt" 2>&1
+  timeout 240 python3 -m fastdecode.bench.norm_activation_quant norm silu quant --out "$OUT/norm_activation_quant.json" > "$OUT/bench_norm.txt" 2>&1
   tail -3 "$OUT/bench_norm.txt"
 fi
