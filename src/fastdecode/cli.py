@@ -1,4 +1,11 @@
-"""``fastdecode`` command line: selfcheck, bench, tune, and the engine's generate / chat / info."""
+"""``fastdecode`` command line.
+
+    fastdecode generate PROMPT          text from the embedded default model (or --model PATH)
+    fastdecode chat | info
+    fastdecode selfcheck                every kernel against its reference (CPU: Triton interpreter)
+    fastdecode bench norm|silu|quant|kernels|linear|allreduce|decode
+    fastdecode tune linear              measure GEMM launch configs on this GPU, write them as data
+"""
 
 from __future__ import annotations
 
@@ -13,35 +20,39 @@ def _cmd_selfcheck(args) -> int:
     return selfcheck.main([])
 
 
-def _cmd_bench(args) -> int:
+def _cmd_bench_kernels(args) -> int:
     from fastdecode.bench import norm_activation_quant as nav
 
-    suites = {"norm": ["norm"], "silu": ["silu"], "quant": ["quant"], "all": ["norm", "silu", "quant"]}
-    if args.what in suites:
-        out = args.out or "benchmarks/results/norm_activation_quant.json"
-        nav.run(suites[args.what], out, quick=args.quick)
-        if args.what == "all":
-            _bench_linear(args)
-        return 0
-    if args.what == "linear":
-        return _bench_linear(args)
-    if args.what == "allreduce":
-        from fastdecode.bench import allreduce as bar
-
-        bar.run(args.world, args.out or "benchmarks/results/allreduce.json", quick=args.quick)
-        return 0
-    raise SystemExit(f"unknown benchmark {args.what!r}")
-
-
-def _bench_linear(args) -> int:
-    try:
-        from fastdecode.bench import linear as bl
-    except ImportError:
-        print("linear benchmark not available in this build", file=sys.stderr)
-        return 1
-    out = args.out if args.what == "linear" and args.out else "benchmarks/results/linear.json"
-    bl.run(out, quick=args.quick)
+    which = ["norm", "silu", "quant"] if args.bench_command == "kernels" else [args.bench_command]
+    nav.run(which, args.out or "benchmarks/results/norm_activation_quant.json", quick=args.quick)
     return 0
+
+
+def _cmd_bench_linear(args) -> int:
+    from fastdecode.bench import linear as bl
+
+    bl.run(args.out or "benchmarks/results/linear.json", quick=args.quick,
+           shapes=bl.parse_shapes(args.shapes) if args.shapes else None)
+    return 0
+
+
+def _cmd_bench_allreduce(args) -> int:
+    from fastdecode.bench import allreduce as bar
+
+    bar.run(args.world, args.out or "benchmarks/results/allreduce.json", quick=args.quick)
+    return 0
+
+
+def _cmd_tune(args) -> int:
+    from fastdecode.bench import linear as bl
+
+    bl.tune(args.out, shapes=bl.parse_shapes(args.shapes) if args.shapes else None, quick=args.quick)
+    return 0
+
+
+def _add_common(p, default_out: str) -> None:
+    p.add_argument("--out", default=None, help=f"JSON result file (default {default_out})")
+    p.add_argument("--quick", action="store_true", help="fewer sizes")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,19 +63,33 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("selfcheck", help="check every kernel against its reference (CPU: interpreter)")
     s.set_defaults(func=_cmd_selfcheck)
 
-    b = sub.add_parser("bench", help="benchmark kernels against PyTorch eager / torch.compile / cuBLAS")
-    b.add_argument("what", choices=["norm", "silu", "quant", "linear", "allreduce", "all"])
-    b.add_argument("--world", type=int, default=2, help="GPUs for the all-reduce benchmark")
-    b.add_argument("--out", default=None, help="JSON result file")
-    b.add_argument("--quick", action="store_true", help="fewer sizes")
-    b.set_defaults(func=_cmd_bench)
+    b = sub.add_parser("bench", help="benchmarks, baselines side by side (GPU)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    for name, what in (("norm", "fused add+RMSNorm (bf16 / FP8 out)"), ("silu", "SiLU-and-mul (bf16 / FP8 out)"),
+                       ("quant", "FP8 quantisation"), ("kernels", "norm + silu + quant")):
+        k = bsub.add_parser(name, help=f"{what} vs PyTorch eager and torch.compile")
+        _add_common(k, "benchmarks/results/norm_activation_quant.json")
+        k.set_defaults(func=_cmd_bench_kernels)
+    lin = bsub.add_parser("linear", help="skinny BF16 / FP8 GEMMs vs cuBLAS")
+    lin.add_argument("--shapes", default=None, help='e.g. "8b.o,4096x14336" (default: the Llama shapes)')
+    _add_common(lin, "benchmarks/results/linear.json")
+    lin.set_defaults(func=_cmd_bench_linear)
+    ar = bsub.add_parser("allreduce", help="all-reduce (+ add + RMSNorm) vs NCCL, one process per GPU")
+    ar.add_argument("--world", type=int, default=2, help="number of GPUs")
+    _add_common(ar, "benchmarks/results/allreduce.json")
+    ar.set_defaults(func=_cmd_bench_allreduce)
 
-    try:  # the engine adds generate / chat / info / bench decode
-        from fastdecode.engine.cli import add_subcommands
-    except ImportError:
-        add_subcommands = None
-    if add_subcommands is not None:
-        add_subcommands(sub)
+    t = sub.add_parser("tune", help="measure launch configs on this GPU and write them as data")
+    t.add_argument("what", choices=["linear"])
+    t.add_argument("--shapes", default=None, help='e.g. "8b.o,4096x14336" (default: the Llama shapes)')
+    t.add_argument("--out", default=None, help="config JSON (default: the package's configs/ folder)")
+    t.add_argument("--quick", action="store_true")
+    t.set_defaults(func=_cmd_tune)
+
+    from fastdecode.engine.cli import add_bench_decode, add_subcommands
+
+    add_bench_decode(bsub)
+    add_subcommands(sub, bench=False)
     return p
 
 

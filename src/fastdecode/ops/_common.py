@@ -53,6 +53,10 @@ def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
 def device_capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) compute capability of a CUDA device. One place, so tests can patch it."""
     return torch.cuda.get_device_capability(device)

@@ -1,0 +1,268 @@
+"""Decode benchmark: the standard decode-latency method and the ablation of what makes it fast.
+
+Method: a prompt of ``input_len`` random tokens, then ``output_len`` greedy tokens, repeated ``iters``
+times after a warm-up; we report the median. Rows (one per implementation):
+
+* ``torch-eager``      the model with every op on its PyTorch backend, launched eagerly
+* ``torch-graph``      the same ops, the decode step replayed as one CUDA graph
+* ``torch-compile``    the plain-PyTorch model (``*_ref`` functions, no custom ops) under
+                       ``torch.compile(mode="reduce-overhead")``: the gpt-fast-style baseline
+* ``fastdecode-graph`` fastdecode's Triton kernels, the decode step replayed as one CUDA graph
+
+``median_us`` is the median per-token decode step (prefill excluded); ``tokens_per_s`` is
+``batch * output_len / (prefill + decode time)`` (the standard figure); ``tbps`` is the bytes one step
+must read (all weights, once, plus the live KV cache) over the step time, and ``roofline_tokens_per_s``
+what the GPU's peak bandwidth would allow for the weights alone.
+
+On a CPU only ``torch-eager`` runs (wall-clock timing); the others are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Optional, Sequence
+
+import torch
+
+IMPLS = ("torch-eager", "torch-graph", "torch-compile", "fastdecode-graph-cublas", "fastdecode-graph")
+# Peak HBM bandwidth by GPU name fragment, bytes/s (vendor figures); the copy anchor is 4.24 TB/s on H200
+PEAK_BW = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
+           "A100": 2.0e12}
+
+
+def peak_bandwidth(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for k, v in PEAK_BW.items():
+        if k in name:
+            return v
+    return None
+
+
+class _Runner:
+    """One implementation: prefill and a decode step that returns the next tokens (greedy, on device)."""
+
+    def __init__(self, impl: str, model, cache, batch: int):
+        self.impl, self.model, self.cache, self.batch = impl, model, cache, batch
+        self.graphs = None
+        self.compiled = None
+        dev = cache.device
+        if impl in ("torch-eager", "torch-graph"):
+            model.backend = "torch"
+        elif impl == "torch-compile":
+            model.backend = "ref"
+            # the cache is mutated in place: give it a static address, as a module buffer would have,
+            # so that cudagraph trees keep (rather than skip) the graph
+            torch._dynamo.mark_static_address(cache.k)
+            torch._dynamo.mark_static_address(cache.v)
+            self.compiled = torch.compile(model.decode, mode="reduce-overhead", fullgraph=True)
+        elif impl in ("fastdecode-graph", "fastdecode-graph-cublas"):
+            model.backend = "triton"
+            # ablation: every fastdecode kernel, with the GEMMs on cuBLAS or through the dispatcher
+            model.set_gemm_impl("cublas" if impl.endswith("-cublas") else None)
+        else:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if impl.endswith("-graph"):
+            if dev.type != "cuda":
+                raise RuntimeError(f"{impl} needs a CUDA device")
+            from fastdecode.engine.cuda_graph import DecodeGraphRunner
+
+            self.graphs = DecodeGraphRunner(model, cache, buckets=[batch])
+            self.graphs.capture()
+
+    def step(self, tokens, pos):
+        if self.graphs is not None:
+            logits = self.graphs.run(tokens, pos)
+        elif self.compiled is not None:
+            torch.compiler.cudagraph_mark_step_begin()
+            logits = self.compiled(tokens, pos, self.cache)
+        else:
+            logits = self.model.decode(tokens, pos, self.cache)
+        return torch.argmax(logits, dim=-1)
+
+    def generate(self, prompt: torch.Tensor, output_len: int):
+        """prompt: [B, S] on device. Returns (prefill seconds, decode seconds); no host sync inside."""
+        B, S = prompt.shape
+        cuda = prompt.device.type == "cuda"
+        if cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev[0].record()
+        else:
+            t0 = time.perf_counter()
+        logits = self.model.prefill(prompt, self.cache, last_idx=torch.full((B,), S - 1, device=prompt.device))
+        tok = torch.argmax(logits, dim=-1)
+        pos = torch.full((B,), S, dtype=torch.long, device=prompt.device)
+        if cuda:
+            ev[1].record()
+        else:
+            t1 = time.perf_counter()
+        for _ in range(output_len - 1):  # the prefill produced the first new token
+            tok = self.step(tok, pos)
+            pos += 1
+        if cuda:
+            ev[2].record()
+            ev[2].synchronize()
+            return ev[0].elapsed_time(ev[1]) / 1e3, ev[1].elapsed_time(ev[2]) / 1e3
+        return t1 - t0, time.perf_counter() - t1
+
+
+def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len: int = 1, output_len: int = 128,
+                 iters: int = 30, warmup: int = 3, impls: Sequence[str] = IMPLS, device=None,
+                 dtype=torch.bfloat16, layers: Optional[int] = None, log=print) -> list[dict]:
+    """Run the decode benchmark; returns JSON-ready rows (one per implementation)."""
+    from fastdecode.bench.harness import Timing, env_info
+    from fastdecode.engine.kv_cache import KVCache
+    from fastdecode.engine.loader import load, random_model
+    from fastdecode.models.config import PRESETS, ModelConfig
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if output_len < 2:
+        raise ValueError(f"output_len must be >= 2 (one token from prefill, the rest from decode), got {output_len}")
+    max_seq = input_len + output_len
+    if model_name.lower() in PRESETS or model_name.startswith("preset:"):
+        cfg = ModelConfig.from_preset(model_name.split(":", 1)[-1])
+        if layers:
+            cfg = cfg.replace(n_layers=layers)
+        model = random_model(cfg, device=device, dtype=dtype, max_seq_len=max_seq)
+    else:
+        loaded = load(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False)
+        model, cfg = loaded.model, loaded.config
+    cache = KVCache(cfg, batch, max_seq, dtype=dtype, device=device)
+    wbytes = model.weight_bytes()
+    # KV bytes read per step, averaged over the decode steps (positions input_len+1 .. max_seq-1)
+    kv_avg = cache.bytes_read([batch * (input_len + output_len / 2)])
+    step_bytes = wbytes + kv_avg
+    peak = peak_bandwidth(device)
+    shape = {"model": cfg.name + (f"[{layers} layers]" if layers else ""), "batch": batch, "input_len": input_len,
+             "output_len": output_len, "dtype": str(dtype).replace("torch.", "")}
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for impl in impls:
+        if impl != "torch-eager" and device.type != "cuda":
+            log(f"{impl}: skipped (needs CUDA)")
+            rows.append({"op": "decode", "impl": impl, "shape": shape, "skipped": "needs CUDA", **env_info()})
+            continue
+        try:
+            runner = _Runner(impl, model, cache, batch)
+            prompts = [torch.randint(0, cfg.vocab_size, (batch, input_len), device=device, generator=gen)
+                       for _ in range(warmup + iters)]
+            for p in prompts[:warmup]:
+                runner.generate(p, output_len)
+            pre, dec = zip(*(runner.generate(p, output_len) for p in prompts[warmup:]))
+        except Exception as e:  # one failing implementation must not hide the others
+            log(f"{impl}: failed: {type(e).__name__}: {e}")
+            rows.append({"op": "decode", "impl": impl, "shape": shape, "error": f"{type(e).__name__}: {e}",
+                         **env_info()})
+            continue
+        finally:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        steps = output_len - 1
+        step_us = sorted(d / steps * 1e6 for d in dec)
+        total = [p + d for p, d in zip(pre, dec)]
+        t = Timing(statistics.median(step_us), step_us[len(step_us) // 10],
+                   step_us[min(len(step_us) - 1, (9 * len(step_us)) // 10)], len(step_us))
+        row = {
+            "op": "decode", "impl": impl, "shape": shape,
+            "median_us": round(t.median_us, 2), "p10_us": round(t.p10_us, 2), "p90_us": round(t.p90_us, 2),
+            "tokens_per_s": round(batch * output_len / statistics.median(total), 2),
+            "decode_tokens_per_s": round(batch * 1e6 / t.median_us, 2),
+            "prefill_ms": round(statistics.median(pre) * 1e3, 3),
+            "weight_bytes": wbytes, "bytes": int(step_bytes),
+            "tbps": round(step_bytes / (t.median_us * 1e-6) / 1e12, 3),
+        }
+        if peak:
+            row["peak_tbps"] = peak / 1e12
+            row["roofline_tokens_per_s"] = round(batch * peak / wbytes, 1)
+            row["roofline_fraction"] = round(step_bytes / (t.median_us * 1e-6) / peak, 3)
+        row.update(env_info())
+        rows.append(row)
+        log(f"{impl:>17}: {row['median_us']:9.1f} us/step  {row['tokens_per_s']:9.1f} tok/s  "
+            f"{row['tbps']:.2f} TB/s" + (f"  ({row['roofline_fraction']:.0%} of peak)" if peak else ""))
+        del runner
+    model.backend = "auto"
+    return rows
+
+
+def plot_rows(rows: list[dict], path: str) -> None:
+    """Bar chart of tokens/s per implementation (and the weight-bytes roofline), PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "tokens_per_s" in r]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r["impl"] for r in ok]
+    vals = [r["tokens_per_s"] for r in ok]
+    ax.barh(names, vals, color=["#999" if not n.startswith("fastdecode") else "#d62" for n in names])
+    for i, v in enumerate(vals):
+        ax.text(v, i, f" {v:.0f}", va="center")
+    roof = next((r.get("roofline_tokens_per_s") for r in ok if r.get("roofline_tokens_per_s")), None)
+    if roof:
+        ax.axvline(roof, ls="--", color="k", lw=1)
+        ax.text(roof, len(ok) - 0.5, " weight-bytes roofline", va="bottom", ha="right", fontsize=8)
+    s = ok[0]["shape"] if ok else {}
+    ax.set_xlabel("tokens/s")
+    ax.set_title(f"decode {s.get('model', '')} batch {s.get('batch', '')} "
+                 f"in {s.get('input_len', '')} out {s.get('output_len', '')} ({ok[0]['gpu'] if ok else ''})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", "--model", dest="model", default="llama-3.1-8b",
+                   help="a preset (random weights: llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, smollm2-135m, "
+                        "tiny) or a checkpoint path")
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes (several: one run each)")
+    p.add_argument("--input-len", type=int, default=1)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (big presets)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default="benchmarks/results/decode.json", help="JSON result file")
+    p.add_argument("--plot", default=None, nargs="?", const="", help="write a PNG (default: next to --out)")
+
+
+def run(args) -> int:
+    from fastdecode.bench.harness import print_table, write_rows
+
+    rows = []
+    for b in args.batch:
+        rows += bench_decode(args.model, batch=b, input_len=args.input_len, output_len=args.output_len,
+                             iters=args.iters, warmup=args.warmup, impls=args.impl, device=args.device,
+                             dtype=getattr(torch, args.dtype), layers=args.layers,
+                             log=lambda m: print(m, file=sys.stderr, flush=True))
+    print_table(rows, ("impl", "shape", "median_us", "tokens_per_s", "tbps", "roofline_tokens_per_s"))
+    if args.out:
+        write_rows(rows, args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
+    if args.plot is not None:
+        path = args.plot or (args.out.rsplit(".", 1)[0] + ".png" if args.out else "decode.png")
+        for b in args.batch:
+            sub = [r for r in rows if r["shape"]["batch"] == b]
+            plot_rows(sub, path if len(args.batch) == 1 else path.replace(".png", f".b{b}.png"))
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="fastdecode bench decode", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Decode attention: one new query token per sequence against a static KV cache, GQA, split-KV.
+
+No policy and no checks here: ``fastdecode.ops.attention`` validates and picks the config.
+
+Layouts: q [B, Hq, D]; k/v cache [B, Hkv, T, D] (unit stride in D); seq_lens [B] int32.
+One program per (sequence, kv head, split): it loads each K/V tile once for all GROUP = Hq / Hkv query
+heads that share it. Split s of a sequence covers an equal, BLOCK_N-aligned share of [0, seq_len), so
+long contexts spread over many SMs; a second kernel merges the splits by their log-sum-exp.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, seq_lens_ptr, o_ptr, o_part_ptr, lse_ptr,
+    scale,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, LOG2E: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hkv = tl.program_id(1)
+    split = tl.program_id(2)
+    b64 = b.to(tl.int64)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < D
+    heads = hkv * GROUP + g  # query heads served by this kv head
+    q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    # softmax in base 2: fold log2(e) into the scale once
+    qk_scale = scale * LOG2E
+
+    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    k_base = k_ptr + b64 * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_base = v_ptr + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt + d[None, :], mask=kv_mask, other=0.0)
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k))  # [BLOCK_G, BLOCK_N] fp32
+        else:
+            # one query row per head: a broadcast multiply-add is enough (and exact under the interpreter)
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vt + d[None, :], mask=kv_mask, other=0.0)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+
+    # an empty split (start >= seq_len) has l == 0: it contributes weight 0 in the merge
+    safe_l = tl.where(l > 0, l, 1.0)
+    out = acc / safe_l[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # o_part: [B, Hq, NUM_SPLITS, BLOCK_D] fp32; lse: [B, Hq, NUM_SPLITS] fp32 (base 2)
+        row = (b64 * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(o_part_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=out_mask)
+        lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_attention_merge_kernel(
+    o_part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh, Hq,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """out[b, h] = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row0 = (b.to(tl.int64) * Hq + h) * NUM_SPLITS
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    lse = tl.load(lse_ptr + row0 + s, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    w = tl.where(s_mask, w, 0.0)
+    o = tl.load(o_part_ptr + (row0 + s)[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :],
+                other=0.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+def launch_decode_attention(q, k_cache, v_cache, seq_lens, out, o_part, lse, scale: float, config: dict):
+    """q/out: [B, Hq, D]; caches [B, Hkv, T, D]; o_part [B, Hq, S, BLOCK_D] fp32 and lse [B, Hq, S] fp32
+    when config["NUM_SPLITS"] > 1 (else unused, may be any tensor)."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    group = Hq // Hkv
+    splits = config["NUM_SPLITS"]
+    block_d = config["BLOCK_D"]
+    _decode_attention_kernel[(B, Hkv, splits)](
+        q, k_cache, v_cache, seq_lens, out, o_part, lse,
+        scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=config["BLOCK_G"], D=D, BLOCK_D=block_d,
+        BLOCK_N=config["BLOCK_N"], NUM_SPLITS=splits, USE_DOT=config["USE_DOT"], LOG2E=LOG2E,
+        num_warps=config["num_warps"], num_stages=config.get("num_stages", 2),
+    )
+    if splits > 1:
+        _decode_attention_merge_kernel[(B, Hq)](
+            o_part, lse, out, out.stride(0), out.stride(1), Hq,
+            D=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=1 if block_d <= 128 else 2,
+        )
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    qkv_ptr, rope_ptr, pos_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qkv, stride_rope_t, stride_qo_b, stride_qo_h,
+    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Program (b, h): h < HQ rotates query head h into q_out; HQ <= h < HQ + HKV rotates key head
+    h - HQ and writes it, and the matching value head, to the caches at position pos[b].
+
+    Half-split rotation (HF / NeoX): out = [x1 c - x2 s, x2 c + x1 s], fp32 math, one rounding.
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    D: tl.constexpr = 2 * HALF
+    b64 = b.to(tl.int64)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    m = i < HALF
+    cos = tl.load(rope_ptr + pos * stride_rope_t + 2 * i, mask=m, other=0.0)
+    sin = tl.load(rope_ptr + pos * stride_rope_t + 2 * i + 1, mask=m, other=0.0)
+    row = qkv_ptr + b64 * stride_qkv + h * D  # q heads, then k heads: contiguous in one row
+    x1 = tl.load(row + i, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + i, mask=m, other=0.0).to(tl.float32)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if h < HQ:
+        dst = q_out_ptr + b64 * stride_qo_b + h * stride_qo_h
+        tl.store(dst + i, o1.to(q_out_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + HALF + i, o2.to(q_out_ptr.dtype.element_ty), mask=m)
+    else:
+        hk = h - HQ
+        dst = k_cache_ptr + b64 * stride_kb + hk * stride_kh + pos * stride_kt
+        tl.store(dst + i, o1.to(k_cache_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + HALF + i, o2.to(k_cache_ptr.dtype.element_ty), mask=m)
+        src = qkv_ptr + b64 * stride_qkv + (HQ + HKV + hk) * D
+        vdst = v_cache_ptr + b64 * stride_vb + hk * stride_vh + pos * stride_vt
+        v1 = tl.load(src + i, mask=m, other=0.0)
+        v2 = tl.load(src + HALF + i, mask=m, other=0.0)
+        tl.store(vdst + i, v1.to(v_cache_ptr.dtype.element_ty), mask=m)
+        tl.store(vdst + HALF + i, v2.to(v_cache_ptr.dtype.element_ty), mask=m)
+
+
+def launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_heads: int):
+    """qkv: [B, (Hq + 2 Hkv) * D] rows (unit inner stride); rope: [T, D/2, 2] fp32 (cos, sin), unit stride
+    in its last two dims; input_pos: [B]; q_out: [B, Hq, D]; caches [B, Hkv, T, D]."""
+    B = qkv.shape[0]
+    Hkv, D = k_cache.shape[1], k_cache.shape[3]
+    half = D // 2
+    _rope_kv_write_kernel[(B, n_q_heads + Hkv)](
+        qkv, rope, input_pos, q_out, k_cache, v_cache,
+        qkv.stride(0), rope.stride(0), q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HQ=n_q_heads, HKV=Hkv, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        num_warps=1,
+    )

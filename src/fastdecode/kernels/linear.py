@@ -1,0 +1,245 @@
+"""Skinny (small-M) GEMM kernels for decode: ``out = x @ weight.T (* scales) (+ bias)``.
+
+No policy and no checks here: ``fastdecode.ops.gemm`` validates, picks the config and owns the
+split-K workspace.
+
+At decode M (tokens) is 1-64 and the weight is tens of MB, so the GEMM is a weight stream: the
+kernel's job is to keep enough 16-byte weight loads in flight on every SM. One kernel, two inner
+products (constexpr ``USE_DOT``):
+
+* FMA ("gemv"): a ``[BLOCK_N, BLOCK_K]`` weight tile times each of ``BLOCK_M`` (1, 2 or 4) broadcast
+  x rows, accumulated elementwise in fp32 in ``[BLOCK_N, BLOCK_K]`` register tiles and reduced along
+  K once at the end (no cross-thread reduction inside the loop). With BLOCK_K = 16 bytes x 32 lanes
+  x num_warps, each thread issues BLOCK_N 16-byte weight loads per step and the 1-D x row already
+  has the weight tile's layout (checked in the TTGIR: the loop holds only global loads and FMAs).
+  Best for M of 1-4.
+* DOT (swap-AB): ``acc^T[BLOCK_N, BLOCK_M] = W[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M]`` so the
+  large N dimension fills the MMA's 64-row side and the few tokens sit in its narrow side (>= 16).
+  The tensor cores have ~100x headroom here, so padding M to 16 costs nothing but registers.
+
+Split-K with a deterministic in-kernel fix-up: when ``SPLIT_K > 1`` the ``SPLIT_K`` programs of one
+output tile each write an fp32 partial to ``part[SPLIT_K, M, N]``, then bump the tile's counter
+(acq_rel atomic); the program that sees ``SPLIT_K - 1`` sums the partials in split order 0..SPLIT_K-1
+(so the result does not depend on which program finished last), applies scales and bias, writes the
+output and resets the counter to 0 for the next launch. One launch, no memset, no second kernel:
+a second kernel would cost ~1.5 us of graph-node gap on a 5-10 us GEMM.
+"""
+
+import triton
+import triton.language as tl
+
+# How x (activation) and w (weight) scales are applied in the epilogue (constexpr *_SCALE_MODE).
+from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR  # noqa: E402,F401
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr,
+              HAS_BIAS: tl.constexpr, X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr):
+    """out[m, n] = acc[m, n] * x_scale[m] * w_scale[n] + bias[n], fp32 math, one rounding."""
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    if X_SCALE_MODE == 1:
+        acc = acc * tl.load(xs_ptr)
+    elif X_SCALE_MODE == 2:
+        acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+    if W_SCALE_MODE == 1:
+        acc = acc * tl.load(ws_ptr)
+    elif W_SCALE_MODE == 2:
+        acc = acc * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _pdl_wait():
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+
+
+# M and the split count change per call: not specialising them keeps one compiled kernel per config
+@triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
+def _skinny_linear_kernel(
+    x_ptr, w_ptr, bias_ptr, xs_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, stride_part, split_k,
+    HAS_BIAS: tl.constexpr, X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_FP8: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Grid (m tiles, split_k, n tiles): the M tiles sharing a weight tile launch side by side (L2).
+
+    USE_PDL (programmatic dependent launch): this grid may be scheduled while the previous kernel
+    of the stream finishes. It waits for that kernel (and its memory) before touching any tensor,
+    except, with PREFETCH (FMA path), its first weight tile: weights are never written by the
+    kernel right before a linear. Then it lets the next PDL kernel be scheduled as it drains.
+    """
+    if USE_PDL and (USE_DOT or not PREFETCH):
+        _pdl_wait()
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    num_m = tl.num_programs(0)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # wrap out-of-range rows onto valid ones instead of masking: loads stay unmasked (vectorised)
+    # and the wrapped results are never stored
+    rm = (offs_m % M).to(tl.int64)
+    rn = (offs_n % N).to(tl.int64)
+    m_valid = offs_m < M
+
+    # this program's K range, in whole BLOCK_K blocks
+    kb_total = tl.cdiv(K, BLOCK_K)
+    kb_per = tl.cdiv(kb_total, split_k)
+    kb_start = pid_k * kb_per
+    kb_end = tl.minimum(kb_start + kb_per, kb_total)
+    k0 = kb_start * BLOCK_K
+
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_k)[None, :]
+    if USE_DOT:
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + (k0 + offs_k)[None, :]
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for kb in range(kb_start, kb_end):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs, mask=m_valid[:, None], other=0.0)
+            else:
+                k_mask = (kb * BLOCK_K + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=m_valid[:, None] & k_mask[None, :], other=0.0)
+            if DOT_FP8:
+                acc_t = tl.dot(w, tl.trans(x), acc_t)
+            elif w.dtype.is_fp8():
+                # e4m3 values are exact in fp16 (max 448, 3 mantissa bits)
+                acc_t = tl.dot(w.to(tl.float16), tl.trans(x.to(tl.float16)), acc_t)
+            elif w.dtype == tl.float32:
+                acc_t = tl.dot(w, tl.trans(x), acc_t, input_precision="ieee")  # no TF32
+            else:
+                acc_t = tl.dot(w, tl.trans(x), acc_t)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        acc = tl.trans(acc_t)
+    else:
+        # one 2-D [BLOCK_N, BLOCK_K] fp32 accumulator per x row (BLOCK_M <= 4, unrolled at compile
+        # time): each is in the weight tile's own register layout, so the loop is loads and FMAs
+        # only; the cross-thread reduction along K happens once, after the loop
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        # BLOCK_K = (16 bytes) x 32 lanes x num_warps makes the 1-D x load's layout the weight
+        # tile's layout sliced along N: no per-step layout conversion through shared memory
+        x0_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k0 + offs_k
+        row0 = pid_m * BLOCK_M + tl.zeros((BLOCK_K,), dtype=tl.int32)  # a splat: constant along K
+        ok0 = row0 < M
+        ok1 = row0 + 1 < M
+        ok2 = row0 + 2 < M
+        ok3 = row0 + 3 < M
+        if PREFETCH:
+            # register double buffer: the next step's weight tile is in flight while this one is
+            # multiplied (2x the bytes in flight per thread); every split has >= 1 block
+            if EVEN_K:
+                w_next = tl.load(w_ptrs)
+            else:
+                w_next = tl.load(w_ptrs, mask=((k0 + offs_k) < K)[None, :], other=0.0)
+            if USE_PDL:
+                _pdl_wait()
+        for kb in range(kb_start, kb_end):
+            if EVEN_K:  # row masks constant along K: the x loads stay vectorised
+                m0, m1, m2, m3 = ok0, ok1, ok2, ok3
+            else:
+                k_mask = (kb * BLOCK_K + offs_k) < K
+                m0, m1, m2, m3 = k_mask & ok0, k_mask & ok1, k_mask & ok2, k_mask & ok3
+            if PREFETCH:
+                w = w_next.to(tl.float32)
+                # the last step loads nothing (a splat mask, constant along K)
+                more = (kb + 1 + tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)) < kb_end
+                if EVEN_K:
+                    w_next = tl.load(w_ptrs + BLOCK_K, mask=more, other=0.0)
+                else:
+                    nk_mask = ((kb + 1) * BLOCK_K + offs_k) < K
+                    w_next = tl.load(w_ptrs + BLOCK_K, mask=more & nk_mask[None, :], other=0.0)
+            elif EVEN_K:
+                w = tl.load(w_ptrs).to(tl.float32)
+            else:
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+            acc0 += w * tl.load(x0_ptrs, mask=m0, other=0.0).to(tl.float32)[None, :]
+            if BLOCK_M > 1:
+                acc1 += w * tl.load(x0_ptrs + stride_xm, mask=m1, other=0.0).to(tl.float32)[None, :]
+            if BLOCK_M > 2:
+                acc2 += w * tl.load(x0_ptrs + 2 * stride_xm, mask=m2, other=0.0).to(tl.float32)[None, :]
+                acc3 += w * tl.load(x0_ptrs + 3 * stride_xm, mask=m3, other=0.0).to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x0_ptrs += BLOCK_K
+        rows = tl.arange(0, BLOCK_M)[:, None]
+        acc = tl.where(rows == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+        if BLOCK_M > 1:
+            acc += tl.where(rows == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
+        if BLOCK_M > 2:
+            acc += tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], 0.0)
+            acc += tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], 0.0)
+
+    if not SPLIT:
+        _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr,
+                  HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE)
+    else:
+        mask = m_valid[:, None] & (offs_n < N)[None, :]
+        tile_off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k.to(tl.int64) * stride_part + tile_off, acc, mask=mask)
+        # all threads' partial stores happen before the (release) counter bump
+        tl.debug_barrier()
+        lock = lock_ptr + pid_n * num_m + pid_m
+        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            part_ptrs = part_ptr + tile_off
+            for s in range(split_k):  # fixed order: deterministic
+                # .cg: read from L2, where the other SMs' partials are (L1 is not coherent)
+                total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                part_ptrs += stride_part  # 64-bit pointer steps: no int32 overflow at large M * N
+            _epilogue(total, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr,
+                      HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE)
+            tl.store(lock, 0)  # ready for the next launch (same stream)
+
+
+def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
+    """(number of BLOCK_K blocks, effective SPLIT_K): never more splits than blocks, no empty split."""
+    kb_total = triton.cdiv(K, config["BLOCK_K"])
+    split = max(1, min(int(config.get("SPLIT_K", 1)), kb_total))
+    # with cdiv(kb_total, split) blocks per split, the last splits could be empty: shrink split
+    split = triton.cdiv(kb_total, triton.cdiv(kb_total, split))
+    return kb_total, split
+
+
+def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scale_mode,
+                         out, part, locks, config):
+    """Launch on 2-D views: x (M, K) unit stride in K, weight (N, K) contiguous, out (M, N) contiguous.
+
+    ``part``: fp32 workspace of ``SPLIT_K * M * N`` elements and ``locks``: zeroed int32 counters
+    (one per output tile), both needed only when the effective SPLIT_K > 1.
+    ``config``: dict(kind="fma"|"dot", BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages,
+    DOT_FP8 (fp8 operands straight into tl.dot), PDL (programmatic dependent launch, sm_90+),
+    PREFETCH (FMA path: register double buffer of the weight tile)).
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    _, split = split_k_blocks(K, config)
+    grid = (triton.cdiv(M, bm), split, triton.cdiv(N, bn))
+    dummy = out
+    pdl = bool(config.get("PDL", False))
+    extra = {"launch_pdl": True} if pdl else {}  # the interpreter knows no launch_pdl
+    _skinny_linear_kernel[grid](
+        x, weight, bias if bias is not None else dummy,
+        x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
+        out, part if split > 1 else dummy, locks if split > 1 else dummy,
+        M, N, K, x.stride(0), weight.stride(0), out.stride(0), M * N, split,
+        HAS_BIAS=bias is not None, X_SCALE_MODE=x_scale_mode, W_SCALE_MODE=w_scale_mode,
+        USE_DOT=config["kind"] == "dot", DOT_FP8=bool(config.get("DOT_FP8", False)),
+        EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=bool(config.get("PREFETCH", False)),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
+        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **extra,
+    )

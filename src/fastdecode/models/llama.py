@@ -1,0 +1,290 @@
+"""Llama-family decoder written against ``fastdecode.ops`` (gpt-fast spirit: flat modules, shape comments).
+
+Weight layout (names used by every loader)::
+
+    tok_embeddings.weight                       [V, dim]
+    layers.{i}.attention_norm.weight            [dim]
+    layers.{i}.attention.wqkv.weight (.bias)    [(Hq + 2 Hkv) * D, dim]   q | k | v rows, HF (half-split) RoPE order
+    layers.{i}.attention.wo.weight              [dim, Hq * D]
+    layers.{i}.ffn_norm.weight                  [dim]
+    layers.{i}.feed_forward.w13.weight          [2 I, dim]                gate | up, for silu_and_mul
+    layers.{i}.feed_forward.w2.weight           [dim, I]
+    norm.weight                                 [dim]
+    output.weight                               [V, dim]                  the embedding when tied
+
+The KV cache is an explicit object passed to ``prefill``/``decode`` (``cache.k[i]``, ``cache.v[i]`` of shape
+[B_max, Hkv, T, D]); see ``fastdecode.engine.kv_cache``.
+
+Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
+``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
+``torch.compile`` sees (and fuses) ordinary PyTorch code: the gpt-fast-style baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdecode.models.config import ModelConfig
+from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref
+from fastdecode.ops.gemm import linear
+from fastdecode.ops.attention import decode_attention, decode_attention_ref, rope_kv_write, rope_kv_write_ref
+from fastdecode.ops.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+
+MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)``: the one place every matmul of the model goes through (swap it to change GEMMs)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+        self.gemm_impl: Optional[str] = None  # None: fastdecode's dispatcher; "cublas": skinny GEMM off
+
+    def forward(self, x: torch.Tensor, backend: str = "ref") -> torch.Tensor:
+        # "ref"/"torch" are the PyTorch baselines (cuBLAS through F.linear); on the CPU, F.linear is
+        # the reference too. Otherwise the dispatcher picks our skinny kernel or cuBLAS per shape.
+        if backend in ("ref", "torch") or not x.is_cuda:
+            return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, backend=backend, impl=self.gemm_impl)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, *, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        if backend == "ref":
+            return rms_norm_ref(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, backend=backend)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, backend: str):
+        """Returns ``(rms_norm(x + residual), x + residual)``; the op version updates ``residual`` in place."""
+        if backend == "ref":
+            return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, backend=backend), residual
+
+
+def rope_inv_freq(cfg: ModelConfig, freq_factors: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse frequencies [D/2] in float64, with Llama 3.1 / linear scaling or GGUF ``rope_freqs`` divisors."""
+    D = cfg.head_dim
+    # on the CPU in float64 whatever the default device (models are built under torch.device("meta"))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64, device="cpu") / D))
+    if freq_factors is not None:
+        return inv / freq_factors.to("cpu", torch.float64)
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    if rs.type == "linear":
+        return inv / rs.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, a linear blend in between
+    wavelen = 2 * math.pi / inv
+    low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    blended = (1 - smooth) * inv / rs.factor + smooth * inv
+    out = torch.where(wavelen > low_wl, inv / rs.factor, inv)
+    return torch.where((wavelen >= high_wl) & (wavelen <= low_wl), blended, out)
+
+
+def rope_cache(cfg: ModelConfig, max_seq_len: int, freq_factors=None, device=None) -> torch.Tensor:
+    """[T, D/2, 2] float32 table of (cos, sin) per position and frequency."""
+    inv = rope_inv_freq(cfg, freq_factors)
+    t = torch.arange(max_seq_len, dtype=torch.float64, device="cpu")
+    ang = torch.outer(t, inv)  # [T, D/2]
+    return torch.stack([ang.cos(), ang.sin()], dim=-1).to(device=device, dtype=torch.float32)
+
+
+def apply_rope(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    """Half-split (HF / NeoX) rotation. x: [B, S, H, D]; cs: [B, S, D/2, 2] fp32 -> [B, S, H, D] in x.dtype."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h].float(), x[..., h:].float()
+    cos, sin = cs[..., 0].unsqueeze(2), cs[..., 1].unsqueeze(2)  # [B, S, 1, D/2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wqkv = Linear(cfg.dim, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias, device=device, dtype=dtype)
+        self.wo = Linear(cfg.q_size, cfg.dim, device=device, dtype=dtype)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def _qkv(self, x, cs, backend):
+        B, S, _ = x.shape
+        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x, backend).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q = apply_rope(q.view(B, S, Hq, D), cs)
+        k = apply_rope(k.view(B, S, Hkv, D), cs)
+        return q, k, v.view(B, S, Hkv, D)
+
+    def prefill(self, x, cs, k_cache, v_cache, backend="ref"):
+        """x: [B, S, dim], positions 0..S-1; writes k_cache/v_cache[:B, :, :S]. Returns [B, S, dim]."""
+        B, S, _ = x.shape
+        q, k, v = self._qkv(x, cs, backend)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D]
+        k_cache[:B, :, :S] = k
+        v_cache[:B, :, :S] = v
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.wo(o.transpose(1, 2).reshape(B, S, -1), backend)
+
+    def decode(self, x, rope, k_cache, v_cache, input_pos, seq_lens, backend):
+        """x: [B, 1, dim]; rope: the model's [T, D/2, 2] table; input_pos: [B] int64 (each sequence's new
+        position); seq_lens: [B] int32 (= input_pos + 1). Writes k/v at input_pos, returns [B, 1, dim]."""
+        B = x.shape[0]
+        qkv = self.wqkv(x, backend).view(B, -1)  # [B, (Hq + 2 Hkv) * D]
+        k_cache, v_cache = k_cache[:B], v_cache[:B]
+        if backend == "ref":
+            q = rope_kv_write_ref(qkv, rope, input_pos, k_cache, v_cache, self.n_heads)
+            o = decode_attention_ref(q, k_cache, v_cache, seq_lens, self.scale)
+        else:  # one kernel for RoPE + cache write, one (or two, split-KV) for attention
+            q = rope_kv_write(qkv, rope, input_pos, k_cache, v_cache, self.n_heads, backend=backend)
+            o = decode_attention(q, k_cache, v_cache, seq_lens, self.scale, backend=backend)
+        return self.wo(o.reshape(B, 1, -1), backend)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.w13 = Linear(cfg.dim, 2 * cfg.intermediate_size, device=device, dtype=dtype)
+        self.w2 = Linear(cfg.intermediate_size, cfg.dim, device=device, dtype=dtype)
+
+    def forward(self, x, backend):
+        h = self.w13(x, backend)  # [.., 2I] = gate | up
+        h = silu_and_mul_ref(h) if backend == "ref" else silu_and_mul(h, backend=backend)
+        return self.w2(h, backend)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, dtype=dtype)
+        self.attention = Attention(cfg, device=device, dtype=dtype)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, dtype=dtype)
+        self.feed_forward = FeedForward(cfg, device=device, dtype=dtype)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, device=None, dtype=torch.bfloat16, backend: str = "auto",
+                 rope_len: Optional[int] = None, rope_freq_factors: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.config = cfg
+        self.backend = backend
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
+        self.tok_embeddings.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(Block(cfg, device=device, dtype=dtype) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, dtype=dtype)
+        self.output = Linear(cfg.dim, cfg.vocab_size, device=device, dtype=dtype)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.rope_freq_factors = rope_freq_factors
+        self.rope_len = rope_len or cfg.max_seq_len
+        rope_dev = None if device is None or torch.device(device).type == "meta" else device
+        self.register_buffer("rope", rope_cache(cfg, self.rope_len, rope_freq_factors, rope_dev), persistent=False)
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, b: str) -> None:
+        if b not in MODEL_BACKENDS:
+            raise ValueError(f"backend must be one of {MODEL_BACKENDS}, got {b!r}")
+        self._backend = b
+
+    def tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def setup_rope(self, max_seq_len: int, device) -> None:
+        """(Re)build the RoPE table for ``max_seq_len`` positions on ``device`` (after loading on meta)."""
+        self.rope_len = max_seq_len
+        self.rope = rope_cache(self.config, max_seq_len, self.rope_freq_factors, device)
+
+    def _logits(self, h):
+        return self.output(self.norm(h, self.backend), self.backend).float()
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, cache, last_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens: [B, S] at positions 0..S-1 (rows right-padded). Fills cache rows [:B], positions [:S].
+
+        Returns fp32 logits [B, S, V], or [B, V] at ``last_idx`` ([B], the last real token of each row).
+        """
+        B, S = tokens.shape
+        if S > self.rope_len:
+            raise ValueError(f"prompt of {S} tokens is longer than the RoPE table ({self.rope_len} positions)")
+        be = self.backend
+        cs = self.rope[:S].unsqueeze(0).expand(B, S, *self.rope.shape[1:])  # [B, S, D/2, 2]
+        residual = self.tok_embeddings(tokens)  # [B, S, dim]; a fresh tensor, updated in place below
+        x = self.layers[0].attention_norm(residual, be)
+        for i, layer in enumerate(self.layers):
+            if i > 0:
+                x, residual = layer.attention_norm.add_forward(x, residual, be)
+            x = layer.attention.prefill(x, cs, cache.k[i], cache.v[i], be)
+            x, residual = layer.ffn_norm.add_forward(x, residual, be)
+            x = layer.feed_forward(x, be)
+        h = x + residual
+        if last_idx is not None:
+            h = h[torch.arange(B, device=h.device), last_idx]  # [B, dim]
+        return self._logits(h)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache) -> torch.Tensor:
+        """One token per sequence. tokens, input_pos: [B] (int64). Returns fp32 logits [B, V].
+
+        Static shapes and no host syncs: this is what the CUDA graph captures.
+        """
+        B = tokens.shape[0]
+        be = self.backend
+        seq_lens = (input_pos + 1).to(torch.int32)  # once per step, shared by every layer
+        residual = self.tok_embeddings(tokens.view(B, 1))  # [B, 1, dim]; fresh, updated in place below
+        x = self.layers[0].attention_norm(residual, be)
+        for i, layer in enumerate(self.layers):
+            if i > 0:
+                x, residual = layer.attention_norm.add_forward(x, residual, be)
+            x = layer.attention.decode(x, self.rope, cache.k[i], cache.v[i], input_pos, seq_lens, be)
+            x, residual = layer.ffn_norm.add_forward(x, residual, be)
+            x = layer.feed_forward(x, be)
+        x, _ = self.norm.add_forward(x, residual, be)
+        return self.output(x, be).float().view(B, -1)
+
+    def set_gemm_impl(self, impl: Optional[str]) -> None:
+        """None: the linear dispatcher (skinny kernel or cuBLAS per shape); "cublas": cuBLAS only."""
+        if impl not in (None, "cublas", "triton"):
+            raise ValueError(f"gemm impl must be None, 'cublas' or 'triton', got {impl!r}")
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.gemm_impl = impl
+
+    def weight_bytes(self) -> int:
+        """Bytes of all parameters (tied embeddings counted once): what one decode step must read."""
+        seen, total = set(), 0
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total

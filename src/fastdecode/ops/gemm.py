@@ -1,0 +1,490 @@
+"""Linear layers for decode, BF16/FP16 and FP8 W8A8, with a shape-aware dispatcher.
+
+    linear:      out = x @ weight.T + bias                                  (fp32 accumulation)
+    linear_fp8:  out = (x_fp8 * x_scale) @ (weight_fp8 * weight_scale).T + bias
+                 computed as acc(x_fp8 @ weight_fp8.T) * x_scale[m] * weight_scale[n] + bias[n]
+
+Scales are dequantisation scales (``real = fp8 * scale``, DESIGN.md): ``x_scale`` per tensor
+(one element) or per token (``(..., 1)``, as the fused norm / activation kernels return it);
+``weight_scale`` per tensor (one element) or per output channel (``(N,)`` or ``(N, 1)``).
+
+Dispatcher. For every call on a GPU the implementation is picked per (dtype, N, K, M): our skinny
+Triton kernel (``fastdecode.kernels.linear``) or cuBLAS (``torch.mm`` / ``torch._scaled_mm``), from
+tuned data in ``fastdecode/configs/linear_<gpu>.json`` (written by ``fastdecode tune linear``):
+the exact (N, K) entry, the tuned M nearest on a log scale (above the largest tuned M: cuBLAS).
+Without a file for this GPU or an entry for the shape: a heuristic (Triton for M <= 16, else
+cuBLAS) with one log warning. Nothing is timed at call time, so calls are safe in graph capture.
+The choice happens inside the registered op, so ``torch.compile`` sees one opaque call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
+from fastdecode.ops._common import (
+    cdiv, next_pow2,
+    FP8_DTYPE, as_rows, check_out, check_same_device, check_tensor, log, require_sm,
+    resolve_backend,
+)
+
+IMPLS = (None, "triton", "cublas")
+LINEAR_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: CPU interpreter tests
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HEURISTIC_MAX_TRITON_M = 16  # without tuned data: Triton up to here, cuBLAS above
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_NUM_SMS = 132  # H100 SXM / H200; the CPU interpreter has no SM count
+
+# ----------------------------------------------------------------------------- configs
+
+
+def gpu_key(name: str) -> str:
+    """File-name form of a GPU name: 'NVIDIA H200' -> 'nvidia_h200'."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def config_path(gpu_name: str) -> Path:
+    return CONFIG_DIR / f"linear_{gpu_key(gpu_name)}.json"
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    """Tuned-table key of a weight dtype: 'bf16' (also used for fp16), 'fp8', 'fp32'."""
+    return {torch.float8_e4m3fn: "fp8", torch.float32: "fp32"}.get(dtype, "bf16")
+
+
+@functools.cache
+def _load_table(path: str) -> Optional[dict]:
+    p = Path(path)
+    if not p.is_file():
+        return None
+    return json.loads(p.read_text())
+
+
+def clear_config_cache() -> None:
+    """Forget loaded tables and lookups (after ``tune`` wrote a new file)."""
+    _load_table.cache_clear()
+    _lookup.cache_clear()
+
+
+def fma_tile(M: int, elem: int, num_warps: int = 4, acc_regs: int = 64) -> dict:
+    """FMA-path tile: BLOCK_K = 16 bytes x 32 lanes x num_warps elements, so every thread issues
+    16-byte weight loads and the x row's layout is the weight tile's (no shared-memory shuffle);
+    BLOCK_N so the fp32 accumulators take about ``acc_regs`` registers per thread."""
+    vec = 16 // elem
+    bm = next_pow2(max(M, 1))
+    bn = max(acc_regs // (bm * vec), 1)
+    return {"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": vec * 32 * num_warps,
+            "num_warps": num_warps, "num_stages": 1}
+
+
+def with_split_k(cfg: dict, M: int, N: int, K: int, num_sms: int, per_sm: float) -> dict:
+    """Set SPLIT_K so about ``per_sm`` programs run per SM (weights streamed by every SM even when
+    N is small), keeping >= 1 K block per split (FMA) or >= 2 (dot: its pipeline needs a run-up)."""
+    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    kb_total = cdiv(K, cfg["BLOCK_K"])
+    min_blocks = 2 if cfg["kind"] == "dot" else 1
+    split = max(1, min(cdiv(int(per_sm * num_sms), tiles), kb_total // min_blocks, 32))
+    return {**cfg, "SPLIT_K": int(split)}
+
+
+def heuristic_config(M: int, N: int, K: int, dkey: str, num_sms: int = DEFAULT_NUM_SMS) -> dict:
+    """A reasonable Triton config without tuned data: 16-byte loads along K, ~4 programs per SM."""
+    elem = {"fp8": 1, "fp32": 4}.get(dkey, 2)
+    if M <= 2:
+        cfg = fma_tile(M, elem)
+    else:
+        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+        cfg = {"kind": "dot", "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 256 // elem if elem < 4 else 32,
+               "num_warps": 4, "num_stages": 4, "DOT_FP8": dkey == "fp8"}
+    return with_split_k(cfg, M, N, K, num_sms, 4)
+
+
+def _nearest_m(entries: dict, M: int) -> Optional[dict]:
+    """Entry of the tuned M nearest to M on a log scale; None above the largest tuned M."""
+    ms = sorted(int(m) for m in entries)
+    if not ms or M > ms[-1]:
+        return None
+    best = min(ms, key=lambda m: (abs(math.log2(m) - math.log2(M)), m))
+    return entries[str(best)]
+
+
+_warned: set = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(msg: str) -> None:
+    with _warn_lock:
+        if msg in _warned:
+            return
+        _warned.add(msg)
+    log.warning(msg)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(gpu_name: str, num_sms: int, dkey: str, M: int, N: int, K: int,
+            path: Optional[str] = None) -> tuple[str, dict]:
+    """(impl, Triton config) for one call shape; cached, so the hot path is one dict lookup.
+
+    The config is returned even where cuBLAS wins (the tuned best Triton config, or the heuristic)
+    so that an explicit ``impl="triton"`` runs the best known one. Treat it as read-only.
+    """
+    table = _load_table(path or str(config_path(gpu_name)))
+    entry = None
+    heuristic = heuristic_config(M, N, K, dkey, num_sms)
+    if table is None:
+        _warn_once(f"fastdecode: no tuned linear configs for {gpu_name!r} "
+                   f"({config_path(gpu_name).name}); using heuristics (run `fastdecode tune linear`)")
+    else:
+        shape = table.get("linear", {}).get(dkey, {}).get(f"{N},{K}")
+        if shape is not None:
+            entry = _nearest_m(shape, M)
+            if entry is None:  # above the largest tuned M
+                return "cublas", heuristic
+    if entry is None:
+        return ("cublas" if M > HEURISTIC_MAX_TRITON_M else "triton"), heuristic
+    return ("cublas" if entry["impl"] == "cublas" else "triton"), (entry.get("config") or heuristic)
+
+
+def _dispatch(M: int, N: int, K: int, dtype: torch.dtype, device, path: Optional[str] = None):
+    """(impl, Triton config): the table for a CUDA device; the interpreter (CPU) has only Triton."""
+    if device is None or device.type != "cuda":
+        if path is None:
+            return "triton", heuristic_config(M, N, K, dtype_key(dtype))
+        name, sms = "cpu", DEFAULT_NUM_SMS
+    else:
+        name, sms = _device_info(device.index if device.index is not None else torch.cuda.current_device())
+    return _lookup(name, sms, dtype_key(dtype), int(M), int(N), int(K), path)
+
+
+def get_linear_config(M: int, N: int, K: int, dtype: torch.dtype, device=None,
+                      *, path: Optional[str] = None) -> tuple[str, Optional[dict]]:
+    """The dispatcher's choice for one shape: ``("triton", config)`` or ``("cublas", None)``.
+
+    ``device``: a CUDA device (its name selects the table); CPU (or None) means the interpreter,
+    where only Triton exists. ``path`` overrides the table file (tests, tuning).
+    """
+    device = torch.device(device) if device is not None else None
+    impl, cfg = _dispatch(M, N, K, dtype, device, path)
+    return (impl, dict(cfg)) if impl == "triton" else ("cublas", None)
+
+
+@functools.cache
+def _device_info(index: int) -> tuple[str, int]:
+    return torch.cuda.get_device_name(index), torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# ----------------------------------------------------------------------------- execution
+
+_LOCKS: dict = {}  # device -> zeroed int32 tile counters shared by all split-K launches on it
+_LOCKS_RETIRED: list = []  # outgrown buffers stay alive: captured graphs may still point at them
+_LOCKS_MIN = 1 << 16
+
+
+def _split_k_locks(device: torch.device, n: int) -> Optional[torch.Tensor]:
+    """Tile counters of the split-K fix-up; they return to 0 after every launch.
+
+    Allocated on first use outside graph capture (a buffer born inside a capture would belong to
+    the graph's private pool). Launches on one stream never overlap; do not run split-K linears
+    concurrently on two streams of one device.
+    """
+    key = (device.type, device.index)
+    buf = _LOCKS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if key in _LOCKS:
+        _LOCKS_RETIRED.append(_LOCKS[key])
+    buf = torch.zeros(max(n, _LOCKS_MIN), dtype=torch.int32, device=device)
+    _LOCKS[key] = buf
+    return buf
+
+
+def _triton_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, config: dict) -> None:
+    """Run the skinny kernel on 2-D views with an explicit config (the tuner calls this too)."""
+    from fastdecode.kernels.linear import launch_skinny_linear, split_k_blocks
+
+    M, K = x.shape
+    N = weight.shape[0]
+    _, split = split_k_blocks(K, config)
+    part = locks = None
+    if split > 1:
+        tiles = cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"])
+        locks = _split_k_locks(x.device, tiles)
+        if locks is None:
+            _warn_once("fastdecode: linear split-K counters were not allocated before CUDA-graph "
+                       "capture; this capture runs without split-K (call linear once before capturing)")
+            config = {**config, "SPLIT_K": 1}
+            split = 1
+        else:
+            part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
+    launch_skinny_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, part, locks, config)
+
+
+def cublas_fp8_supported(M: int, N: int, K: int, x_mode: int, w_mode: int, out_dtype) -> bool:
+    """Whether torch._scaled_mm takes this call (dims multiple of 16; row-wise scales need bf16 out)."""
+    if N % 16 or K % 16:
+        return False
+    if (x_mode == SCALE_VECTOR or w_mode == SCALE_VECTOR) and out_dtype != torch.bfloat16:
+        return False
+    return True
+
+
+def _check_cublas_fp8(M, N, K, x_per_tensor: bool, w_per_tensor: bool, out_dtype) -> None:
+    modes = (SCALE_TENSOR if x_per_tensor else SCALE_VECTOR, SCALE_TENSOR if w_per_tensor else SCALE_VECTOR)
+    if not cublas_fp8_supported(M, N, K, *modes, out_dtype):
+        raise ValueError(
+            f"impl='cublas': torch._scaled_mm cannot run N={N}, K={K} with these scales and out_dtype "
+            f"{out_dtype} (it needs N and K multiples of 16, and bf16 output with per-token or "
+            "per-channel scales); use impl=None or 'triton'"
+        )
+
+
+def _cublas_linear(x, weight, bias, out) -> None:
+    if bias is None:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x, weight.t(), out=out)
+
+
+def _cublas_linear_fp8(x, x_scale, x_mode, weight, w_scale, w_mode, bias, out) -> None:
+    M, N = out.shape
+    per_tensor = x_mode == SCALE_TENSOR and w_mode == SCALE_TENSOR
+    if per_tensor:
+        sa, sb = x_scale.reshape(()), w_scale.reshape(())
+    else:  # cuBLASLt row-wise scaling needs both scales as vectors (an expand costs a small copy)
+        sa = x_scale.reshape(M, 1) if x_mode == SCALE_VECTOR else x_scale.reshape(1, 1).expand(M, 1).contiguous()
+        sb = w_scale.reshape(1, N) if w_mode == SCALE_VECTOR else w_scale.reshape(1, 1).expand(1, N).contiguous()
+    fuse_bias = bias is not None and per_tensor and bias.dtype == out.dtype
+    torch._scaled_mm(x if x.is_contiguous() else x.contiguous(), weight.t(), sa, sb,
+                     bias=bias if fuse_bias else None, out_dtype=out.dtype, out=out)
+    if bias is not None and not fuse_bias:
+        out.add_(bias.to(out.dtype))
+
+
+def _choose(impl: str, x, weight, cublas_ok: bool) -> tuple[str, Optional[dict]]:
+    M, K = x.shape
+    which, cfg = _dispatch(M, weight.shape[0], K, weight.dtype, x.device)
+    if impl == "cublas":
+        return "cublas", None
+    if impl == "triton" or x.device.type != "cuda" or not cublas_ok:
+        return "triton", cfg
+    return which, cfg
+
+
+# ----------------------------------------------------------------------------- registered ops
+
+
+@torch.library.custom_op("fastdecode::linear", mutates_args=("out",), device_types=None)
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               out: torch.Tensor, impl: str) -> None:
+    """x (M, K) unit stride in K; weight (N, K) contiguous; out (M, N) contiguous.
+
+    impl: "auto" | "triton" | "cublas" | "torch" (the reference).
+    """
+    if impl == "torch":
+        out.copy_(linear_ref(x, weight, bias))
+        return
+    which, cfg = _choose(impl, x, weight, cublas_ok=True)
+    if which == "cublas":
+        _cublas_linear(x, weight, bias, out)
+    else:
+        _triton_linear(x, weight, bias, None, SCALE_NONE, None, SCALE_NONE, out, cfg)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias, out, impl):
+    return None
+
+
+@torch.library.custom_op("fastdecode::linear_fp8", mutates_args=("out",), device_types=None)
+def _linear_fp8_op(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                   weight_scale: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+                   impl: str) -> None:
+    """x (M, K) fp8; x_scale (1,) or (M,) fp32; weight (N, K) fp8; weight_scale (1,) or (N,) fp32."""
+    M, N = out.shape
+    # M == 1 per-token is the same as per-tensor
+    x_mode = SCALE_TENSOR if x_scale.numel() == 1 else SCALE_VECTOR
+    w_mode = SCALE_TENSOR if weight_scale.numel() == 1 else SCALE_VECTOR
+    if impl == "torch":
+        out.copy_(linear_fp8_ref(x, x_scale.reshape(-1, 1) if x_mode == SCALE_VECTOR else x_scale, weight,
+                                 weight_scale, bias, out_dtype=out.dtype))
+        return
+    require_sm(x.device, 8, 9, "FP8 linear")
+    ok = x.device.type == "cuda" and cublas_fp8_supported(M, N, x.shape[1], x_mode, w_mode, out.dtype)
+    if impl == "cublas":
+        _check_cublas_fp8(M, N, x.shape[1], x_mode == SCALE_TENSOR, w_mode == SCALE_TENSOR, out.dtype)
+    which, cfg = _choose(impl, x, weight, cublas_ok=ok)
+    if which == "cublas":
+        _cublas_linear_fp8(x, x_scale, x_mode, weight, weight_scale, w_mode, bias, out)
+    else:
+        _triton_linear(x, weight, bias, x_scale, x_mode, weight_scale, w_mode, out, cfg)
+
+
+@_linear_fp8_op.register_fake
+def _(x, x_scale, weight, weight_scale, bias, out, impl):
+    return None
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _resolve_impl(impl, backend, device, op: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    be = resolve_backend(backend, device, op)
+    if be == "torch":
+        if impl is not None:
+            raise ValueError(f"impl={impl!r} needs the triton backend, but {op} resolved to the torch backend")
+        return "torch"
+    if impl == "cublas" and device.type != "cuda":
+        raise RuntimeError(f"{op}: impl='cublas' needs CUDA tensors, got tensors on {device}")
+    return impl or "auto"
+
+
+def _check_weight(weight, K: int, dtypes) -> int:
+    check_tensor("weight", weight, dtypes=dtypes, ndim=2)
+    if weight.shape[1] != K:
+        raise ValueError(f"weight must have shape (N, {K}) to match the last dimension of x, "
+                         f"got {tuple(weight.shape)} (mismatched K)")
+    if not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous (N, K) row-major, got strides {weight.stride()}; "
+                         "call .contiguous() once when preparing weights")
+    return weight.shape[0]
+
+
+def _check_bias(bias, N: int, dtypes) -> None:
+    if bias is None:
+        return
+    check_tensor("bias", bias, dtypes=dtypes, ndim=1)
+    if bias.shape[0] != N:
+        raise ValueError(f"bias must have shape ({N},) (N, the rows of weight), got {tuple(bias.shape)}")
+
+
+def linear(x, weight, bias=None, *, out=None, backend: Optional[str] = None,
+           impl: Optional[str] = None) -> torch.Tensor:
+    """``out = x @ weight.T + bias`` with fp32 accumulation, one rounding to x.dtype.
+
+    x: (..., K) bf16/fp16 (fp32 accepted; rows may be strided); weight: (N, K) contiguous, same
+    dtype; bias: (N,) same dtype or None. Returns (..., N) (or ``out``).
+    impl: None (dispatch on tuned data) | "triton" (our skinny kernel) | "cublas" (torch.mm).
+    """
+    check_tensor("x", x, dtypes=LINEAR_DTYPES)
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dimension (..., K), got a scalar")
+    K = x.shape[-1]
+    N = _check_weight(weight, K, LINEAR_DTYPES)
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight must have the dtype of x ({x.dtype}), got {weight.dtype}")
+    _check_bias(bias, N, (x.dtype,))
+    check_same_device(x=x, weight=weight, bias=bias)
+    out_shape = (*x.shape[:-1], N)
+    check_out("out", out, out_shape, x.dtype, x.device)
+    impl_s = _resolve_impl(impl, backend, x.device, "linear")
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device) if out is None else out
+    x2 = as_rows("x", x)
+    if x2.shape[0] == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.copy_(bias.expand(out_shape)) if bias is not None else out.zero_()
+    _linear_op(x2, weight, bias, out.view(-1, N), impl_s)
+    return out
+
+
+def _x_scale_rows(x_scale, lead: tuple, M: int, device) -> torch.Tensor:
+    check_tensor("x_scale", x_scale, dtypes=(torch.float32,))
+    if x_scale.device != device:
+        raise ValueError(f"x_scale is on {x_scale.device} but x is on {device}")
+    if x_scale.numel() == 1 and x_scale.dim() <= 1:
+        return x_scale.reshape(1)
+    if tuple(x_scale.shape) in ((M, 1), (*lead, 1)) and x_scale.numel() == M:
+        return x_scale.reshape(M).contiguous()
+    raise ValueError(f"x_scale must be per-tensor (shape (1,) or ()) or per-token (shape {(*lead, 1)}), "
+                     f"got {tuple(x_scale.shape)}")
+
+
+def _w_scale_vec(weight_scale, N: int, device) -> torch.Tensor:
+    check_tensor("weight_scale", weight_scale, dtypes=(torch.float32,))
+    if weight_scale.device != device:
+        raise ValueError(f"weight_scale is on {weight_scale.device} but x is on {device}")
+    if weight_scale.numel() == 1 and weight_scale.dim() <= 1:
+        return weight_scale.reshape(1)
+    if tuple(weight_scale.shape) in ((N,), (N, 1)):
+        return weight_scale.reshape(N).contiguous()
+    raise ValueError(f"weight_scale must be per-tensor (shape (1,) or ()) or per-channel (shape ({N},) "
+                     f"or ({N}, 1)), got {tuple(weight_scale.shape)}")
+
+
+def linear_fp8(x_fp8, x_scale, weight_fp8, weight_scale, bias=None, *, out_dtype=torch.bfloat16,
+               out=None, backend: Optional[str] = None, impl: Optional[str] = None) -> torch.Tensor:
+    """W8A8: ``out = (x_fp8 @ weight_fp8.T) * x_scale * weight_scale + bias`` (fp32 math, one rounding).
+
+    Scales are dequantisation scales (``real = fp8 * scale``), float32:
+    x_scale (1,)/() per tensor (static) or (..., 1) per token (dynamic, as the fused norm returns);
+    weight_scale (1,)/() per tensor or (N,)/(N, 1) per output channel.
+    x_fp8: (..., K) float8_e4m3fn; weight_fp8: (N, K) float8_e4m3fn, contiguous; bias: (N,) float or
+    None. Returns (..., N) in ``out_dtype`` (or ``out``). Scales are not read back to check their
+    sign (that would sync the host on every call). impl: None | "triton" | "cublas" (_scaled_mm).
+    """
+    check_tensor("x_fp8", x_fp8, dtypes=(FP8_DTYPE,))
+    if x_fp8.dim() == 0:
+        raise ValueError("x_fp8 must have at least 1 dimension (..., K), got a scalar")
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {FP8_OUT_DTYPES}, got {out_dtype}")
+    K = x_fp8.shape[-1]
+    lead = tuple(x_fp8.shape[:-1])
+    M = math.prod(lead)
+    N = _check_weight(weight_fp8, K, (FP8_DTYPE,))
+    _check_bias(bias, N, (torch.bfloat16, torch.float16, torch.float32))
+    check_same_device(x_fp8=x_fp8, weight_fp8=weight_fp8, bias=bias)
+    xs = _x_scale_rows(x_scale, lead, M, x_fp8.device)
+    ws = _w_scale_vec(weight_scale, N, x_fp8.device)
+    out_shape = (*lead, N)
+    check_out("out", out, out_shape, out_dtype, x_fp8.device)
+    impl_s = _resolve_impl(impl, backend, x_fp8.device, "linear_fp8")
+    if impl_s != "torch" and not torch.compiler.is_compiling():  # compiled: checked in the op
+        require_sm(x_fp8.device, 8, 9, "FP8 linear")
+    if impl_s == "cublas":
+        _check_cublas_fp8(M, N, K, xs.numel() == 1, ws.numel() == 1, out_dtype)
+    out = torch.empty(out_shape, dtype=out_dtype, device=x_fp8.device) if out is None else out
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.copy_(bias.to(out_dtype).expand(out_shape)) if bias is not None else out.zero_()
+    _linear_fp8_op(as_rows("x_fp8", x_fp8), xs, weight_fp8, ws, bias, out.view(-1, N), impl_s)
+    return out
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def linear_ref(x, weight, bias=None) -> torch.Tensor:
+    """Reference of :func:`linear`: fp32 matmul, one rounding to x.dtype."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def linear_fp8_ref(x_fp8, x_scale, weight_fp8, weight_scale, bias=None, *,
+                   out_dtype=torch.bfloat16) -> torch.Tensor:
+    """Reference of :func:`linear_fp8`: fp32 matmul of the dequantised operands, one rounding.
+
+    x_scale: one element or (..., 1); weight_scale: one element, (N,) or (N, 1).
+    """
+    xs = x_scale.float()
+    xs = xs.reshape(()) if xs.numel() == 1 and xs.dim() <= 1 else xs.reshape(*x_fp8.shape[:-1], 1)
+    ws = weight_scale.float()
+    ws = ws.reshape(()) if ws.numel() == 1 and ws.dim() <= 1 else ws.reshape(-1, 1)
+    y = (x_fp8.float() * xs) @ (weight_fp8.float() * ws).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)

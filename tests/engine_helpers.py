@@ -1,0 +1,53 @@
+"""Shared by the engine tests: our model as a Hugging Face transformers model (an independent reference)."""
+
+import torch
+
+
+def to_hf(model, device=None, dtype=torch.float32):
+    """A transformers LlamaForCausalLM / Qwen2ForCausalLM holding ``model``'s weights (split back into q/k/v
+    and gate/up), in ``dtype`` on ``device``."""
+    import transformers
+
+    c = model.config
+    common = dict(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.intermediate_size,
+                  num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                  head_dim=c.head_dim, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
+                  rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings)
+    if c.rope_scaling is not None:
+        rs = c.rope_scaling
+        common["rope_scaling"] = (
+            {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+             "high_freq_factor": rs.high_freq_factor,
+             "original_max_position_embeddings": rs.original_max_position_embeddings}
+            if rs.type == "llama3" else {"rope_type": "linear", "factor": rs.factor})
+    if c.qkv_bias:
+        hf_cfg = transformers.Qwen2Config(use_sliding_window=False, **common)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        hf_cfg = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    with torch.device(device or "cpu"):
+        hf = cls(hf_cfg).to(dtype).eval()
+    sd = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight}
+    if not c.tie_embeddings:
+        sd["lm_head.weight"] = model.output.weight
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a, f = layer.attention, layer.feed_forward
+        for n, t in zip("qkv", a.wqkv.weight.split([c.q_size, c.kv_size, c.kv_size])):
+            sd[p + f"self_attn.{n}_proj.weight"] = t
+        if c.qkv_bias:
+            for n, t in zip("qkv", a.wqkv.bias.split([c.q_size, c.kv_size, c.kv_size])):
+                sd[p + f"self_attn.{n}_proj.bias"] = t
+        sd[p + "self_attn.o_proj.weight"] = a.wo.weight
+        gate, up = f.w13.weight.split([c.intermediate_size, c.intermediate_size])
+        sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = gate, up
+        sd[p + "mlp.down_proj.weight"] = f.w2.weight
+        sd[p + "input_layernorm.weight"] = layer.attention_norm.weight
+        sd[p + "post_attention_layernorm.weight"] = layer.ffn_norm.weight
+    sd = {k: v.detach().to(device=device or "cpu", dtype=dtype) for k, v in sd.items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in m or m == "lm_head.weight" for m in missing), (missing, unexpected)
+    if c.tie_embeddings:
+        hf.tie_weights()
+    return hf

@@ -1,0 +1,186 @@
+"""Decode attention: the Triton kernel (interpreter on CPU, or the GPU) against decode_attention_ref,
+and the reference against a plain per-sequence softmax."""
+
+import math
+
+import pytest
+import torch
+
+from fastdecode.kernels.attention import launch_decode_attention
+from fastdecode.ops.attention import (
+    decode_attention, decode_attention_config, decode_attention_ref, rope_kv_write, rope_kv_write_ref,
+)
+from helpers import TOLERANCES, assert_close, poison_
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16: tl.dot on bf16 is wrong under the interpreter; the kernel uses its broadcast path there
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (B, Hq, Hkv, T, D, num_splits): MHA, GQA 3 (SmolLM2), GQA 4 (Llama 3), MQA, odd D, one split / many
+SHAPES = [
+    (1, 4, 4, 37, 64, 1),
+    (3, 9, 3, 130, 64, None),
+    (2, 8, 2, 300, 128, 4),
+    (1, 8, 1, 70, 128, 3),
+    (2, 6, 2, 99, 80, 2),
+]
+
+
+def _inputs(B, Hq, Hkv, T, D, dtype, strided=False):
+    q = torch.randn(B, Hq, D, device=DEV).to(dtype)
+    if strided:  # a cache with room for more sequences and positions: views, as the engine passes them
+        k = torch.randn(B + 1, Hkv, T + 5, D, device=DEV).to(dtype)[:B, :, :T]
+        v = torch.randn(B + 1, Hkv, T + 5, D, device=DEV).to(dtype)[:B, :, :T]
+    else:
+        k = torch.randn(B, Hkv, T, D, device=DEV).to(dtype)
+        v = torch.randn(B, Hkv, T, D, device=DEV).to(dtype)
+    seq_lens = torch.randint(1, T + 1, (B,), dtype=torch.int32, device=DEV)
+    seq_lens[0] = T  # the full cache
+    return q, k, v, seq_lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_matches_ref(shape, dtype):
+    B, Hq, Hkv, T, D, splits = shape
+    q, k, v, seq_lens = _inputs(B, Hq, Hkv, T, D, dtype, strided=shape[0] > 1)
+    out = poison_(torch.empty_like(q))
+    got = decode_attention(q, k, v, seq_lens, num_splits=splits, out=out, backend="triton")
+    assert got is out
+    assert_close(got, decode_attention_ref(q, k, v, seq_lens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_dot_and_broadcast_paths_agree(dtype):
+    """Both inner products of the kernel (tl.dot with the head group padded to 16, and broadcast-sum)."""
+    B, Hq, Hkv, T, D = 2, 8, 2, 90, 64
+    q, k, v, seq_lens = _inputs(B, Hq, Hkv, T, D, dtype)
+    ref = decode_attention_ref(q, k, v, seq_lens)
+    for use_dot in (True, False):
+        cfg = decode_attention_config(B, Hq, Hkv, T, D, dtype, q.device, num_splits=3)
+        cfg.update(USE_DOT=use_dot, BLOCK_G=16 if use_dot else 4, BLOCK_N=32)
+        out = poison_(torch.empty_like(q))
+        o_part = torch.empty(B, Hq, 3, cfg["BLOCK_D"], dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, Hq, 3, dtype=torch.float32, device=q.device)
+        launch_decode_attention(q, k, v, seq_lens, out, o_part, lse, 1 / math.sqrt(D), cfg)
+        # fp32 tl.dot runs as TF32 on GPUs
+        tol = TOLERANCES[torch.float16] if (use_dot and DEV == "cuda") else TOLERANCES[dtype]
+        torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+def test_splits_longer_than_sequence():
+    """More splits than BLOCK_N-tiles in a short sequence: empty splits must weigh nothing."""
+    q, k, v, _ = _inputs(2, 4, 2, 200, 64, torch.float32)
+    seq_lens = torch.tensor([1, 3], dtype=torch.int32, device=DEV)
+    got = decode_attention(q, k, v, seq_lens, num_splits=16, backend="triton")
+    assert_close(got, decode_attention_ref(q, k, v, seq_lens))
+    # seq_len 1: the output is exactly v at position 0
+    torch.testing.assert_close(got[0], v[0, :, 0].repeat_interleave(2, 0), atol=1e-6, rtol=0)
+
+
+def test_ref_against_explicit_softmax():
+    B, Hq, Hkv, T, D = 3, 6, 3, 20, 16
+    q, k, v, seq_lens = _inputs(B, Hq, Hkv, T, D, torch.float32)
+    scale = 0.3
+    ref = decode_attention_ref(q, k, v, seq_lens, scale)
+    for b in range(B):
+        L = int(seq_lens[b])
+        for h in range(Hq):
+            kh, vh = k[b, h // 2, :L], v[b, h // 2, :L]
+            p = torch.softmax((kh @ q[b, h]) * scale, 0)
+            torch.testing.assert_close(ref[b, h], p @ vh, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_backend_equals_ref():
+    q, k, v, seq_lens = _inputs(2, 8, 2, 50, 32, torch.bfloat16)
+    got = decode_attention(q, k, v, seq_lens, backend="torch")
+    torch.testing.assert_close(got, decode_attention_ref(q, k, v, seq_lens), atol=0, rtol=0)
+
+
+def test_argument_errors():
+    q, k, v, seq_lens = _inputs(2, 8, 2, 50, 32, torch.float32)
+    with pytest.raises(ValueError, match=r"q heads \(8\) must be a multiple of the cache's kv heads \(3\)"):
+        decode_attention(q, k[:, :1].expand(2, 3, 50, 32), v[:, :1].expand(2, 3, 50, 32), seq_lens)
+    with pytest.raises(ValueError, match="seq_lens must have dtype in \\(int32\\), got int64"):
+        decode_attention(q, k, v, seq_lens.long())
+    with pytest.raises(ValueError, match="v_cache must have the shape of k_cache"):
+        decode_attention(q, k, v[:, :, :40], seq_lens)
+    with pytest.raises(ValueError, match="k_cache and v_cache must have q's dtype"):
+        decode_attention(q, k.half(), v.half(), seq_lens)
+    with pytest.raises(ValueError, match="num_splits must be an integer in"):
+        decode_attention(q, k, v, seq_lens, num_splits=0)
+    with pytest.raises(ValueError, match="k_cache must have unit stride in its last dimension"):
+        kt = k.transpose(2, 3).contiguous().transpose(2, 3)
+        decode_attention(q, kt, v, seq_lens)
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match=r"seq_lens must lie in \[1, 50\]"):
+            decode_attention(q, k, v, torch.tensor([0, 5], dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4096, 32768])
+def test_llama8b_shapes_gpu(T):
+    """Llama-3.1-8B heads (32 q / 8 kv, D 128), bf16, short to long contexts, GPU only."""
+    B = 4
+    q, k, v, seq_lens = _inputs(B, 32, 8, T, 128, torch.bfloat16)
+    got = decode_attention(q, k, v, seq_lens, backend="triton")
+    assert_close(got, decode_attention_ref(q, k, v, seq_lens))
+
+
+# ----------------------------------------------------------------------------- RoPE + KV-cache write
+
+
+def _rope_inputs(B, Hq, Hkv, T, D, dtype):
+    from fastdecode.models.config import ModelConfig
+    from fastdecode.models.llama import rope_cache
+
+    cfg = ModelConfig(dim=Hq * D, n_layers=1, n_heads=Hq, n_kv_heads=Hkv, vocab_size=8, intermediate_size=8,
+                      rope_theta=10000.0, max_seq_len=T)
+    rope = rope_cache(cfg, T, device=DEV)
+    qkv = torch.randn(B, (Hq + 2 * Hkv) * D, device=DEV).to(dtype)
+    pos = torch.randperm(T, device=DEV)[:B]
+    k = poison_(torch.empty(B + 1, Hkv, T, D, device=DEV, dtype=dtype))[:B]
+    v = poison_(torch.empty(B + 1, Hkv, T, D, device=DEV, dtype=dtype))[:B]
+    return qkv, rope, pos, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,Hq,Hkv,D", [(1, 4, 4, 64), (3, 9, 3, 64), (2, 32, 8, 128), (2, 6, 2, 80)])
+def test_rope_kv_write_matches_ref(B, Hq, Hkv, D, dtype):
+    qkv, rope, pos, k, v = _rope_inputs(B, Hq, Hkv, 40, D, dtype)
+    k2, v2 = k.clone(), v.clone()
+    q = rope_kv_write(qkv, rope, pos, k, v, Hq, backend="triton")
+    q_ref = rope_kv_write_ref(qkv, rope, pos, k2, v2, Hq)
+    assert_close(q, q_ref)
+    rows = torch.arange(B, device=DEV)
+    assert_close(k[rows, :, pos], k2[rows, :, pos])
+    torch.testing.assert_close(v[rows, :, pos], v2[rows, :, pos], atol=0, rtol=0)
+    # nothing else in the caches was touched (still NaN)
+    k[rows, :, pos] = float("nan")
+    assert torch.isnan(k.float()).all()
+
+
+def test_rope_kv_write_ref_matches_model_rope():
+    """The fused reference against the model's prefill path (apply_rope + slicing): same rotation."""
+    from fastdecode.models.llama import apply_rope
+
+    B, Hq, Hkv, D = 2, 4, 2, 16
+    qkv, rope, pos, k, v = _rope_inputs(B, Hq, Hkv, 30, D, torch.float32)
+    q = rope_kv_write_ref(qkv, rope, pos, k, v, Hq)
+    x = qkv.view(B, 1, -1, D)
+    cs = rope[pos].unsqueeze(1)  # [B, 1, D/2, 2]
+    torch.testing.assert_close(q, apply_rope(x[:, :, :Hq], cs)[:, 0], atol=1e-6, rtol=0)
+    rows = torch.arange(B, device=DEV)
+    torch.testing.assert_close(k[rows, :, pos], apply_rope(x[:, :, Hq:Hq + Hkv], cs)[:, 0], atol=1e-6, rtol=0)
+
+
+def test_rope_kv_write_argument_errors():
+    qkv, rope, pos, k, v = _rope_inputs(2, 4, 2, 30, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"qkv must have \(n_q_heads \+ 2 \* Hkv\) \* D = 128 columns, got 80"):
+        rope_kv_write(qkv[:, :80], rope, pos, k, v, 4)
+    with pytest.raises(ValueError, match="n_q_heads must be a positive multiple of the kv heads"):
+        rope_kv_write(qkv, rope, pos, k, v, 3)
+    with pytest.raises(ValueError, match=r"rope must have shape \(T, 8, 2\)"):
+        rope_kv_write(qkv, rope[:, :4], pos, k, v, 4)
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match=r"input_pos must lie in \[0, 29\]"):
+            rope_kv_write(qkv, rope, torch.tensor([3, 30]), k, v, 4)

@@ -1,0 +1,170 @@
+"""The model and the generate loop on tiny random weights: KV cache / RoPE consistency, backends,
+per-sequence lengths, capacity errors."""
+
+import pytest
+import torch
+
+from fastdecode.engine.generate import Engine
+from fastdecode.engine.kv_cache import KVCache
+from fastdecode.engine.loader import random_model
+from fastdecode.models.config import ModelConfig
+
+CFG = ModelConfig.from_preset("tiny")
+# fp32 on both sides; only the order of fp32 sums differs (2 layers, |logits| < 1 with std 0.02... scaled up)
+ATOL = 1e-5
+
+
+def _model(backend="torch", dtype=torch.float32, cfg=CFG, seed=None):
+    m = random_model(cfg, device="cpu", dtype=dtype, backend=backend, max_seq_len=128,
+                     std=0.2, seed=int(torch.randint(0, 2**31, ())) if seed is None else seed)
+    return m
+
+
+def test_decode_steps_equal_prefill():
+    """Prefilling n tokens then decoding the rest one by one gives the logits of one long prefill."""
+    m = _model()
+    B, S, n = 2, 12, 5
+    toks = torch.randint(0, CFG.vocab_size, (B, S))
+    full = m.prefill(toks, KVCache(CFG, B, 32, dtype=torch.float32))
+    cache = KVCache(CFG, B, 32, dtype=torch.float32)
+    first = m.prefill(toks[:, :n], cache)
+    torch.testing.assert_close(first, full[:, :n], atol=ATOL, rtol=0)
+    for t in range(n, S):
+        got = m.decode(toks[:, t], torch.full((B,), t), cache)
+        torch.testing.assert_close(got, full[:, t], atol=ATOL, rtol=0)
+
+
+def test_ref_backend_equals_ops():
+    m = _model()
+    toks = torch.randint(0, CFG.vocab_size, (3, 9))
+    c1, c2 = KVCache(CFG, 3, 16, dtype=torch.float32), KVCache(CFG, 3, 16, dtype=torch.float32)
+    a = m.prefill(toks, c1)
+    m.backend = "ref"
+    b = m.prefill(toks, c2)
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    pos = torch.tensor([9, 4, 7])
+    nxt = torch.randint(0, CFG.vocab_size, (3,))
+    b = m.decode(nxt, pos, c2)
+    m.backend = "torch"
+    a = m.decode(nxt, pos, c1)
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def test_triton_backend_under_interpreter_equals_torch(monkeypatch):
+    """Every op through its Triton kernel (CPU interpreter) against the torch backend, fp32."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = CFG.replace(n_layers=1)
+    m = _model(cfg=cfg)
+    toks = torch.randint(0, cfg.vocab_size, (2, 5))
+    c1, c2 = KVCache(cfg, 2, 16, dtype=torch.float32), KVCache(cfg, 2, 16, dtype=torch.float32)
+    m.prefill(toks, c1)
+    m.prefill(toks, c2)
+    nxt, pos = torch.randint(0, cfg.vocab_size, (2,)), torch.tensor([5, 3])
+    ref = m.decode(nxt, pos, c1)
+    m.backend = "triton"
+    got = m.decode(nxt, pos, c2)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(c2.k, c1.k, atol=1e-6, rtol=0)
+
+
+def test_batch_with_different_lengths_equals_single_runs():
+    m = _model()
+    eng = Engine(m, None, max_batch=3, max_seq_len=64)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,)).tolist() for n in (3, 11, 6)]
+    batched = eng.generate(prompts, max_new_tokens=8)
+    for p, r in zip(prompts, batched):
+        [single] = eng.generate([p], max_new_tokens=8)
+        assert r.tokens == single.tokens
+        assert len(r.tokens) == 8 and r.finish_reason == "length"
+
+
+def test_generation_stops_at_context_end():
+    m = _model()
+    eng = Engine(m, None, max_batch=1, max_seq_len=20)
+    [r] = eng.generate([list(range(1, 18))], max_new_tokens=10)
+    assert len(r.tokens) == 3 and r.finish_reason == "length"  # 17 prompt + 3 new = 20
+
+
+def test_prompt_longer_than_context_is_rejected():
+    eng = Engine(_model(), None, max_batch=2, max_seq_len=16)
+    with pytest.raises(ValueError, match=r"prompt 1 has 16 tokens; the context holds 16"):
+        eng.generate([[1, 2], list(range(16))], max_new_tokens=4)
+
+
+def test_batch_over_capacity_is_rejected():
+    eng = Engine(_model(), None, max_batch=2, max_seq_len=16)
+    with pytest.raises(ValueError, match=r"batch of 3 prompts exceeds the engine's capacity \(max_batch=2\)"):
+        eng.generate([[1], [2], [3]], max_new_tokens=4)
+
+
+def test_bad_prompts_are_rejected():
+    eng = Engine(_model(), None, max_batch=2, max_seq_len=16)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        eng.generate([[]], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"token id 999 is outside the vocabulary \[0, 256\)"):
+        eng.generate([[1, 999]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        eng.generate([[1]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
+        eng.generate("hello", max_new_tokens=2)
+
+
+def test_model_backend_validation():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _model(backend="cuda")
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    tr = pytest.importorskip("transformers")
+    from fastdecode.models.llama import rope_inv_freq
+
+    cfg = ModelConfig.from_preset("llama-3.1-8b")
+    hf_cfg = tr.LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0,
+                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_hf, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    torch.testing.assert_close(rope_inv_freq(cfg).float(), inv_hf.float(), atol=0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["ref", "torch"])
+def test_decode_traces_as_one_graph(backend):
+    """torch.compile(fullgraph=True) sees the decode step without graph breaks: plain PyTorch ("ref",
+    the compiled baseline) and the registered fastdecode ops ("torch", through their fake kernels)."""
+    m = _model(backend=backend)
+    cache = KVCache(CFG, 2, 32, dtype=torch.float32)
+    toks = torch.randint(0, CFG.vocab_size, (2, 6))
+    m.prefill(toks, cache)
+    nxt, pos = torch.randint(0, CFG.vocab_size, (2,)), torch.tensor([6, 6])
+    ref_cache = KVCache(CFG, 2, 32, dtype=torch.float32)
+    ref_cache.k.copy_(cache.k)
+    ref_cache.v.copy_(cache.v)
+    ref = m.decode(nxt, pos, ref_cache)
+    torch._dynamo.reset()
+    compiled = torch.compile(m.decode, backend="eager", fullgraph=True)
+    got = compiled(nxt, pos, cache)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache.k, ref_cache.k, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["llama31", "qwen2"])
+def test_random_model_matches_transformers(variant):
+    """The model code against transformers with the same weights (the GPU suite does this at 8B shapes)."""
+    pytest.importorskip("transformers")
+    from engine_helpers import to_hf
+
+    cfg = ModelConfig.from_preset("tiny")
+    if variant == "llama31":
+        from fastdecode.models.config import RopeScaling
+
+        cfg = cfg.replace(rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 32), rope_theta=500000.0)
+    else:
+        cfg = cfg.replace(qkv_bias=True, tie_embeddings=True)
+    m = _model(cfg=cfg)
+    hf = to_hf(m)
+    toks = torch.randint(0, cfg.vocab_size, (2, 40))
+    with torch.no_grad():
+        ref = hf(toks).logits
+    got = m.prefill(toks, KVCache(cfg, 2, 64, dtype=torch.float32))
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

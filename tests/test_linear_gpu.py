@@ -1,0 +1,253 @@
+"""Skinny linear on a real GPU: bf16 and FP8 tensor-core paths, real Llama shapes, every tuner
+candidate, split-K determinism, CUDA-graph capture and torch.compile(fullgraph=True).
+
+Skipped without CUDA (conftest.py); the CPU interpreter suite is test_linear.py.
+"""
+
+import pytest
+import torch
+
+import fastdecode.ops.gemm as L
+from fastdecode.bench.linear import candidates
+from fastdecode.quant import quantize_activation_fp8, quantize_weight_fp8
+from helpers import assert_close, poison_
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+SHAPES = [(6144, 4096), (4096, 14336), (28672, 4096), (111, 4099)]  # (N, K); the last is odd
+FP8_SHAPES = [(6144, 4096), (4096, 14336), (111, 4099)]
+
+
+def _weight(N, K, dtype=torch.float32):
+    return (torch.randn(N, K, device=DEV) / K**0.5).to(dtype)
+
+
+def _fp8_operands(M, N, K, w_gran, x_dynamic):
+    wq, ws = quantize_weight_fp8(_weight(N, K), w_gran)
+    x = torch.randn(M, K, device=DEV)
+    xq, xs = quantize_activation_fp8(x, None if x_dynamic else float(x.abs().amax()) / 448)
+    return xq, xs, wq, ws
+
+
+def _fp8_ok():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.parametrize("impl", [None, "triton", "cublas"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("M", [1, 3, 16, 64])
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_linear_bf16(N, K, M, bias, impl):
+    x = torch.randn(M, K, device=DEV).bfloat16()
+    w = _weight(N, K, torch.bfloat16)
+    b = torch.randn(N, device=DEV).bfloat16() if bias else None
+    out = poison_(torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
+    y = L.linear(x, w, b, out=out, impl=impl)
+    assert y is out
+    assert_close(y, L.linear_ref(x, w, b))
+
+
+@pytest.mark.parametrize("impl", [None, "triton"])
+@pytest.mark.parametrize("M", [1, 3, 16, 64])
+def test_linear_fp16_and_strided_rows(M, impl):
+    base = torch.randn(M, 4096 + 8, device=DEV).half()
+    x = base[:, :4096]
+    w = _weight(6144, 4096, torch.float16)
+    assert_close(L.linear(x, w, impl=impl), L.linear_ref(x, w))
+
+
+# every scale combination, each once with and once without bias would double the compiled variants
+# (bias and scale modes are compile-time constants): four pairs cover all of them
+SCALES_BIAS = [("tensor-tensor", False), ("token-channel", True), ("tensor-channel", True), ("token-tensor", False)]
+
+
+@pytest.mark.skipif(not _fp8_ok(), reason="FP8 needs sm_89+")
+@pytest.mark.parametrize("impl", [None, "triton", "cublas"])
+@pytest.mark.parametrize("scales,bias", SCALES_BIAS)
+@pytest.mark.parametrize("M", [1, 3, 16, 64])
+@pytest.mark.parametrize("N,K", FP8_SHAPES)
+def test_linear_fp8(N, K, M, scales, bias, impl):
+    x_gran, w_gran = scales.split("-")
+    if impl == "cublas" and (N % 16 or K % 16):
+        pytest.skip("torch._scaled_mm needs N and K multiples of 16")
+    xq, xs, wq, ws = _fp8_operands(M, N, K, w_gran, x_gran == "token")
+    b = torch.randn(N, device=DEV).bfloat16() if bias else None
+    out = poison_(torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
+    y = L.linear_fp8(xq, xs, wq, ws, b, out=out, impl=impl)
+    assert y is out
+    assert_close(y, L.linear_fp8_ref(xq, xs, wq, ws, b))
+
+
+@pytest.mark.parametrize("dkey", ["bf16", "fp8"])
+@pytest.mark.parametrize("M", [1, 2, 4, 16, 64, 256])
+def test_every_tuner_candidate(dkey, M):
+    """Each config the tuner may pick compiles (registers, shared memory) and is right."""
+    if dkey == "fp8" and not _fp8_ok():
+        pytest.skip("FP8 needs sm_89+")
+    N, K = 4096, 4096
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if dkey == "fp8":  # per-tensor scales, as the tuner runs them (shares its compiled kernels)
+        xq, xs, wq, ws = _fp8_operands(M, N, K, "tensor", False)
+        ref = L.linear_fp8_ref(xq, xs, wq, ws)
+    else:
+        x, w = torch.randn(M, K, device=DEV).bfloat16(), _weight(N, K, torch.bfloat16)
+        ref = L.linear_ref(x, w)
+    cands = candidates(M, N, K, dkey, sms)
+    for cfg in cands + [{**c, "PREFETCH": True} for c in cands if c["kind"] == "fma"]:
+        out = poison_(torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
+        if dkey == "fp8":
+            L._triton_linear(xq, wq, None, xs, 1, ws, 1, out, cfg)
+        else:
+            L._triton_linear(x, w, None, None, 0, None, 0, out, cfg)
+        try:
+            assert_close(out, ref)
+        except AssertionError as e:
+            raise AssertionError(f"config {cfg}: {e}") from None
+
+
+def test_split_k_is_deterministic_and_counters_reset():
+    x = torch.randn(5, 14336, device=DEV).bfloat16()
+    w = _weight(4096, 14336, torch.bfloat16)
+    cfg = dict(kind="dot", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=4)
+    first = torch.empty(5, 4096, device=DEV, dtype=torch.bfloat16)
+    L._triton_linear(x, w, None, None, 0, None, 0, first, cfg)
+    for _ in range(50):
+        out = poison_(torch.empty_like(first))
+        L._triton_linear(x, w, None, None, 0, None, 0, out, cfg)
+        assert torch.equal(out, first), "split-K result changed between identical launches"
+    torch.cuda.synchronize()
+    assert int(L._LOCKS[("cuda", x.device.index)].abs().sum()) == 0
+    assert_close(first, L.linear_ref(x, w))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("M", [1, 16])
+def test_cuda_graph_capture_and_replay(M, fp8):
+    if fp8 and not _fp8_ok():
+        pytest.skip("FP8 needs sm_89+")
+    N, K = 4096, 4096
+    if fp8:
+        xq, xs, wq, ws = _fp8_operands(M, N, K, "channel", True)
+        run = lambda: L.linear_fp8(xq, xs, wq, ws)  # noqa: E731
+    else:
+        x, w = torch.randn(M, K, device=DEV).bfloat16(), _weight(N, K, torch.bfloat16)
+        run = lambda: L.linear(x, w)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()  # warm-up: compiles, allocates the split-K counters outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = run()
+    for _ in range(3):  # new inputs in the same buffers
+        if fp8:
+            xn, xsn = quantize_activation_fp8(torch.randn(M, K, device=DEV))
+            xq.copy_(xn)
+            xs.copy_(xsn)
+        else:
+            x.copy_(torch.randn(M, K, device=DEV))
+        poison_(y)
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close(y, L.linear_fp8_ref(xq, xs, wq, ws) if fp8 else L.linear_ref(x, w))
+
+
+def test_capture_before_any_call_falls_back_to_one_split():
+    saved = dict(L._LOCKS)
+    L._LOCKS.clear()
+    try:
+        x, w = torch.randn(2, 4096, device=DEV).bfloat16(), _weight(4096, 4096, torch.bfloat16)
+        cfg = dict(kind="dot", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=4)
+        out = torch.empty(2, 4096, device=DEV, dtype=torch.bfloat16)
+        L._triton_linear(x, w, None, None, 0, None, 0, out, {**cfg, "SPLIT_K": 1})  # compile only
+        L._LOCKS.clear()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            L._triton_linear(x, w, None, None, 0, None, 0, out, cfg)
+        assert not L._LOCKS, "a counter buffer was allocated inside the capture"
+        poison_(out)
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close(out, L.linear_ref(x, w))
+    finally:
+        L._LOCKS.update(saved)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_torch_compile_fullgraph(fp8):
+    if fp8 and not _fp8_ok():
+        pytest.skip("FP8 needs sm_89+")
+    torch._dynamo.reset()
+    M, N, K = 3, 4096, 4096
+    if fp8:
+        xq, xs, wq, ws = _fp8_operands(M, N, K, "channel", True)
+        b = torch.randn(N, device=DEV).bfloat16()
+        f = torch.compile(lambda a, s: L.linear_fp8(a, s, wq, ws, b) * 2, fullgraph=True)
+        assert_close(f(xq, xs), L.linear_fp8_ref(xq, xs, wq, ws, b) * 2)
+    else:
+        w = _weight(N, K, torch.bfloat16)
+        f = torch.compile(lambda a: torch.relu(L.linear(a, w)), fullgraph=True)
+        x = torch.randn(M, K, device=DEV).bfloat16()
+        assert_close(f(x), torch.relu(L.linear_ref(x, w)))
+
+
+def test_fp8_needs_sm89(monkeypatch):
+    import fastdecode.ops._common as common
+
+    xq, xs, wq, ws = (torch.zeros(2, 32, device=DEV).to(torch.float8_e4m3fn), torch.ones(1, device=DEV),
+                      torch.zeros(16, 32, device=DEV).to(torch.float8_e4m3fn), torch.ones(16, device=DEV))
+    monkeypatch.setattr(common, "device_capability", lambda device: (8, 0))
+    with pytest.raises(RuntimeError, match=r"FP8 linear needs a GPU with compute capability >= 8.9"):
+        L.linear_fp8(xq, xs, wq, ws)
+
+
+def test_dispatcher_uses_the_tuned_table_for_this_gpu():
+    impl, cfg = L.get_linear_config(1, 4096, 4096, torch.bfloat16, DEV)
+    assert impl in ("triton", "cublas")
+    if impl == "triton":
+        assert cfg["kind"] in ("fma", "dot")
+    # far above any tuned M: cuBLAS
+    assert L.get_linear_config(8192, 4096, 4096, torch.bfloat16, DEV) == ("cublas", None)
+
+
+@pytest.mark.parametrize("kind,prefetch", [("fma", False), ("fma", True), ("dot", False)])
+def test_programmatic_dependent_launch(kind, prefetch):
+    """PDL configs give the same results eagerly and when chained inside a CUDA graph."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    M, N, K = (1, 4096, 4096) if kind == "fma" else (8, 4096, 4096)
+    cfg = {**L.heuristic_config(M, N, K, "bf16"), "PDL": True, "PREFETCH": prefetch}  # split-K > 1 in both
+    assert cfg["kind"] == kind and cfg["SPLIT_K"] > 1
+    x, w = torch.randn(M, K, device=DEV).bfloat16(), _weight(N, K, torch.bfloat16)
+    w2 = _weight(K, N, torch.bfloat16)
+    h = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+    y = torch.empty(M, K, device=DEV, dtype=torch.bfloat16)
+
+    def chain():  # y = (x @ w.T) @ w2.T: the second launch depends on the first's output
+        L._triton_linear(x, w, None, None, 0, None, 0, h, cfg)
+        L._triton_linear(h, w2, None, None, 0, None, 0, y, cfg)
+
+    chain()
+    torch.cuda.synchronize()
+    ref = L.linear_ref(L.linear_ref(x, w), w2)
+    assert_close(y, ref)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain()
+    for _ in range(3):
+        x.copy_(torch.randn(M, K, device=DEV))
+        poison_(h)
+        poison_(y)
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close(y, L.linear_ref(L.linear_ref(x, w), w2))
+
+
+def test_cublas_fp8_rejects_what_scaled_mm_cannot_run():
+    if not _fp8_ok():
+        pytest.skip("FP8 needs sm_89+")
+    xq, xs, wq, ws = _fp8_operands(2, 111, 4099, "channel", True)
+    with pytest.raises(ValueError, match=r"impl='cublas': torch._scaled_mm cannot run N=111, K=4099"):
+        L.linear_fp8(xq, xs, wq, ws, impl="cublas")
+    assert_close(L.linear_fp8(xq, xs, wq, ws), L.linear_fp8_ref(xq, xs, wq, ws))  # dispatch: Triton
