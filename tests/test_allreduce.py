@@ -55,6 +55,7 @@ def _entry(rank, world, port, fn, backend, errq):
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world)
+        dist.barrier()  # leave together: a rank tearing down gloo while its peer still talks aborts it
     except BaseException:
         errq.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise SystemExit(1)

@@ -44,7 +44,10 @@ def test_linear_bf16(N, K, M, bias, impl):
     out = poison_(torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
     y = L.linear(x, w, b, out=out, impl=impl)
     assert y is out
-    assert_close(y, L.linear_ref(x, w, b))
+    ref = L.linear_ref(x, w, b)
+    # cuBLAS may round x @ w.T to bf16 before adding the bias (measured: 0.0117 off at |y| = 0.42,
+    # N=111, K=4099): the error scales with the largest terms, not with the element itself
+    torch.testing.assert_close(y.float(), ref.float(), rtol=8e-3, atol=8e-3 * ref.float().abs().max().item())
 
 
 @pytest.mark.parametrize("impl", [None, "triton"])

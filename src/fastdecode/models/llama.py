@@ -56,8 +56,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, backend: str = "ref") -> torch.Tensor:
         # "ref"/"torch" are the PyTorch baselines (cuBLAS through F.linear); on the CPU, F.linear is
-        # the reference too. Otherwise the dispatcher picks our skinny kernel or cuBLAS per shape.
-        if backend in ("ref", "torch") or not x.is_cuda:
+        # the reference too; gemm_impl "cublas" (ablation: skinny GEMM off) calls F.linear as well:
+        # through the op's cuBLAS branch (torch.mm with out=) the 8B decode step measured 34 ms
+        # instead of ~8.7 ms, unexplained so far (benchmarks/NOTES.md). Otherwise the dispatcher
+        # picks our skinny kernel or cuBLAS per shape.
+        if backend in ("ref", "torch") or not x.is_cuda or self.gemm_impl == "cublas":
             return F.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, backend=backend, impl=self.gemm_impl)
 
