@@ -11,7 +11,8 @@ import torch
 
 from fastdecode.bench.harness import make_row, rotation_count, time_cuda, write_rows
 from fastdecode.kernels.activation import launch_silu_and_mul
-from fastdecode.kernels.norm import OUT_FP8_DYNAMIC, OUT_NATIVE, launch_rms_norm
+from fastdecode.constants import OUT_FP8_DYNAMIC, OUT_NATIVE
+from fastdecode.kernels.norm import launch_rms_norm
 
 
 def sweep_norm(rows, M, H, mode):

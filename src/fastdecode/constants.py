@@ -9,3 +9,8 @@ FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 SCALE_NONE = 0
 SCALE_TENSOR = 1  # one fp32 element
 SCALE_VECTOR = 2  # x: one per row (M,), w: one per output channel (N,)
+
+# Output modes of the row kernels (norm, SiLU-and-mul, fused all-reduce): constexpr OUT_MODE
+OUT_NATIVE = 0  # out has a float dtype; y is rounded once
+OUT_FP8_STATIC = 1  # out = fp8(clamp(y / scale)), scale given (one fp32 element)
+OUT_FP8_DYNAMIC = 2  # per-row scale = max(amax(|y|) / 448, min_scale), written to scale[row]

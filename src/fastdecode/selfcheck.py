@@ -16,7 +16,6 @@ import torch
 def _checks(dev: str):
     import fastdecode as fd
 
-    fp8 = torch.float8_e4m3fn
     act = torch.bfloat16 if dev == "cuda" else torch.float16
 
     def close(a, b, tol):

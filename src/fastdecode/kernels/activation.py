@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
-from fastdecode.kernels.norm import OUT_FP8_DYNAMIC, OUT_FP8_STATIC, OUT_NATIVE  # noqa: F401
+from fastdecode.constants import OUT_FP8_DYNAMIC
 
 
 @triton.jit

@@ -8,11 +8,6 @@ import triton.language as tl
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
 
-# Output modes (constexpr OUT_MODE)
-OUT_NATIVE = 0  # out has a float dtype; y is rounded once
-OUT_FP8_STATIC = 1  # out = fp8(clamp(y / scale)), scale given (one fp32 element)
-OUT_FP8_DYNAMIC = 2  # per-row scale = max(amax(|y|) / 448, min_scale), written to scale_ptr[row]
-
 
 @triton.jit
 def _finish_row(y, out_ptrs, mask, scale_ptr, rows, row_mask,

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE  # noqa: F401  (re-exported)
+from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE, OUT_FP8_DYNAMIC, OUT_FP8_STATIC, OUT_NATIVE  # noqa: F401
 
 log = logging.getLogger("fastdecode")
 
@@ -212,3 +212,12 @@ def check_eps(eps) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     return float(eps)
+
+
+def out_mode(out: torch.Tensor, scale_in, scale_out):
+    """(OUT_MODE, scale tensor) of a row kernel writing ``out``: native, FP8 static, FP8 dynamic."""
+    if out.dtype != FP8_DTYPE:
+        return OUT_NATIVE, None
+    if scale_in is not None:
+        return OUT_FP8_STATIC, scale_in
+    return OUT_FP8_DYNAMIC, scale_out

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from fastdecode.ops._common import (
+    OUT_FP8_DYNAMIC, out_mode,
     next_pow2,
     FP8_DTYPE, as_rows, check_out, check_tensor, require_sm, resolve_backend, static_scale,
 )
@@ -46,16 +47,9 @@ def _silu_and_mul_op(
 ) -> None:
     """x: (M, 2I) rows with unit inner stride; out: (M, I); scale_out (M, 1) for dynamic FP8."""
     if backend == "triton":
-        from fastdecode.kernels.activation import (
-            OUT_FP8_DYNAMIC, OUT_FP8_STATIC, OUT_NATIVE, launch_silu_and_mul,
-        )
+        from fastdecode.kernels.activation import launch_silu_and_mul
 
-        if out.dtype != FP8_DTYPE:
-            mode, scale = OUT_NATIVE, None
-        elif scale_in is not None:
-            mode, scale = OUT_FP8_STATIC, scale_in
-        else:
-            mode, scale = OUT_FP8_DYNAMIC, scale_out
+        mode, scale = out_mode(out, scale_in, scale_out)
         M, I = out.shape
         launch_silu_and_mul(x, out, scale, mode, silu_config(M, I, mode == OUT_FP8_DYNAMIC))
         return

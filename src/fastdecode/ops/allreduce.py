@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fastdecode.ops._common import (
+    out_mode,
     FP8_DTYPE, as_rows, check_eps, check_out, check_same_device, check_tensor, is_tracing, next_pow2,
     require_sm, resolve_backend, static_scale,
 )
@@ -213,14 +214,8 @@ def _all_reduce_add_rms_norm_op(
     ws = _get(handle)
     if path == "one_shot":
         from fastdecode.kernels.allreduce import launch_all_reduce_add_rms_norm
-        from fastdecode.kernels.norm import OUT_FP8_DYNAMIC, OUT_FP8_STATIC, OUT_NATIVE
 
-        if out.dtype != FP8_DTYPE:
-            mode, scale = OUT_NATIVE, None
-        elif scale_in is not None:
-            mode, scale = OUT_FP8_STATIC, scale_in
-        else:
-            mode, scale = OUT_FP8_DYNAMIC, scale_out
+        mode, scale = out_mode(out, scale_in, scale_out)
         num_warps = min(max(next_pow2(x.shape[1]) // 1024, 4), 16)
         launch_all_reduce_add_rms_norm(x, residual, weight, out, scale, eps, mode, ws, num_warps)
         return

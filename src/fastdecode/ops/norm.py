@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from fastdecode.ops._common import (
+    OUT_NATIVE, out_mode,
     next_pow2,
     FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, as_rows, check_eps, check_out, check_same_device,
     check_tensor, require_sm, resolve_backend, static_scale,
@@ -65,14 +66,9 @@ def _rms_norm_op(
 ) -> None:
     """x, residual, out: (M, H) rows (unit stride in H); scale_out: (M, 1) for dynamic FP8."""
     if backend == "triton":
-        from fastdecode.kernels.norm import OUT_FP8_DYNAMIC, OUT_FP8_STATIC, OUT_NATIVE, launch_rms_norm
+        from fastdecode.kernels.norm import launch_rms_norm
 
-        if out.dtype != FP8_DTYPE:
-            mode, scale = OUT_NATIVE, None
-        elif scale_in is not None:
-            mode, scale = OUT_FP8_STATIC, scale_in
-        else:
-            mode, scale = OUT_FP8_DYNAMIC, scale_out
+        mode, scale = out_mode(out, scale_in, scale_out)
         launch_rms_norm(x, residual, weight, out, scale, eps, mode, norm_config(*x.shape, fp8=mode != OUT_NATIVE))
         return
     y, new_res, s = _norm_rows_ref(x, residual, weight, eps, out.dtype, scale_in)
