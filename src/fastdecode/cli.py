@@ -3,7 +3,7 @@
     fastdecode generate PROMPT          text from the embedded default model (or --model PATH)
     fastdecode chat | info
     fastdecode selfcheck                every kernel against its reference (CPU: Triton interpreter)
-    fastdecode bench norm|silu|quant|kernels|linear|allreduce|decode
+    fastdecode bench norm|silu|quant|kernels|linear|int4|allreduce|decode
     fastdecode tune linear              measure GEMM launch configs on this GPU, write them as data
 """
 
@@ -33,6 +33,13 @@ def _cmd_bench_linear(args) -> int:
 
     bl.run(args.out or "benchmarks/results/linear.json", quick=args.quick,
            shapes=bl.parse_shapes(args.shapes) if args.shapes else None)
+    return 0
+
+
+def _cmd_bench_int4(args) -> int:
+    from fastdecode.bench import int4 as bi
+
+    bi.run(args.out or "benchmarks/results/int4_linear.json", quick=args.quick)
     return 0
 
 
@@ -74,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     lin.add_argument("--shapes", default=None, help='e.g. "8b.o,4096x14336" (default: the Llama shapes)')
     _add_common(lin, "benchmarks/results/linear.json")
     lin.set_defaults(func=_cmd_bench_linear)
+    i4 = bsub.add_parser("int4", help="int4-weight GEMMs (W4A16, W4A8) vs cuBLAS BF16")
+    _add_common(i4, "benchmarks/results/int4_linear.json")
+    i4.set_defaults(func=_cmd_bench_int4)
     ar = bsub.add_parser("allreduce", help="all-reduce (+ add + RMSNorm) vs NCCL, one process per GPU")
     ar.add_argument("--world", type=int, default=2, help="number of GPUs")
     _add_common(ar, "benchmarks/results/allreduce.json")
@@ -95,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for --tp relaunches (engine commands)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     return int(args.func(args) or 0)
 

@@ -1,0 +1,280 @@
+"""Int4-weight GEMM (W4A16): ``out = x @ dequantize_int4(w, x.dtype).T (+ bias)``, fp32 accumulation.
+
+No policy and no checks here: ``fastdecode.ops.int4`` validates, gathers act-order columns, picks
+the config and owns the split-K workspace. The weight layout is ``fastdecode.quant.int4``'s: int32
+words in tiles of 256 columns, word j of a tile holding columns 32p + j in bits 4p..4p+3 (p = 0..7);
+scales and zeros / mins ``(N, K // GROUP)``.
+
+Dequantisation, the same in both paths and bit-identical to ``dequantize_int4``: a nibble ``q``
+becomes fp32 with one OR and one subtract, ``as_float(0x4B000000 | q) - 2**23 == q`` (the magic
+number puts q in the mantissa of 2**23; no int -> float conversion, and it is plain integer ops +
+a bitcast, so the interpreter runs the same code as the GPU); then ``(q - zero) * scale`` (exact in
+fp32: a 5-bit integer times a 16-bit-mantissa scale) or ``q * scale + min``, rounded once to the
+activation dtype.
+
+A K step loads a ``[BLOCK_N, BLOCK_K // 8]`` tile of words (16-byte loads) once, then for each of
+the 8 shifts p (unrolled) dequantises a ``[BLOCK_N, BLOCK_K // 8]`` slice *in the words' register
+layout*; thanks to the stride-32 interleave the slice's columns are runs of 32 consecutive columns,
+so its x operand is a plain 2-D load. Two inner products (constexpr ``USE_DOT``), one kernel:
+
+* FMA (small M, weight streaming): slice x each of ``BLOCK_M`` (<= 4) broadcast x rows into
+  ``[BLOCK_N, BLOCK_K // 8]`` fp32 accumulators, elementwise (no cross-thread reduction inside the
+  loop; one after it).
+* DOT (larger M): ``acc += tl.dot(x[BLOCK_M, BLOCK_K // 8], slice^T)`` per shift (tensor cores on
+  the GPU; 8 MMAs of K = BLOCK_K // 8 per step).
+
+Split-K: as ``kernels/linear.py`` (fp32 partials, a per-tile arrival counter, the last program sums
+the partials in split order: deterministic; one launch, counters reset by the kernel).
+"""
+
+import triton
+import triton.language as tl
+
+from fastdecode.kernels.linear import _epilogue
+
+ZERO_SYM, ZERO_INT, ZERO_MIN = 0, 1, 2  # constexpr ZERO_MODE: "sym", "zero", "min"
+_ZERO_MODES = {"sym": ZERO_SYM, "zero": ZERO_INT, "min": ZERO_MIN}
+
+
+@triton.jit
+def _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr,
+                  UNIFORM: tl.constexpr):
+    """fp32 scale and zero (or min) of shift ``p``'s columns ``kcol`` (``[BK8]``) of rows ``rn``:
+    ``[BLOCK_N, 1]`` when they all lie in one group (UNIFORM: the tile is one 256-column layout tile,
+    or lies inside one group), else a ``[BLOCK_N, BK8]`` gather of a few distinct values (L1 hits)."""
+    if UNIFORM:
+        # padding columns (>= K) may point past the last group: clamp (their x is 0 anyway)
+        offs = rn[:, None] * G + tl.minimum((k0 + 32 * p) // GROUP, G - 1)
+        s = tl.load(s_ptr + offs).to(tl.float32)
+        if ZERO_MODE == 0:
+            z = s * 0.0 + 8.0
+        else:
+            z = tl.load(z_ptr + offs).to(tl.float32)
+    else:
+        offs = rn[:, None] * G + (kcol // GROUP)[None, :]
+        s = tl.load(s_ptr + offs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+        if ZERO_MODE == 0:
+            z = s * 0.0 + 8.0
+        else:
+            z = tl.load(z_ptr + offs, mask=k_mask[None, :], other=0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _dequant(qw, p, s, z, ZERO_MODE: tl.constexpr, W_DTYPE: tl.constexpr):
+    """Shift ``p`` of the words ``qw [BN, BK8]`` -> ``[BN, BK8]`` values in W_DTYPE (same layout)."""
+    nib = (qw >> (4 * p)) & 0xF
+    f = (nib | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + q, exactly
+    if ZERO_MODE == 2:
+        w = (f - 8388608.0) * s + z
+    else:
+        w = (f - (z + 8388608.0)) * s
+    return w.to(W_DTYPE)
+
+
+@triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
+def _int4_linear_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, xs_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, G, KW, stride_xm, stride_om, stride_part, split_k,
+    GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
+    UNIFORM: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Grid (m tiles, split_k, n tiles). BLOCK_K is a multiple of 256 (whole layout tiles); KW is the
+    number of words per weight row (Kp // 8); columns >= K are masked (x and scales read as 0).
+
+    W4A8 (x is FP8, X_SCALE_MODE 1 per tensor / 2 per token): the FMA path dequantises to fp32
+    (no 16-bit rounding); the DOT path converts the integers ``q - zero`` (or ``q`` for "min"),
+    exact in e4m3, to FP8 and runs FP8 ``tl.dot`` per shift (32 columns, one group: UNIFORM is
+    required), then ``acc += dot * scale[n]`` (+ ``min[n] * sum(x)`` for "min"); x_scale in the epilogue.
+    """
+    X_FP8: tl.constexpr = X_SCALE_MODE != 0
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    num_m = tl.num_programs(0)
+    BK8: tl.constexpr = BLOCK_K // 8
+    if X_FP8:
+        W_DTYPE: tl.constexpr = tl.float32
+    else:
+        W_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # out-of-range rows wrap onto valid ones (loads stay unmasked); they are never stored
+    rn = (offs_n % N).to(tl.int64)
+    m_valid = offs_m < M
+
+    kb_total = tl.cdiv(KW * 8, BLOCK_K)
+    kb_per = tl.cdiv(kb_total, split_k)
+    kb_start = pid_k * kb_per
+    kb_end = tl.minimum(kb_start + kb_per, kb_total)
+
+    offs_w = tl.arange(0, BK8)
+    # column of shift 0 of each word of a tile: 256 * (j // 32) + j % 32 (stride-32 interleave)
+    col0 = (offs_w // 32) * 256 + offs_w % 32
+    qw_row = qw_ptr + rn[:, None] * KW
+
+    if USE_DOT:
+        rm = (offs_m % M).to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc0 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
+        x0_ptr = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm
+        r0 = pid_m * BLOCK_M + tl.zeros((BK8,), dtype=tl.int32)  # a splat: the tile's first row
+    for kb in range(kb_start, kb_end):
+        k0 = kb * BLOCK_K
+        kw = kb * BK8 + offs_w
+        if EVEN_K:  # K % BLOCK_K == 0: no masks, so loads stay 16-byte vectors
+            qw = tl.load(qw_row + kw[None, :])
+        else:
+            qw = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
+        for p in tl.static_range(8):
+            kcol = k0 + col0 + 32 * p  # the columns of shift p: runs of 32 consecutive columns
+            if EVEN_K:
+                k_mask = col0 < BLOCK_K  # all true, constant along K (vectorisable)
+            else:
+                k_mask = kcol < K
+            s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE, UNIFORM)
+            if USE_DOT and X_FP8:
+                x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
+                            mask=m_valid[:, None] & k_mask[None, :], other=0.0)
+                nib = (qw >> (4 * p)) & 0xF
+                qf = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                if ZERO_MODE == 0:
+                    qf = qf - 8.0
+                elif ZERO_MODE == 1:
+                    qf = qf - z
+                part = tl.dot(x, tl.trans(qf.to(tl.float8e4nv)))  # [BLOCK_M, BLOCK_N], exact integers
+                acc += part * tl.reshape(s, (1, BLOCK_N))
+                if ZERO_MODE == 2:
+                    xsum = tl.sum(x.to(tl.float32), axis=1)
+                    acc += xsum[:, None] * tl.reshape(z, (1, BLOCK_N))
+            elif USE_DOT:
+                w = _dequant(qw, p, s, z, ZERO_MODE, W_DTYPE)  # [BLOCK_N, BK8]
+                x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
+                            mask=m_valid[:, None] & k_mask[None, :], other=0.0)
+                acc = tl.dot(x, tl.trans(w), acc)
+            else:
+                w = _dequant(qw, p, s, z, ZERO_MODE, W_DTYPE)  # [BLOCK_N, BK8]
+                wf = w.to(tl.float32)
+                x0 = tl.load(x0_ptr + kcol, mask=k_mask & (r0 < M), other=0.0).to(tl.float32)
+                acc0 += wf * x0[None, :]
+                if BLOCK_M > 1:
+                    x1 = tl.load(x0_ptr + stride_xm + kcol, mask=k_mask & (r0 + 1 < M), other=0.0)
+                    acc1 += wf * x1.to(tl.float32)[None, :]
+                if BLOCK_M > 2:
+                    x2 = tl.load(x0_ptr + 2 * stride_xm + kcol, mask=k_mask & (r0 + 2 < M), other=0.0)
+                    acc2 += wf * x2.to(tl.float32)[None, :]
+                    x3 = tl.load(x0_ptr + 3 * stride_xm + kcol, mask=k_mask & (r0 + 3 < M), other=0.0)
+                    acc3 += wf * x3.to(tl.float32)[None, :]
+    if not USE_DOT:
+        rows = tl.arange(0, BLOCK_M)[:, None]
+        acc = tl.where(rows == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+        if BLOCK_M > 1:
+            acc += tl.where(rows == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
+        if BLOCK_M > 2:
+            acc += tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], 0.0)
+            acc += tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], 0.0)
+
+    if not SPLIT:
+        _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, bias_ptr,
+                  HAS_BIAS, X_SCALE_MODE, 0)
+    else:
+        mask = m_valid[:, None] & (offs_n < N)[None, :]
+        tile_off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k.to(tl.int64) * stride_part + tile_off, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the (release) counter bump
+        lock = lock_ptr + pid_n * num_m + pid_m
+        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            part_ptrs = part_ptr + tile_off
+            for s in range(split_k):  # fixed order: deterministic
+                total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                part_ptrs += stride_part
+            _epilogue(total, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, bias_ptr,
+                      HAS_BIAS, X_SCALE_MODE, 0)
+            tl.store(lock, 0)  # ready for the next launch (same stream)
+
+
+def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
+    """(number of BLOCK_K blocks, effective SPLIT_K): never more splits than blocks, no empty split."""
+    kb_total = triton.cdiv(triton.cdiv(K, 256) * 256, config["BLOCK_K"])
+    split = max(1, min(int(config.get("SPLIT_K", 1)), kb_total))
+    split = triton.cdiv(kb_total, triton.cdiv(kb_total, split))
+    return kb_total, split
+
+
+def _uniform(group_size: int, bk: int) -> bool:
+    # shift p of a tile covers one group: a single layout tile (columns 32p..32p+31 of it), or a
+    # tile inside one group
+    return bk == 256 or group_size % bk == 0
+
+
+def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
+                       config: dict, x_scale=None, x_scale_mode: int = 0):
+    """Launch on 2-D views: x (M, K) unit stride in K (kernel column order), qweight (N, Kp // 8) int32,
+    scales / zm (N, K // group_size) contiguous (zm: zeros uint8, mins, or None), out (M, N) contiguous.
+
+    ``part`` (fp32, SPLIT_K * M * N) and ``locks`` (zeroed int32, one per output tile) are needed only
+    when the effective SPLIT_K > 1. ``config``: dict(kind="fma"|"dot", BLOCK_M, BLOCK_N, BLOCK_K
+    (a power-of-2 multiple of 256), SPLIT_K, num_warps, num_stages).
+    W4A8: x is float8_e4m3fn, ``x_scale`` fp32 (1,) (x_scale_mode 1) or (M,) (mode 2); the dot path
+    then needs every 32-column slice of a tile in one group (BLOCK_K == 256 or a multiple of it
+    dividing group_size).
+    """
+    M, K = x.shape
+    N = qweight.shape[0]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    _, split = split_k_blocks(K, config)
+    grid = (triton.cdiv(M, bm), split, triton.cdiv(N, bn))
+    _int4_linear_kernel[grid](
+        x, qweight, scales, zm if zm is not None else scales, bias if bias is not None else out,
+        x_scale if x_scale is not None else out, out, part if split > 1 else out, locks if split > 1 else out,
+        M, N, K, scales.shape[1], qweight.shape[1], x.stride(0), out.stride(0), M * N, split,
+        GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
+        USE_DOT=config["kind"] == "dot", UNIFORM=_uniform(group_size, bk), EVEN_K=K % bk == 0,
+        X_SCALE_MODE=x_scale_mode,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
+        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3),
+    )
+
+
+@triton.jit
+def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, KW,
+                         GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, UNIFORM: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out (N, K) = the dequantised weight in out's dtype (for the large-M dequant + cuBLAS path)."""
+    BK8: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = (offs_n % N).to(tl.int64)
+    offs_w = tl.arange(0, BK8)
+    kw = pid_k * BK8 + offs_w
+    qw = tl.load(qw_ptr + rn[:, None] * KW + kw[None, :], mask=(kw < KW)[None, :], other=0)
+    k0 = pid_k * BLOCK_K
+    col0 = (offs_w // 32) * 256 + offs_w % 32
+    n_mask = offs_n < N
+    for p in tl.static_range(8):
+        kcol = k0 + col0 + 32 * p
+        k_mask = kcol < K
+        s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE, UNIFORM)
+        w = _dequant(qw, p, s, z, ZERO_MODE, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rn[:, None] * K + kcol[None, :], w, mask=n_mask[:, None] & k_mask[None, :])
+
+
+def launch_int4_dequant(qweight, scales, zm, group_size: int, zero_mode: str, out, block_n: int = 16,
+                        block_k: int = 256):
+    """out (N, K) contiguous bf16/fp16 <- dequantised qweight (N, Kp // 8), kernel column order."""
+    N, K = out.shape
+    grid = (triton.cdiv(N, block_n), triton.cdiv(qweight.shape[1] * 8, block_k))
+    _int4_dequant_kernel[grid](
+        qweight, scales, zm if zm is not None else scales, out, N, K, scales.shape[1], qweight.shape[1],
+        GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], UNIFORM=_uniform(group_size, block_k),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )

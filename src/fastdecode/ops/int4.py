@@ -1,0 +1,365 @@
+"""Int4-weight linear (W4A16) on prepacked weights, with a shape-aware config dispatcher.
+
+    int4_linear:  out = x @ dequantize_int4(w, x.dtype).T + bias       (fp32 accumulation, one rounding)
+
+``w`` is a :class:`fastdecode.quant.int4.Int4Weight` (group 32/64/128 or per channel; zero mode
+"sym", "zero" or "min"; see that module for the maths and the layout). The weight is dequantised in
+registers exactly as ``dequantize_int4`` does (fp32 maths, one rounding to x.dtype), so the
+reference is ``x.float() @ dequantize_int4(w, x.dtype).float().T``.
+
+Dispatcher. Two Triton paths: "fma" (weight streaming with split-K, small M) and "dot" (tensor-core
+``tl.dot``, larger M); ``impl="dequant"`` dequantises the whole weight with a Triton kernel into a
+scratch buffer and calls cuBLAS (large M, where the GEMM is compute bound and the conversion is
+amortised). The choice per (N, K, group, M) comes from tuned data in
+``fastdecode/configs/int4_linear_<gpu>.json`` (written by ``fastdecode.bench.int4.tune``): the
+exact (N, K, group) entry, the tuned M nearest on a log scale. Without it: a heuristic (fma for
+M <= 4, dot up to M = 1024, dequant + cuBLAS above on CUDA) and one log warning. Nothing is timed
+at call time (safe under CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from fastdecode.ops._common import (
+    as_rows, cdiv, check_out, check_same_device, check_tensor, log, next_pow2, resolve_backend,
+)
+from fastdecode.ops.int4_format import LAYOUT, Int4Weight, dequantize_int4
+
+IMPLS = (None, "triton", "dequant")
+X_DTYPES = (torch.bfloat16, torch.float16)
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_NUM_SMS = 132
+HEURISTIC_MAX_FMA_M = 4
+HEURISTIC_MAX_DOT_M = 1024  # dequant + cuBLAS above: its N*K*2-byte write is amortised there
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def config_path(gpu_name: str) -> Path:
+    from fastdecode.ops.gemm import gpu_key
+
+    return CONFIG_DIR / f"int4_linear_{gpu_key(gpu_name)}.json"
+
+
+@functools.cache
+def _load_table(path: str) -> Optional[dict]:
+    p = Path(path)
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def clear_config_cache() -> None:
+    _load_table.cache_clear()
+    _lookup.cache_clear()
+
+
+def heuristic_config(M: int, N: int, K: int, group_size: int, num_sms: int = DEFAULT_NUM_SMS,
+                     cuda: bool = True) -> tuple[str, dict]:
+    """(impl, config) without tuned data: fma tiles of 16-byte word loads for tiny M, else dot;
+    split-K so that about 4 programs run per SM (every SM streams weights even when N is small)."""
+    if M <= HEURISTIC_MAX_FMA_M:
+        # BLOCK_K = 256 (one layout tile: 8 threads x 16 bytes per row, one scale per row and shift);
+        # BLOCK_N rows so that every thread has 64 bytes of weights in flight per step
+        bm = next_pow2(M)
+        cfg = {"kind": "fma", "BLOCK_M": bm, "BLOCK_N": 64 if bm <= 2 else 32, "BLOCK_K": 256,
+               "num_warps": 4, "num_stages": 1}
+    else:
+        bm = 16 if M <= 16 else (32 if M <= 32 else (64 if M <= 64 else 128))
+        cfg = {"kind": "dot", "BLOCK_M": bm, "BLOCK_N": 64 if bm < 128 else 128, "BLOCK_K": 256,
+               "num_warps": 4 if bm < 128 else 8, "num_stages": 3}
+    cfg["BLOCK_K"] = max(256, min(cfg["BLOCK_K"], next_pow2(K)))  # whole 256-column layout tiles
+    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    kb_total = cdiv(cdiv(K, 256) * 256, cfg["BLOCK_K"])
+    min_blocks = 2 if cfg["kind"] == "dot" else 1
+    cfg["SPLIT_K"] = int(max(1, min(cdiv(4 * num_sms, tiles), kb_total // min_blocks, 16)))
+    impl = "dequant" if (cuda and M > HEURISTIC_MAX_DOT_M) else "triton"
+    return impl, cfg
+
+
+def _nearest_m(entries: dict, M: int) -> Optional[dict]:
+    ms = sorted(int(m) for m in entries)
+    if not ms:
+        return None
+    best = min(ms, key=lambda m: (abs(math.log2(m) - math.log2(max(M, 1))), m))
+    return entries[str(best)]
+
+
+_warned: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+def table_key(N: int, K: int, group_size: int) -> str:
+    return f"{N},{K},{'K' if group_size == K else group_size}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(gpu_name: str, num_sms: int, M: int, N: int, K: int, group_size: int,
+            path: Optional[str] = None, op: str = "int4_linear") -> tuple[str, dict]:
+    impl, heuristic = heuristic_config(M, N, K, group_size, num_sms, cuda=gpu_name != "cpu")
+    if op != "int4_linear":
+        impl = "triton"  # W4A8 has no dequant + cuBLAS path
+    table = _load_table(path or str(config_path(gpu_name)))
+    if table is None:
+        if gpu_name != "cpu":
+            _warn_once(f"fastdecode: no tuned int4_linear configs for {gpu_name!r} "
+                       f"({config_path(gpu_name).name}); using heuristics")
+        return impl, heuristic
+    entry = table.get(op, {}).get(table_key(N, K, group_size))
+    entry = _nearest_m(entry, M) if entry else None
+    if entry is None:
+        return impl, heuristic
+    return entry["impl"], dict(entry.get("config") or heuristic)
+
+
+@functools.cache
+def _device_info(index: int) -> tuple[str, int]:
+    return torch.cuda.get_device_name(index), torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def get_int4_config(M: int, N: int, K: int, group_size: int, device=None, *,
+                    path: Optional[str] = None, op: str = "int4_linear") -> tuple[str, dict]:
+    """The dispatcher's choice: ``(impl, Triton config)`` with impl "triton" or "dequant".
+
+    ``op``: "int4_linear" (W4A16) or "int4_linear_fp8" (W4A8; its own table section, always "triton").
+    CPU (or None) means the interpreter: heuristics (or ``path``), never "dequant"."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda":
+        name, sms = "cpu", DEFAULT_NUM_SMS
+    else:
+        name, sms = _device_info(device.index if device.index is not None else torch.cuda.current_device())
+    impl, cfg = _lookup(name, sms, int(M), int(N), int(K), int(group_size), path, op)
+    if name == "cpu" and impl == "dequant":
+        impl = "triton"
+    cfg = dict(cfg)
+    uniform = cfg["BLOCK_K"] == 256 or group_size % cfg["BLOCK_K"] == 0
+    if op == "int4_linear_fp8" and cfg["kind"] == "dot" and not uniform:
+        cfg["BLOCK_K"] = 256  # the FP8 dot scales each 32-column slice by one group's scale
+    return impl, cfg
+
+
+# ----------------------------------------------------------------------------- execution
+
+
+def _zm(w: Int4Weight) -> Optional[torch.Tensor]:
+    return w.zeros if w.zero_mode == "zero" else (w.mins if w.zero_mode == "min" else None)
+
+
+def _triton_int4_linear(x, w: Int4Weight, bias, out, config: dict, x_scale=None) -> None:
+    """Run the kernel on 2-D views (x already in kernel column order) with an explicit config."""
+    from fastdecode.kernels.int4 import launch_int4_linear, split_k_blocks
+    from fastdecode.ops.gemm import _split_k_locks
+
+    M, K = x.shape
+    N = w.N
+    _, split = split_k_blocks(K, config)
+    part = locks = None
+    if split > 1:
+        locks = _split_k_locks(x.device, cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]))
+        if locks is None:
+            _warn_once("fastdecode: int4_linear split-K counters were not allocated before CUDA-graph "
+                       "capture; this capture runs without split-K (call int4_linear once before capturing)")
+            config, split = {**config, "SPLIT_K": 1}, 1
+        else:
+            part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
+    xs_mode = 0 if x_scale is None else (1 if x_scale.numel() == 1 else 2)
+    launch_int4_linear(x, w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, bias, out, part, locks, config,
+                       x_scale, xs_mode)
+
+
+def _dequant_cublas(x, w: Int4Weight, bias, out) -> None:
+    """Large M: dequantise into a scratch (N, K) buffer with the Triton kernel, then cuBLAS."""
+    from fastdecode.kernels.int4 import launch_int4_dequant
+
+    wd = torch.empty(w.N, w.K, dtype=x.dtype, device=x.device)
+    launch_int4_dequant(w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, wd)
+    if bias is None:
+        torch.mm(x, wd.t(), out=out)
+    else:
+        torch.addmm(bias, x, wd.t(), out=out)
+
+
+@torch.library.custom_op("fastdecode::int4_linear", mutates_args=("out",), device_types=None)
+def _int4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    zm: Optional[torch.Tensor], perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                    out: torch.Tensor, group_size: int, zero_mode: str, impl: str) -> None:
+    """x (M, K) original column order; the weight's tensors in the kernel layout; out (M, N)."""
+    w = Int4Weight(qweight, scales, zm if zero_mode == "zero" else None, zm if zero_mode == "min" else None,
+                   group_size, zero_mode, perm, x.shape[1])
+    if impl == "torch":
+        out.copy_(int4_linear_ref(x, w, bias))
+        return
+    if perm is not None:
+        x = x.index_select(1, perm)
+    M, K = x.shape
+    which, cfg = get_int4_config(M, w.N, K, group_size, x.device)
+    if impl == "triton" or x.device.type != "cuda":
+        which = "triton"
+    elif impl == "dequant":
+        which = "dequant"
+    if which == "dequant":
+        _dequant_cublas(x, w, bias, out)
+    else:
+        _triton_int4_linear(x, w, bias, out, cfg)
+
+
+@_int4_linear_op.register_fake
+def _(x, qweight, scales, zm, perm, bias, out, group_size, zero_mode, impl):
+    return None
+
+
+@torch.library.custom_op("fastdecode::int4_linear_fp8", mutates_args=("out",), device_types=None)
+def _int4_linear_fp8_op(x: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        zm: Optional[torch.Tensor], perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                        out: torch.Tensor, group_size: int, zero_mode: str, impl: str) -> None:
+    """x (M, K) fp8 original column order; x_scale (1,) or (M,) fp32; out (M, N)."""
+    w = Int4Weight(qweight, scales, zm if zero_mode == "zero" else None, zm if zero_mode == "min" else None,
+                   group_size, zero_mode, perm, x.shape[1])
+    if impl == "torch":
+        xs = x_scale if x_scale.numel() == 1 else x_scale.reshape(-1, 1)
+        out.copy_(int4_linear_fp8_ref(x, xs, w, bias, out_dtype=out.dtype))
+        return
+    if perm is not None:  # index_select has no FP8 kernel everywhere: gather the bytes
+        x = x.view(torch.uint8).index_select(1, perm).view(x.dtype)
+    M, K = x.shape
+    _, cfg = get_int4_config(M, w.N, K, group_size, x.device, op="int4_linear_fp8")
+    _triton_int4_linear(x, w, bias, out, cfg, x_scale)
+
+
+@_int4_linear_fp8_op.register_fake
+def _(x, x_scale, qweight, scales, zm, perm, bias, out, group_size, zero_mode, impl):
+    return None
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _check_packed(packed, K: int) -> None:
+    if not isinstance(packed, Int4Weight):
+        raise ValueError(f"packed must be a fastdecode.quant.int4.Int4Weight (see quantize_int4, prepack, "
+                         f"from_gptq, from_awq, from_gguf_q4_0/1), got {type(packed).__name__}")
+    packed.check_format(K=K, what="int4_linear")
+    kp8 = -(-K // 256) * 32
+    if packed.qweight.dtype != torch.int32 or not packed.qweight.is_contiguous() or packed.qweight.shape[1] != kp8:
+        raise ValueError(f"packed.qweight must be contiguous int32 (N, {kp8}) for K={K}, got "
+                         f"{packed.qweight.dtype} {tuple(packed.qweight.shape)}")
+
+
+def int4_linear(x, packed: Int4Weight, bias=None, *, out=None, backend: Optional[str] = None,
+                impl: Optional[str] = None) -> torch.Tensor:
+    """``out = x @ dequantize_int4(packed, x.dtype).T + bias``: fp32 accumulation, one rounding to x.dtype.
+
+    x: (..., K) bf16/fp16 (rows may be strided); packed: an :class:`Int4Weight` of shape (N, K) (any
+    group size and zero mode; refused when its layout or K does not match); bias: (N,) of x.dtype or
+    None. Returns (..., N) in x.dtype (or ``out``). impl: None (dispatcher) | "triton" (our kernel,
+    fma or dot as tuned) | "dequant" (dequantise + cuBLAS; CUDA only).
+    """
+    check_tensor("x", x, dtypes=X_DTYPES)
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dimension (..., K), got a scalar")
+    K = x.shape[-1]
+    _check_packed(packed, K)
+    N = packed.N
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(x.dtype,), ndim=1)
+        if bias.shape[0] != N:
+            raise ValueError(f"bias must have shape ({N},) (N, the rows of the weight), got {tuple(bias.shape)}")
+    check_same_device(x=x, qweight=packed.qweight, scales=packed.scales, bias=bias)
+    out_shape = (*x.shape[:-1], N)
+    check_out("out", out, out_shape, x.dtype, x.device)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    be = resolve_backend(backend, x.device, "int4_linear")
+    if be == "torch" and impl is not None:
+        raise ValueError(f"impl={impl!r} needs the triton backend, but int4_linear resolved to the torch backend")
+    if impl == "dequant" and x.device.type != "cuda":
+        raise RuntimeError(f"int4_linear: impl='dequant' needs CUDA tensors (cuBLAS), got tensors on {x.device}")
+    impl_s = "torch" if be == "torch" else (impl or "auto")
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device) if out is None else out
+    x2 = as_rows("x", x)
+    if x2.shape[0] == 0 or N == 0:
+        return out
+    _int4_linear_op(x2, packed.qweight, packed.scales, _zm(packed), packed.perm, bias, out.view(-1, N),
+                    packed.group_size, packed.zero_mode, impl_s)
+    return out
+
+
+def int4_linear_fp8(x_fp8, x_scale, packed: Int4Weight, bias=None, *, out_dtype=torch.bfloat16, out=None,
+                    backend: Optional[str] = None) -> torch.Tensor:
+    """W4A8: ``out = (x_fp8 * x_scale) @ dequantize_int4(packed, float32).T + bias`` (fp32 maths, one rounding).
+
+    x_scale is a dequantisation scale (``real = fp8 * scale``), float32: (1,)/() per tensor or
+    (..., 1) per token (as the fused norm / activation kernels return it). The int4 integers
+    (``q - zero``, or ``q`` for GGUF-style minimums) are exact in e4m3, so on the GPU the large-M
+    path runs the FP8 tensor cores and applies the group scales to each 32-column partial product.
+    x_fp8: (..., K) float8_e4m3fn; bias: (N,) float or None. Returns (..., N) in ``out_dtype``.
+    """
+    from fastdecode.ops._common import FP8_DTYPE, require_sm
+    from fastdecode.ops.gemm import FP8_OUT_DTYPES, _x_scale_rows
+
+    check_tensor("x_fp8", x_fp8, dtypes=(FP8_DTYPE,))
+    if x_fp8.dim() == 0:
+        raise ValueError("x_fp8 must have at least 1 dimension (..., K), got a scalar")
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {FP8_OUT_DTYPES}, got {out_dtype}")
+    K = x_fp8.shape[-1]
+    lead = tuple(x_fp8.shape[:-1])
+    M = math.prod(lead)
+    _check_packed(packed, K)
+    N = packed.N
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=1)
+        if bias.shape[0] != N:
+            raise ValueError(f"bias must have shape ({N},) (N, the rows of the weight), got {tuple(bias.shape)}")
+    check_same_device(x_fp8=x_fp8, qweight=packed.qweight, scales=packed.scales, bias=bias)
+    xs = _x_scale_rows(x_scale, lead, M, x_fp8.device)
+    out_shape = (*lead, N)
+    check_out("out", out, out_shape, out_dtype, x_fp8.device)
+    be = resolve_backend(backend, x_fp8.device, "int4_linear_fp8")
+    if be != "torch" and not torch.compiler.is_compiling():
+        require_sm(x_fp8.device, 8, 9, "W4A8 int4_linear_fp8")
+    out = torch.empty(out_shape, dtype=out_dtype, device=x_fp8.device) if out is None else out
+    if M == 0 or N == 0:
+        return out
+    _int4_linear_fp8_op(as_rows("x_fp8", x_fp8), xs, packed.qweight, packed.scales, _zm(packed), packed.perm,
+                        bias, out.view(-1, N), packed.group_size, packed.zero_mode, be)
+    return out
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def int4_linear_ref(x, packed: Int4Weight, bias=None) -> torch.Tensor:
+    """Reference of :func:`int4_linear`: weight dequantised as the kernel does (fp32 maths, one
+    rounding to x.dtype), fp32 matmul, one rounding to x.dtype."""
+    w = dequantize_int4(packed, x.dtype).float()
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def int4_linear_fp8_ref(x_fp8, x_scale, packed: Int4Weight, bias=None, *, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """Reference of :func:`int4_linear_fp8`: fp32 matmul of the dequantised operands, one rounding.
+
+    x_scale: one element or (..., 1)."""
+    xs = x_scale.float()
+    xs = xs.reshape(()) if xs.numel() == 1 and xs.dim() <= 1 else xs.reshape(*x_fp8.shape[:-1], 1)
+    y = (x_fp8.float() * xs) @ dequantize_int4(packed, torch.float32).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+__all__ = ["LAYOUT", "get_int4_config", "int4_linear", "int4_linear_fp8", "int4_linear_fp8_ref", "int4_linear_ref"]
