@@ -14,6 +14,14 @@ times after a warm-up; we report the median. Rows (one per implementation):
 must read (all weights, once, plus the live KV cache) over the step time, and ``roofline_tokens_per_s``
 what the GPU's peak bandwidth would allow for the weights alone.
 
+Ablation (``--ablate``): ``fastdecode-graph`` with one switch off at a time (``model.set_kernels``):
+``-no-fused_norm`` (plain PyTorch add + RMSNorm, and a separate FP8 quantisation under ``--quant fp8``),
+``-no-fused_act``, ``-no-skinny_gemm`` (cuBLAS / ``_scaled_mm``), ``-no-fused_allreduce`` (NCCL all-reduce,
+then the norm; TP only), and ``fastdecode-eager`` (no CUDA graph). ``int4_gemm`` joins with the int4 kernels.
+
+``--quant fp8`` quantises the random-weight model (W8A8); ``--tp N`` runs under torchrun with N ranks
+(rank 0 reports; ``weight_bytes`` are per rank).
+
 On a CPU only ``torch-eager`` runs (wall-clock timing); the others are reported as skipped.
 """
 
@@ -28,6 +36,8 @@ from typing import Optional, Sequence
 import torch
 
 IMPLS = ("torch-eager", "torch-graph", "torch-compile", "fastdecode-graph-cublas", "fastdecode-graph")
+ABLATION_KERNELS = ("fused_norm", "fused_act", "skinny_gemm", "fused_allreduce")
+ABLATIONS = ("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in ABLATION_KERNELS)
 # Peak HBM bandwidth by GPU name fragment, bytes/s (vendor figures); the copy anchor is 4.24 TB/s on H200
 PEAK_BW = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
            "A100": 2.0e12}
@@ -51,7 +61,17 @@ class _Runner:
         self.graphs = None
         self.compiled = None
         dev = cache.device
-        if impl in ("torch-eager", "torch-graph"):
+        model.set_kernels(**dict.fromkeys(ABLATION_KERNELS, True))
+        model.set_gemm_impl(None)
+        if impl.startswith("fastdecode-graph-no-"):
+            k = impl[len("fastdecode-graph-no-"):]
+            if k not in ABLATION_KERNELS:
+                raise ValueError(f"unknown ablation {impl!r}")
+            model.backend = "triton"
+            model.set_kernels(**{k: False})
+        elif impl == "fastdecode-eager":
+            model.backend = "triton"
+        elif impl in ("torch-eager", "torch-graph"):
             model.backend = "torch"
         elif impl == "torch-compile":
             model.backend = "ref"
@@ -66,7 +86,7 @@ class _Runner:
             model.set_gemm_impl("cublas" if impl.endswith("-cublas") else None)
         else:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-        if impl.endswith("-graph"):
+        if impl.endswith("-graph") or impl.startswith("fastdecode-graph-no-"):
             if dev.type != "cuda":
                 raise RuntimeError(f"{impl} needs a CUDA device")
             from fastdecode.engine.cuda_graph import DecodeGraphRunner
@@ -112,13 +132,22 @@ class _Runner:
 
 def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len: int = 1, output_len: int = 128,
                  iters: int = 30, warmup: int = 3, impls: Sequence[str] = IMPLS, device=None,
-                 dtype=torch.bfloat16, layers: Optional[int] = None, log=print) -> list[dict]:
-    """Run the decode benchmark; returns JSON-ready rows (one per implementation)."""
+                 dtype=torch.bfloat16, layers: Optional[int] = None, log=print, quant: Optional[str] = None
+                 ) -> list[dict]:
+    """Run the decode benchmark; returns JSON-ready rows (one per implementation).
+
+    Under torch.distributed (torchrun) the model is tensor-parallel over the world (every rank runs;
+    the caller reports rank 0's rows)."""
+    import torch.distributed as dist
+
     from fastdecode.bench.harness import Timing, env_info
     from fastdecode.engine.kv_cache import KVCache
     from fastdecode.engine.loader import load, random_model
     from fastdecode.models.config import PRESETS, ModelConfig
 
+    tp = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
+    if device is None and tp is not None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if output_len < 2:
         raise ValueError(f"output_len must be >= 2 (one token from prefill, the rest from decode), got {output_len}")
@@ -127,24 +156,46 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         cfg = ModelConfig.from_preset(model_name.split(":", 1)[-1])
         if layers:
             cfg = cfg.replace(n_layers=layers)
-        model = random_model(cfg, device=device, dtype=dtype, max_seq_len=max_seq)
-    else:
-        loaded = load(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False)
+        model = random_model(cfg, device=device, dtype=dtype, max_seq_len=max_seq, tp=tp)
+        if quant is not None:
+            from fastdecode.models.quantize import quantize_model
+
+            quantize_model(model, quant)
+        if tp is not None:
+            from fastdecode.engine.tp import attach_comm
+            from fastdecode.ops.allreduce import CommWorkspace
+
+            attach_comm(model, CommWorkspace())
+    elif tp is not None:
+        from fastdecode.engine.tp import load_tp
+
+        loaded = load_tp(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant)
         model, cfg = loaded.model, loaded.config
-    cache = KVCache(cfg, batch, max_seq, dtype=dtype, device=device)
+    else:
+        loaded = load(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant)
+        model, cfg = loaded.model, loaded.config
+    cache = KVCache(model.config, batch, max_seq, dtype=dtype, device=device)
     wbytes = model.weight_bytes()
     # KV bytes read per step, averaged over the decode steps (positions input_len+1 .. max_seq-1)
     kv_avg = cache.bytes_read([batch * (input_len + output_len / 2)])
     step_bytes = wbytes + kv_avg
     peak = peak_bandwidth(device)
     shape = {"model": cfg.name + (f"[{layers} layers]" if layers else ""), "batch": batch, "input_len": input_len,
-             "output_len": output_len, "dtype": str(dtype).replace("torch.", "")}
+             "output_len": output_len, "dtype": str(dtype).replace("torch.", ""), "quant": quant or "none",
+             "tp": tp[1] if tp else 1}
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     for impl in impls:
+        skip = None
         if impl != "torch-eager" and device.type != "cuda":
-            log(f"{impl}: skipped (needs CUDA)")
-            rows.append({"op": "decode", "impl": impl, "shape": shape, "skipped": "needs CUDA", **env_info()})
+            skip = "needs CUDA"
+        elif impl == "fastdecode-graph-no-fused_allreduce" and tp is None:
+            skip = "needs --tp"
+        elif impl == "torch-compile" and tp is not None:
+            skip = "not with --tp"
+        if skip:
+            log(f"{impl}: skipped ({skip})")
+            rows.append({"op": "decode", "impl": impl, "shape": shape, "skipped": skip, **env_info()})
             continue
         try:
             runner = _Runner(impl, model, cache, batch)
@@ -228,7 +279,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS + ABLATIONS)
+    p.add_argument("--ablate", action="store_true",
+                   help="add fastdecode-graph with each kernel switched off in turn, and fastdecode-eager")
+    p.add_argument("--quant", default=None, choices=["fp8", "int4"], help="quantise the model (W8A8 FP8)")
+    p.add_argument("--tp", type=int, default=None, help="tensor parallelism over N GPUs (relaunches under torchrun)")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (big presets)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None)
@@ -237,14 +292,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    import os
+
+    import torch.distributed as dist
+
     from fastdecode.bench.harness import print_table, write_rows
 
+    tp = getattr(args, "tp", None)
+    if tp and tp > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        from fastdecode.engine.cli import relaunch_tp
+
+        return relaunch_tp(tp, getattr(args, "argv", None))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from fastdecode.engine.tp import init_distributed
+
+        init_distributed()
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    impls = list(args.impl) + ([a for a in ABLATIONS if a not in args.impl] if getattr(args, "ablate", False) else [])
     rows = []
     for b in args.batch:
         rows += bench_decode(args.model, batch=b, input_len=args.input_len, output_len=args.output_len,
-                             iters=args.iters, warmup=args.warmup, impls=args.impl, device=args.device,
-                             dtype=getattr(torch, args.dtype), layers=args.layers,
-                             log=lambda m: print(m, file=sys.stderr, flush=True))
+                             iters=args.iters, warmup=args.warmup, impls=impls, device=args.device,
+                             dtype=getattr(torch, args.dtype), layers=args.layers, quant=getattr(args, "quant", None),
+                             log=(lambda m: print(m, file=sys.stderr, flush=True)) if main else (lambda m: None))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    if not main:
+        return 0
     print_table(rows, ("impl", "shape", "median_us", "tokens_per_s", "tbps", "roofline_tokens_per_s"))
     if args.out:
         write_rows(rows, args.out)

@@ -1,4 +1,7 @@
-"""Engine commands: ``generate``, ``chat``, ``info`` and ``bench decode``.
+"""Engine commands: ``generate``, ``chat``, ``info``, ``quantize``, ``eval-accuracy`` and ``bench decode``.
+
+Tensor parallelism: ``torchrun --nproc-per-node N -m fastdecode generate ...`` runs one rank per process
+(only rank 0 prints); ``--tp N`` relaunches the same command line under torchrun.
 
 Wired into ``fastdecode`` by ``fastdecode.cli`` through :func:`add_subcommands`; also runs on its own:
 ``python -m fastdecode.engine.cli generate "Hello"``. Each sub-parser sets ``func`` (called with the
@@ -12,6 +15,7 @@ import importlib.metadata
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -29,6 +33,49 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, choices=["auto", "triton", "torch"],
                    help="op backend (default: torch on CPU, auto on GPU)")
     p.add_argument("--no-cuda-graph", action="store_true", help="launch the decode step eagerly")
+    _add_quant_tp_args(p)
+
+
+def _add_quant_tp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quant", default=None, choices=["fp8", "int4"],
+                   help="fp8: W8A8 (per-channel weights, per-token activations), quantised at load unless the "
+                        "checkpoint already is; default: as stored")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor parallelism over N GPUs (relaunches under torchrun; or run under torchrun yourself)")
+
+
+def _under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def relaunch_tp(n: int, argv: Optional[list] = None) -> int:
+    """Run ``python -m fastdecode <argv without --tp>`` under torchrun with ``n`` processes; its exit code."""
+    import subprocess
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--tp":
+            skip = True
+        elif not a.startswith("--tp="):
+            out.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+           "-m", "fastdecode", *out]
+    return subprocess.call(cmd)
+
+
+def _maybe_relaunch(args) -> Optional[int]:
+    """``--tp N`` outside torchrun: relaunch (returns the exit code); inside: None (carry on)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp is not None and world > 1 and args.tp != world:
+        raise SystemExit(f"error: --tp {args.tp} under torchrun with {world} processes; drop --tp or make them equal")
+    if args.tp is None or args.tp == 1 or world > 1:
+        return None
+    if args.tp < 1:
+        raise SystemExit(f"error: --tp must be >= 1, got {args.tp}")
+    return relaunch_tp(args.tp, getattr(args, "argv", None))
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -40,30 +87,72 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _dtype(args, device: torch.device) -> torch.dtype:
+    if args.dtype:
+        return getattr(torch, args.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def _engine(args, max_batch: int = 1):
     from fastdecode.engine.generate import Engine
     from fastdecode.engine.loader import load
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    kw = dict(backend=args.backend, max_seq_len=args.max_seq_len, quant=args.quant)
     t = time.perf_counter()
-    loaded = load(args.model, device=device, dtype=dtype, backend=args.backend, max_seq_len=args.max_seq_len,
-                  progress=sys.stderr.isatty())
+    if _under_torchrun():
+        from fastdecode.engine.tp import init_distributed, load_tp
+
+        rank, world, device = init_distributed()
+        dtype = _dtype(args, device)
+        loaded = load_tp(args.model, device=device, dtype=dtype, progress=False, **kw)
+    else:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = _dtype(args, device)
+        loaded = load(args.model, device=device, dtype=dtype, progress=sys.stderr.isatty(), **kw)
     if loaded.tokenizer is None:
         raise SystemExit(f"{loaded.source} has no tokenizer; generate needs one")
     eng = Engine(loaded.model, loaded.tokenizer, max_batch=max_batch,
                  max_seq_len=min(args.max_seq_len, loaded.model.rope_len),
                  cuda_graph=False if args.no_cuda_graph else None)
-    print(f"[{loaded.config.name} on {device}, {str(dtype).replace('torch.', '')}, "
-          f"loaded in {time.perf_counter() - t:.1f} s]", file=sys.stderr, flush=True)
+    tp = loaded.model.tp
+    if tp is None or tp.rank == 0:
+        print(f"[{loaded.config.name} on {device}, {str(dtype).replace('torch.', '')}"
+              f"{', ' + loaded.model.quant if loaded.model.quant else ''}{f', TP={tp.world}' if tp else ''}, "
+              f"loaded in {time.perf_counter() - t:.1f} s]", file=sys.stderr, flush=True)
     return eng
+
+
+def _is_main(eng) -> bool:
+    return eng.model.tp is None or eng.model.tp.rank == 0
+
+
+def _broadcast(obj):
+    """rank 0's ``obj`` on every rank (identity without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _finish_tp() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _sampling(args):
     from fastdecode.engine.sampler import SamplingParams
 
+    seed = args.seed
+    if seed is None and args.temperature > 0 and _under_torchrun():  # every rank must draw the same tokens
+        seed = _broadcast(int(torch.randint(0, 2**31 - 1, ()).item()))
     try:
-        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
@@ -76,10 +165,14 @@ def _stats(n_tokens: int, seconds: float) -> str:
 
 
 def cmd_generate(args) -> int:
+    code = _maybe_relaunch(args)
+    if code is not None:
+        return code
     eng = _engine(args)
     sampling = _sampling(args)
     use_chat = not args.raw and bool(eng.tokenizer.chat_template)
-    out = sys.stdout
+    main = _is_main(eng)
+    out = sys.stdout if main else open(os.devnull, "w")
     t = time.perf_counter()
     try:
         [r] = eng.generate(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
@@ -89,22 +182,34 @@ def cmd_generate(args) -> int:
         return 2
     dt = time.perf_counter() - t
     out.write("\n")
-    print(_stats(len(r.tokens), dt) + f" [{r.finish_reason}]", file=sys.stderr)
+    if main:
+        print(_stats(len(r.tokens), dt) + f" [{r.finish_reason}]", file=sys.stderr)
+    _finish_tp()
     return 0
 
 
 def cmd_chat(args) -> int:
+    code = _maybe_relaunch(args)
+    if code is not None:
+        return code
     eng = _engine(args)
     sampling = _sampling(args)
     tok = eng.tokenizer
     if not tok.chat_template:
         raise SystemExit("this model has no chat template; use `generate --raw`")
+    main = _is_main(eng)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("chat: empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr)
+    if main:
+        print("chat: empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr)
     while True:
-        try:
-            user = input("> ")
-        except EOFError:
+        user = ""
+        if main:
+            try:
+                user = input("> ")
+            except EOFError:
+                user = ""
+        user = _broadcast(user)  # under TP every rank runs the same turn
+        if not user.strip():
             break
         if not user.strip():
             break
@@ -114,16 +219,42 @@ def cmd_chat(args) -> int:
         messages.append({"role": "user", "content": user})
         ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
         t = time.perf_counter()
+        out = sys.stdout if main else open(os.devnull, "w")
         try:
             [r] = eng.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
-                               stream=lambda _, s: (sys.stdout.write(s), sys.stdout.flush()))
+                               stream=lambda _, s: (out.write(s), out.flush()))
         except ValueError as e:  # the history outgrew the context
             print(f"\nerror: {e}; /reset clears the history", file=sys.stderr)
             messages.pop()
             continue
-        print()
-        print(_stats(len(r.tokens), time.perf_counter() - t), file=sys.stderr)
+        if main:
+            print()
+            print(_stats(len(r.tokens), time.perf_counter() - t), file=sys.stderr)
         messages.append({"role": "assistant", "content": r.text})
+    _finish_tp()
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from fastdecode.engine.export import quantize_checkpoint
+
+    t = time.perf_counter()
+    fmt = quantize_checkpoint(args.src, args.dst, args.method, dtype=getattr(torch, args.dtype))
+    print(f"[wrote {args.dst} ({fmt}) in {time.perf_counter() - t:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_eval_accuracy(args) -> int:
+    from fastdecode.engine.accuracy import eval_accuracy
+
+    rows = eval_accuracy(args.model, args.quant, device=args.device,
+                         dtype=getattr(torch, args.dtype) if args.dtype else None, window=args.window,
+                         max_tokens=args.max_tokens, log=lambda m: print(m, file=sys.stderr, flush=True))
+    if args.out:
+        from fastdecode.bench.harness import write_rows
+
+        write_rows(rows, args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 
@@ -214,6 +345,25 @@ def add_subcommands(subparsers, bench: bool = True) -> None:
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
+    q = subparsers.add_parser("quantize", help="write a quantised safetensors checkpoint (format recorded)")
+    q.add_argument("src", help="a .gguf file, a Hugging Face directory or a preset")
+    q.add_argument("dst", help="output directory")
+    q.add_argument("--method", required=True, choices=["fp8", "int4"])
+    q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of what stays unquantised (embedding, norms, lm head)")
+    q.set_defaults(func=cmd_quantize)
+
+    e = subparsers.add_parser("eval-accuracy", help="perplexity and top-1 agreement of quantised formats vs the "
+                                                    "unquantised model, on the text shipped with fastdecode")
+    e.add_argument("--model", default=None, help="as for generate (default: the embedded SmolLM2-135M-Instruct)")
+    e.add_argument("--quant", nargs="+", default=["fp8"], choices=["fp8", "int4"])
+    e.add_argument("--device", default=None)
+    e.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    e.add_argument("--window", type=int, default=512, help="tokens per independent context window")
+    e.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the text")
+    e.add_argument("--out", default=None, help="JSON result file")
+    e.set_defaults(func=cmd_eval_accuracy)
+
     i = subparsers.add_parser("info", help="GPU, versions, backends, default model")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
@@ -231,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for --tp relaunches
     return int(args.func(args) or 0)
 
 

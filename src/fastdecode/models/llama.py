@@ -11,9 +11,23 @@ Weight layout (names used by every loader)::
     layers.{i}.feed_forward.w2.weight           [dim, I]
     norm.weight                                 [dim]
     output.weight                               [V, dim]                  the embedding when tied
+    <projection>.weight_scale                   [N] float32               FP8 models only (Fp8Linear)
 
 The KV cache is an explicit object passed to ``prefill``/``decode`` (``cache.k[i]``, ``cache.v[i]`` of shape
 [B_max, Hkv, T, D]); see ``fastdecode.engine.kv_cache``.
+
+FP8 W8A8 (``fastdecode.models.quantize.quantize_model_fp8``): the four projections of every block become
+``Fp8Linear`` (FP8 weight, per-channel scale); the norms before wqkv and w13 then emit FP8 + per-token
+scales directly and SiLU-and-mul feeds w2 in FP8; the attention output is quantised per token before wo.
+An activation is then either a tensor or an ``(fp8, scale)`` pair (``real = fp8 * scale``). The lm head
+stays in the model dtype (it is the most accuracy-sensitive matmul and a small share of the bytes at 8B).
+
+Tensor parallelism (``fastdecode.engine.tp.apply_tp``): the norm after each row-parallel layer owns the
+all-reduce (``RMSNorm.comm``), fused with the residual add and the norm; ``model.tp`` makes the embedding
+and the lm head vocab-parallel.
+
+Kernel switches for the ablation: ``model.set_kernels(fused_norm=..., fused_act=..., skinny_gemm=...,
+fused_allreduce=...)``; a switched-off fusion runs as separate plain-PyTorch ops.
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -30,12 +44,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdecode.models.config import ModelConfig
-from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref
-from fastdecode.ops.gemm import linear
+from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
+from fastdecode.ops.allreduce import all_reduce, all_reduce_add_rms_norm
+from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref
 from fastdecode.ops.attention import decode_attention, decode_attention_ref, rope_kv_write, rope_kv_write_ref
-from fastdecode.ops.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from fastdecode.ops.norm import (
+    fused_add_rms_norm, fused_add_rms_norm_fp8, fused_add_rms_norm_fp8_ref, fused_add_rms_norm_ref, rms_norm,
+    rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref,
+)
+from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
+KERNELS = ("fused_norm", "fused_act", "skinny_gemm", "fused_allreduce")
+
+
+def _lead(x) -> tuple:
+    """Leading dims of an activation: a tensor [..., K] or an FP8 pair ``(fp8 [..., K], scale [..., 1])``."""
+    return tuple((x[0] if isinstance(x, tuple) else x).shape[:-1])
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -68,21 +93,88 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
 
+class Fp8Linear(nn.Module):
+    """W8A8: ``y = (x_fp8 @ W_fp8.T) * x_scale * w_scale (+ b)``, rounded once to ``out_dtype``.
+
+    ``weight``: (N, K) float8_e4m3fn; ``weight_scale``: (N,) float32, one per output channel
+    (``W ~= weight * weight_scale[:, None]``, a dequantisation scale). The input is an ``(x_fp8, x_scale)``
+    pair as the fused norm / SiLU-and-mul kernels return it (per-token scale ``[..., 1]``), or a float
+    tensor, which is quantised per token first (one extra kernel: the attention output before wo).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, device=None,
+                 out_dtype=torch.bfloat16):
+        super().__init__()
+        self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=torch.float8_e4m3fn),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, device=device, dtype=torch.float32),
+                                         requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=out_dtype), requires_grad=False)
+                     if bias else None)
+        self.gemm_impl: Optional[str] = None
+
+    def forward(self, x, backend: str = "ref") -> torch.Tensor:
+        if isinstance(x, tuple):
+            xq, xs = x
+        elif backend == "ref":
+            xq, xs = quantize_fp8_ref(x, per_token=True)
+        else:
+            xq, xs = quantize_fp8(x, per_token=True, backend=backend)
+        if backend == "ref":
+            return linear_fp8_ref(xq, xs, self.weight, self.weight_scale, self.bias, out_dtype=self.out_dtype)
+        return linear_fp8(xq, xs, self.weight, self.weight_scale, self.bias, out_dtype=self.out_dtype,
+                          backend=backend, impl=self.gemm_impl)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, fp8 w8a8"
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm; ``fp8_out``: return ``(fp8, per-token scale)`` for an ``Fp8Linear``; ``comm``: a
+    ``CommWorkspace`` when the input of ``add_forward`` is a tensor-parallel partial sum (all-reduced first,
+    fused with the add and the norm unless ``fuse_comm`` is off); ``fused=False``: plain-PyTorch ops
+    (ablation), and no FP8 output (the next ``Fp8Linear`` then quantises in a separate kernel)."""
+
     def __init__(self, dim: int, eps: float, *, device=None, dtype=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype), requires_grad=False)
+        self.fp8_out = False
+        self.fused = True
+        self.comm = None
+        self.fuse_comm = True
 
-    def forward(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: str):
+        if not self.fused:
+            backend = "ref"
+        if self.fp8_out:
+            if backend == "ref":
+                return rms_norm_fp8_ref(x, self.weight, self.eps)
+            return rms_norm_fp8(x, self.weight, self.eps, backend=backend)
         if backend == "ref":
             return rms_norm_ref(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps, backend=backend)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor, backend: str):
-        """Returns ``(rms_norm(x + residual), x + residual)``; the op version updates ``residual`` in place."""
+        """Returns ``(rms_norm(x + residual), x + residual)``; the op version updates ``residual`` in place.
+
+        The first element is an ``(fp8, scale)`` pair when ``fp8_out``; x is summed over ranks first with ``comm``.
+        """
+        if not self.fused:
+            backend = "ref"
+        if self.comm is not None:
+            if self.fuse_comm and backend != "ref":
+                return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.comm, fp8=self.fp8_out,
+                                               backend=backend), residual
+            x = all_reduce(x, self.comm)
         if backend == "ref":
+            if self.fp8_out:
+                q, s, r = fused_add_rms_norm_fp8_ref(x, residual, self.weight, self.eps)
+                return (q, s), r
             return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+        if self.fp8_out:
+            return fused_add_rms_norm_fp8(x, residual, self.weight, self.eps, backend=backend), residual
         return fused_add_rms_norm(x, residual, self.weight, self.eps, backend=backend), residual
 
 
@@ -137,7 +229,7 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def _qkv(self, x, cs, backend):
-        B, S, _ = x.shape
+        B, S = _lead(x)
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.wqkv(x, backend).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         q = apply_rope(q.view(B, S, Hq, D), cs)
@@ -145,8 +237,8 @@ class Attention(nn.Module):
         return q, k, v.view(B, S, Hkv, D)
 
     def prefill(self, x, cs, k_cache, v_cache, backend="ref"):
-        """x: [B, S, dim], positions 0..S-1; writes k_cache/v_cache[:B, :, :S]. Returns [B, S, dim]."""
-        B, S, _ = x.shape
+        """x: [B, S, dim] (or an FP8 pair), positions 0..S-1; writes k_cache/v_cache[:B, :, :S]. Returns [B, S, dim]."""
+        B, S = _lead(x)
         q, k, v = self._qkv(x, cs, backend)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D]
         k_cache[:B, :, :S] = k
@@ -158,7 +250,7 @@ class Attention(nn.Module):
     def decode(self, x, rope, k_cache, v_cache, input_pos, seq_lens, backend):
         """x: [B, 1, dim]; rope: the model's [T, D/2, 2] table; input_pos: [B] int64 (each sequence's new
         position); seq_lens: [B] int32 (= input_pos + 1). Writes k/v at input_pos, returns [B, 1, dim]."""
-        B = x.shape[0]
+        B = _lead(x)[0]
         qkv = self.wqkv(x, backend).view(B, -1)  # [B, (Hq + 2 Hkv) * D]
         k_cache, v_cache = k_cache[:B], v_cache[:B]
         if backend == "ref":
@@ -175,10 +267,16 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = Linear(cfg.dim, 2 * cfg.intermediate_size, device=device, dtype=dtype)
         self.w2 = Linear(cfg.intermediate_size, cfg.dim, device=device, dtype=dtype)
+        self.fp8_act = False  # SiLU-and-mul emits (fp8, per-token scale) for an Fp8Linear w2
+        self.fused = True  # False (ablation): plain-PyTorch SiLU-and-mul
 
     def forward(self, x, backend):
         h = self.w13(x, backend)  # [.., 2I] = gate | up
-        h = silu_and_mul_ref(h) if backend == "ref" else silu_and_mul(h, backend=backend)
+        be = backend if self.fused else "ref"
+        if self.fp8_act:
+            h = silu_and_mul_fp8_ref(h) if be == "ref" else silu_and_mul_fp8(h, backend=be)
+        else:
+            h = silu_and_mul_ref(h) if be == "ref" else silu_and_mul(h, backend=be)
         return self.w2(h, backend)
 
 
@@ -205,6 +303,9 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.rope_freq_factors = rope_freq_factors
+        self.quant: Optional[str] = None  # "fp8" after quantize_model_fp8
+        self.tp = None  # fastdecode.engine.tp.TPState after apply_tp
+        self.kernels = dict.fromkeys(KERNELS, True)
         self.rope_len = rope_len or cfg.max_seq_len
         rope_dev = None if device is None or torch.device(device).type == "meta" else device
         self.register_buffer("rope", rope_cache(cfg, self.rope_len, rope_freq_factors, rope_dev), persistent=False)
@@ -228,8 +329,24 @@ class Transformer(nn.Module):
         self.rope_len = max_seq_len
         self.rope = rope_cache(self.config, max_seq_len, self.rope_freq_factors, device)
 
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [...] -> [..., dim]; vocab-parallel under TP (each rank holds a row range, then all-reduce)."""
+        if self.tp is None:
+            return self.tok_embeddings(tokens)
+        local = tokens - self.tp.vocab_start
+        valid = (local >= 0) & (local < self.tp.vocab_rows)
+        e = F.embedding(torch.where(valid, local, torch.zeros_like(local)), self.tok_embeddings.weight)
+        return all_reduce(e * valid.unsqueeze(-1).to(e.dtype), self.tp.comm)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states [..., dim] -> fp32 logits [..., V] (under TP: local rows, all-gathered)."""
+        logits = self.output(x, self.backend).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_vocab(logits, self.config.vocab_size)
+
     def _logits(self, h):
-        return self.output(self.norm(h, self.backend), self.backend).float()
+        return self._head(self.norm(h, self.backend))
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, cache, last_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -242,7 +359,7 @@ class Transformer(nn.Module):
             raise ValueError(f"prompt of {S} tokens is longer than the RoPE table ({self.rope_len} positions)")
         be = self.backend
         cs = self.rope[:S].unsqueeze(0).expand(B, S, *self.rope.shape[1:])  # [B, S, D/2, 2]
-        residual = self.tok_embeddings(tokens)  # [B, S, dim]; a fresh tensor, updated in place below
+        residual = self._embed(tokens)  # [B, S, dim]; a fresh tensor, updated in place below
         x = self.layers[0].attention_norm(residual, be)
         for i, layer in enumerate(self.layers):
             if i > 0:
@@ -250,6 +367,11 @@ class Transformer(nn.Module):
             x = layer.attention.prefill(x, cs, cache.k[i], cache.v[i], be)
             x, residual = layer.ffn_norm.add_forward(x, residual, be)
             x = layer.feed_forward(x, be)
+        if self.norm.comm is not None:  # x is this rank's partial sum: all-reduce + add + norm together
+            h, _ = self.norm.add_forward(x, residual, be)
+            if last_idx is not None:
+                h = h[torch.arange(B, device=h.device), last_idx]  # [B, dim]
+            return self._head(h)
         h = x + residual
         if last_idx is not None:
             h = h[torch.arange(B, device=h.device), last_idx]  # [B, dim]
@@ -264,7 +386,7 @@ class Transformer(nn.Module):
         B = tokens.shape[0]
         be = self.backend
         seq_lens = (input_pos + 1).to(torch.int32)  # once per step, shared by every layer
-        residual = self.tok_embeddings(tokens.view(B, 1))  # [B, 1, dim]; fresh, updated in place below
+        residual = self._embed(tokens.view(B, 1))  # [B, 1, dim]; fresh, updated in place below
         x = self.layers[0].attention_norm(residual, be)
         for i, layer in enumerate(self.layers):
             if i > 0:
@@ -273,15 +395,38 @@ class Transformer(nn.Module):
             x, residual = layer.ffn_norm.add_forward(x, residual, be)
             x = layer.feed_forward(x, be)
         x, _ = self.norm.add_forward(x, residual, be)
-        return self.output(x, be).float().view(B, -1)
+        return self._head(x).view(B, -1)
 
     def set_gemm_impl(self, impl: Optional[str]) -> None:
         """None: the linear dispatcher (skinny kernel or cuBLAS per shape); "cublas": cuBLAS only."""
         if impl not in (None, "cublas", "triton"):
             raise ValueError(f"gemm impl must be None, 'cublas' or 'triton', got {impl!r}")
         for m in self.modules():
-            if isinstance(m, Linear):
+            if isinstance(m, (Linear, Fp8Linear)):
                 m.gemm_impl = impl
+
+    def set_kernels(self, **flags: bool) -> None:
+        """Switch fused kernels on/off (ablation): ``fused_norm``, ``fused_act``, ``skinny_gemm``, ``fused_allreduce``.
+
+        Off means the unfused PyTorch ops (norm, activation), cuBLAS (GEMMs), NCCL/gloo all-reduce then
+        the norm. Also re-derives where FP8 activations are produced (after ``quantize_model_fp8``).
+        """
+        bad = sorted(set(flags) - set(KERNELS))
+        if bad:
+            raise ValueError(f"unknown kernel switch {bad[0]!r}; known: {', '.join(KERNELS)}")
+        self.kernels.update({k: bool(v) for k, v in flags.items()})
+        k, fp8 = self.kernels, self.quant == "fp8"
+        for layer in self.layers:
+            for norm in (layer.attention_norm, layer.ffn_norm):
+                norm.fused = k["fused_norm"]
+                norm.fp8_out = fp8 and k["fused_norm"]
+            layer.feed_forward.fused = k["fused_act"]
+            layer.feed_forward.fp8_act = fp8 and k["fused_act"]
+        for norm in [self.norm] + [m for layer in self.layers for m in (layer.attention_norm, layer.ffn_norm)]:
+            norm.fuse_comm = k["fused_allreduce"]
+        self.norm.fused = k["fused_norm"]
+        if "skinny_gemm" in flags:
+            self.set_gemm_impl(None if k["skinny_gemm"] else "cublas")
 
     def weight_bytes(self) -> int:
         """Bytes of all parameters (tied embeddings counted once): what one decode step must read."""

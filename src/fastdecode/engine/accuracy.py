@@ -1,0 +1,95 @@
+"""Accuracy of quantised formats, measured: ``fastdecode eval-accuracy [--model PATH] [--quant fp8]``.
+
+On a fixed English text that ships with the package (``fastdecode/data/accuracy_text.txt``, written for
+this project), the unquantised model and each quantised one predict every next token (teacher forcing,
+non-overlapping windows of ``window`` tokens, each window a fresh context). Reported per format:
+
+* ``perplexity``: ``exp(mean NLL)`` of the text's tokens;
+* ``top1_agreement``: the fraction of positions where the format's argmax equals the reference's;
+* ``mean_kl``: mean ``KL(reference || format)`` of the next-token distributions, in nats.
+
+The reference is the model in the load dtype (bf16 on GPUs, fp32 on the CPU) with ``quant=None``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+TEXT_PATH = Path(__file__).resolve().parent.parent / "data" / "accuracy_text.txt"
+
+
+def accuracy_text() -> str:
+    return TEXT_PATH.read_text(encoding="utf-8")
+
+
+def _windows(ids: list[int], window: int) -> list[list[int]]:
+    return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) >= 2]
+
+
+@torch.no_grad()
+def _window_logits(model, ids: list[int], device) -> torch.Tensor:
+    """fp32 log-probabilities [S, V] of the next token at each position of one window."""
+    from fastdecode.engine.kv_cache import KVCache
+
+    cache = KVCache(model.config, 1, len(ids), dtype=model.tok_embeddings.weight.dtype, device=device)
+    logits = model.prefill(torch.tensor([ids], device=device), cache)[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def compare(ref_model, models: dict, ids: list[int], *, window: int = 512, device="cpu") -> list[dict]:
+    """Perplexity / top-1 agreement / KL of ``models`` (name -> model) against ``ref_model`` on ``ids``."""
+    stats = {name: {"nll": 0.0, "agree": 0, "kl": 0.0} for name in ["reference", *models]}
+    n = 0
+    for w in _windows(ids, window):
+        target = torch.tensor(w[1:], device=device)
+        ref = _window_logits(ref_model, w, device)[:-1]  # [S-1, V]: predictions of w[1:]
+        ref_top = ref.argmax(-1)
+        stats["reference"]["nll"] -= ref.gather(1, target[:, None]).sum().item()
+        stats["reference"]["agree"] += len(target)
+        for name, m in models.items():
+            lp = _window_logits(m, w, device)[:-1]
+            st = stats[name]
+            st["nll"] -= lp.gather(1, target[:, None]).sum().item()
+            st["agree"] += (lp.argmax(-1) == ref_top).sum().item()
+            st["kl"] += (ref.exp() * (ref - lp)).sum().item()
+        n += len(target)
+    return [{"format": name, "perplexity": round(math.exp(st["nll"] / n), 4),
+             "top1_agreement": round(st["agree"] / n, 4), "mean_kl": round(st["kl"] / n, 6), "tokens": n}
+            for name, st in stats.items()]
+
+
+def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), *, device=None, dtype=None,
+                  window: int = 512, max_tokens: Optional[int] = None, text: Optional[str] = None,
+                  log=print) -> list[dict]:
+    """Load ``path`` unquantised and with each of ``quants``; returns one JSON-ready row per format."""
+    from fastdecode.engine.loader import load
+    from fastdecode.models.quantize import FORMATS
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    t0 = time.perf_counter()
+    ref = load(path, device=device, dtype=dtype, max_seq_len=window, progress=False)
+    if ref.tokenizer is None:
+        raise ValueError(f"{ref.source} has no tokenizer; eval-accuracy needs one to tokenise the text")
+    ids = ref.tokenizer.encode(text if text is not None else accuracy_text())
+    if max_tokens:
+        ids = ids[:max_tokens]
+    models = {}
+    for q in quants:
+        if q not in FORMATS:
+            raise ValueError(f"quant {q!r} cannot be evaluated yet (available: {', '.join(FORMATS)})")
+        models[FORMATS[q]] = load(path, device=device, dtype=dtype, max_seq_len=window, progress=False,
+                                  quant=q).model
+    rows = compare(ref.model, models, ids, window=window, device=device)
+    dt = str(next(ref.model.parameters()).dtype).replace("torch.", "")
+    for r in rows:
+        r.update(model=ref.config.name or ref.source, device=str(device), dtype=dt, window=window,
+                 text=TEXT_PATH.name if text is None else "custom")
+        log(f"{r['format']:>18}: perplexity {r['perplexity']:8.3f}  top-1 agreement {r['top1_agreement']:.4f}  "
+            f"KL {r['mean_kl']:.5f}  ({r['tokens']} tokens)")
+    log(f"[{time.perf_counter() - t0:.1f} s]")
+    return rows

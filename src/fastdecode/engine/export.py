@@ -1,0 +1,122 @@
+"""Write a model as a Hugging Face-layout safetensors checkpoint: ``fastdecode quantize SRC DST --method fp8``.
+
+The directory holds ``config.json`` (with ``quantization_config = {"quant_method": "fastdecode", "format": ...}``),
+``model.safetensors`` (q/k/v and gate/up split back into HF names; FP8 projections as ``float8_e4m3fn`` with a
+``<name>.weight_scale`` of shape (N, 1), the compressed-tensors layout; the format also in the file's
+metadata) and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``).
+Loading it reads the FP8 weights as they are (no re-quantisation), and the recorded format lets the loader
+refuse kernels that do not match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+import fastdecode
+from fastdecode.models.config import ModelConfig
+from fastdecode.models.llama import Fp8Linear, Transformer
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """A Hugging Face ``config.json`` dict that ``ModelConfig.from_hf`` reads back to ``cfg``."""
+    d = {
+        "architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"],
+        "model_type": "qwen2" if cfg.qkv_bias else "llama",
+        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size,
+        "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias,
+        "_name_or_path": cfg.name, "torch_dtype": "bfloat16",
+    }
+    if cfg.qkv_bias:
+        d["use_sliding_window"] = False
+    rs = cfg.rope_scaling
+    if rs is not None:
+        d["rope_scaling"] = ({"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                              "high_freq_factor": rs.high_freq_factor,
+                              "original_max_position_embeddings": rs.original_max_position_embeddings}
+                             if rs.type == "llama3" else {"rope_type": "linear", "factor": rs.factor})
+    return d
+
+
+def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """Our tensors under Hugging Face names (fused q|k|v and gate|up split back), FP8 scales included."""
+    if model.tp is not None:
+        raise ValueError("cannot export a tensor-parallel shard; export the whole model (tp=None)")
+    c = model.config
+    out = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = model.output.weight
+
+    def put(names, lin, sizes):
+        ws = lin.weight.split(sizes)
+        for n, w in zip(names, ws):
+            out[n + ".weight"] = w
+        if isinstance(lin, Fp8Linear):
+            for n, s in zip(names, lin.weight_scale.split(sizes)):
+                out[n + ".weight_scale"] = s.reshape(-1, 1)
+        if lin.bias is not None:
+            for n, b in zip(names, lin.bias.split(sizes)):
+                out[n + ".bias"] = b
+
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a, f = layer.attention, layer.feed_forward
+        put([p + f"self_attn.{n}_proj" for n in "qkv"], a.wqkv, [c.q_size, c.kv_size, c.kv_size])
+        put([p + "self_attn.o_proj"], a.wo, [c.dim])
+        put([p + "mlp.gate_proj", p + "mlp.up_proj"], f.w13, [c.intermediate_size] * 2)
+        put([p + "mlp.down_proj"], f.w2, [c.dim])
+        out[p + "input_layernorm.weight"] = layer.attention_norm.weight
+        out[p + "post_attention_layernorm.weight"] = layer.ffn_norm.weight
+    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+
+
+def save_tokenizer(tok, dst: str) -> None:
+    tok.tk.save(os.path.join(dst, "tokenizer.json"))
+    with open(os.path.join(dst, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": bool(tok.add_bos),
+                   "chat_template": tok.chat_template}, f, indent=1)
+    with open(os.path.join(dst, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": tok.bos_id, "eos_token_id": list(tok.eos_ids)}, f, indent=1)
+
+
+def save_checkpoint(model: Transformer, tokenizer, dst: str, fmt: Optional[str]) -> None:
+    """Write ``model`` (quantised as ``fmt``, or None) and its tokenizer to the directory ``dst``."""
+    from safetensors.torch import save_file
+
+    if model.rope_freq_factors is not None:
+        raise ValueError("this model's RoPE comes from a GGUF rope_freqs tensor, which a Hugging Face config "
+                         "cannot express; export is not supported for it yet")
+    os.makedirs(dst, exist_ok=True)
+    cfg = config_to_hf(model.config)
+    if fmt is not None:
+        cfg["quantization_config"] = {"quant_method": "fastdecode", "format": fmt,
+                                      "fastdecode_version": fastdecode.__version__,
+                                      "activations": "dynamic per-token FP8", "ignored": ["lm_head", "embed_tokens"]}
+    if tokenizer is not None and tokenizer.bos_id is not None:
+        cfg["bos_token_id"] = tokenizer.bos_id
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    meta = {"format": "pt", "fastdecode_format": fmt or "none"}
+    save_file(hf_state_dict(model), os.path.join(dst, "model.safetensors"), metadata=meta)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, dst)
+
+
+def quantize_checkpoint(src: Optional[str], dst: str, method: str, *, dtype=torch.bfloat16) -> str:
+    """Load ``src`` (any loadable path), quantise with ``method``, write ``dst``; returns the format written."""
+    from fastdecode.engine.loader import load
+    from fastdecode.models.quantize import FORMATS, QUANT_METHODS
+
+    if method not in QUANT_METHODS:
+        raise ValueError(f"method must be one of {QUANT_METHODS}, got {method!r}")
+    if method not in FORMATS:
+        raise NotImplementedError(f"quantize --method {method} is not available yet")
+    loaded = load(src, device="cpu", dtype=dtype, backend="torch", quant=method, progress=False)
+    save_checkpoint(loaded.model, loaded.tokenizer, dst, FORMATS[method])
+    return FORMATS[method]
