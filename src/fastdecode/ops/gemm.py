@@ -423,6 +423,17 @@ def _w_scale_vec(weight_scale, N: int, device) -> torch.Tensor:
                      f"or ({N}, 1)), got {tuple(weight_scale.shape)}")
 
 
+def check_fp8_activation(x_fp8, out_dtype) -> tuple[int, tuple, int]:
+    """Validate an FP8 activation (..., K) and the output dtype of a W8A8 / W4A8 GEMM: (K, lead, M)."""
+    check_tensor("x_fp8", x_fp8, dtypes=(FP8_DTYPE,))
+    if x_fp8.dim() == 0:
+        raise ValueError("x_fp8 must have at least 1 dimension (..., K), got a scalar")
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {FP8_OUT_DTYPES}, got {out_dtype}")
+    lead = tuple(x_fp8.shape[:-1])
+    return x_fp8.shape[-1], lead, math.prod(lead)
+
+
 def linear_fp8(x_fp8, x_scale, weight_fp8, weight_scale, bias=None, *, out_dtype=torch.bfloat16,
                out=None, backend: Optional[str] = None, impl: Optional[str] = None) -> torch.Tensor:
     """W8A8: ``out = (x_fp8 @ weight_fp8.T) * x_scale * weight_scale + bias`` (fp32 math, one rounding).
@@ -434,14 +445,7 @@ def linear_fp8(x_fp8, x_scale, weight_fp8, weight_scale, bias=None, *, out_dtype
     None. Returns (..., N) in ``out_dtype`` (or ``out``). Scales are not read back to check their
     sign (that would sync the host on every call). impl: None | "triton" | "cublas" (_scaled_mm).
     """
-    check_tensor("x_fp8", x_fp8, dtypes=(FP8_DTYPE,))
-    if x_fp8.dim() == 0:
-        raise ValueError("x_fp8 must have at least 1 dimension (..., K), got a scalar")
-    if out_dtype not in FP8_OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {FP8_OUT_DTYPES}, got {out_dtype}")
-    K = x_fp8.shape[-1]
-    lead = tuple(x_fp8.shape[:-1])
-    M = math.prod(lead)
+    K, lead, M = check_fp8_activation(x_fp8, out_dtype)
     N = _check_weight(weight_fp8, K, (FP8_DTYPE,))
     _check_bias(bias, N, (torch.bfloat16, torch.float16, torch.float32))
     check_same_device(x_fp8=x_fp8, weight_fp8=weight_fp8, bias=bias)

@@ -307,17 +307,10 @@ def int4_linear_fp8(x_fp8, x_scale, packed: Int4Weight, bias=None, *, out_dtype=
     path runs the FP8 tensor cores and applies the group scales to each 32-column partial product.
     x_fp8: (..., K) float8_e4m3fn; bias: (N,) float or None. Returns (..., N) in ``out_dtype``.
     """
-    from fastdecode.ops._common import FP8_DTYPE, require_sm
-    from fastdecode.ops.gemm import FP8_OUT_DTYPES, _x_scale_rows
+    from fastdecode.ops._common import require_sm
+    from fastdecode.ops.gemm import _x_scale_rows, check_fp8_activation
 
-    check_tensor("x_fp8", x_fp8, dtypes=(FP8_DTYPE,))
-    if x_fp8.dim() == 0:
-        raise ValueError("x_fp8 must have at least 1 dimension (..., K), got a scalar")
-    if out_dtype not in FP8_OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {FP8_OUT_DTYPES}, got {out_dtype}")
-    K = x_fp8.shape[-1]
-    lead = tuple(x_fp8.shape[:-1])
-    M = math.prod(lead)
+    K, lead, M = check_fp8_activation(x_fp8, out_dtype)
     _check_packed(packed, K)
     N = packed.N
     if bias is not None:
