@@ -30,7 +30,7 @@ the partials in split order: deterministic; one launch, counters reset by the ke
 import triton
 import triton.language as tl
 
-from fastdecode.kernels.linear import _epilogue
+from fastdecode.kernels.linear import _epilogue, _fma_rows
 
 ZERO_SYM, ZERO_INT, ZERO_MIN = 0, 1, 2  # constexpr ZERO_MODE: "sym", "zero", "min"
 _ZERO_MODES = {"sym": ZERO_SYM, "zero": ZERO_INT, "min": ZERO_MIN}
@@ -172,13 +172,7 @@ def _int4_linear_kernel(
                     x3 = tl.load(x0_ptr + 3 * stride_xm + kcol, mask=k_mask & (r0 + 3 < M), other=0.0)
                     acc3 += wf * x3.to(tl.float32)[None, :]
     if not USE_DOT:
-        rows = tl.arange(0, BLOCK_M)[:, None]
-        acc = tl.where(rows == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
-        if BLOCK_M > 1:
-            acc += tl.where(rows == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
-        if BLOCK_M > 2:
-            acc += tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], 0.0)
-            acc += tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], 0.0)
+        acc = _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M)
 
     if not SPLIT:
         _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, bias_ptr,

@@ -53,6 +53,19 @@ def _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, w
 
 
 @triton.jit
+def _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
+    """FMA path: one [BLOCK_N, BLOCK_K] fp32 accumulator per token row (up to 4) -> [BLOCK_M, BLOCK_N]."""
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    acc = tl.where(rows == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+    if BLOCK_M > 1:
+        acc += tl.where(rows == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
+    if BLOCK_M > 2:
+        acc += tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], 0.0)
+        acc += tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], 0.0)
+    return acc
+
+
+@triton.jit
 def _pdl_wait():
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
@@ -174,13 +187,7 @@ def _skinny_linear_kernel(
                 acc3 += w * tl.load(x0_ptrs + 3 * stride_xm, mask=m3, other=0.0).to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x0_ptrs += BLOCK_K
-        rows = tl.arange(0, BLOCK_M)[:, None]
-        acc = tl.where(rows == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
-        if BLOCK_M > 1:
-            acc += tl.where(rows == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
-        if BLOCK_M > 2:
-            acc += tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], 0.0)
-            acc += tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], 0.0)
+        acc = _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M)
 
     if not SPLIT:
         _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr,
