@@ -1,6 +1,7 @@
 """Tolerances and comparisons shared by the tests (one table, STYLE.md habit 7)."""
 
 import os
+import socket
 
 import torch
 
@@ -88,3 +89,10 @@ def assert_rounding_equal(actual, expected):
         assert torch.all((actual.float() - expected.float()).abs() <= ulp), "more than one bf16 ulp apart"
     else:
         assert torch.equal(actual, expected), "results that should round identically differ"
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a test's own process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

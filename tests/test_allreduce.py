@@ -6,7 +6,6 @@ under CUDA-graph replay, and a stress run of 10,000 replays with checked results
 """
 
 import os
-import socket
 import traceback
 
 import pytest
@@ -15,19 +14,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastdecode as fd
-from helpers import assert_fp8_close
+from helpers import assert_fp8_close, free_port
 from fastdecode.ops.allreduce import CommWorkspace, all_reduce, all_reduce_add_rms_norm, all_reduce_ref
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(world, fn, backend):
     """Spawn ``world`` ranks running fn(rank, world); every rank must exit cleanly."""
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, backend, errq)) for r in range(world)]

@@ -3,7 +3,6 @@ logits close), shard-only loading from safetensors, vocab padding, FP8 + TP, a r
 stopping every rank, and head counts that do not divide."""
 
 import os
-import socket
 import traceback
 
 import pytest
@@ -13,6 +12,7 @@ import torch.multiprocessing as mp
 
 from fastdecode.engine.tp import TPLoadError, check_tp, local_config, vocab_range
 from fastdecode.models.config import ModelConfig
+from helpers import free_port
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,15 +26,9 @@ ATOL = 1e-4
 FP8_REL = 0.2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world, fn, *args, expect_fail=False):
     """Spawn ``world`` gloo ranks running fn(rank, world, *args); returns the error reports."""
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errq)) for r in range(world)]

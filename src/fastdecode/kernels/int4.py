@@ -30,7 +30,7 @@ the partials in split order: deterministic; one launch, counters reset by the ke
 import triton
 import triton.language as tl
 
-from fastdecode.kernels.linear import _epilogue, _fma_rows
+from fastdecode.kernels.linear import _epilogue, _fma_rows, _split_k_partial
 
 ZERO_SYM, ZERO_INT, ZERO_MIN = 0, 1, 2  # constexpr ZERO_MODE: "sym", "zero", "min"
 _ZERO_MODES = {"sym": ZERO_SYM, "zero": ZERO_INT, "min": ZERO_MIN}
@@ -178,21 +178,9 @@ def _int4_linear_kernel(
         _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, bias_ptr,
                   HAS_BIAS, X_SCALE_MODE, 0)
     else:
-        mask = m_valid[:, None] & (offs_n < N)[None, :]
-        tile_off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k.to(tl.int64) * stride_part + tile_off, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is stored before the (release) counter bump
-        lock = lock_ptr + pid_n * num_m + pid_m
-        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            part_ptrs = part_ptr + tile_off
-            for s in range(split_k):  # fixed order: deterministic
-                total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-                part_ptrs += stride_part
-            _epilogue(total, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, bias_ptr,
-                      HAS_BIAS, X_SCALE_MODE, 0)
-            tl.store(lock, 0)  # ready for the next launch (same stream)
+        _split_k_partial(acc, part_ptr, stride_part, pid_k, lock_ptr + pid_n * num_m + pid_m, split_k,
+                         offs_m, offs_n, m_valid, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, bias_ptr,
+                         HAS_BIAS, X_SCALE_MODE, 0, BLOCK_M, BLOCK_N)
 
 
 def split_k_blocks(K: int, config: dict) -> tuple[int, int]:

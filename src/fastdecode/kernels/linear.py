@@ -28,8 +28,8 @@ a second kernel would cost ~1.5 us of graph-node gap on a 5-10 us GEMM.
 import triton
 import triton.language as tl
 
-# How x (activation) and w (weight) scales are applied in the epilogue (constexpr *_SCALE_MODE).
-from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR  # noqa: E402,F401
+# x (activation) and w (weight) scales are applied in the epilogue by constexpr *_SCALE_MODE:
+# fastdecode.constants.SCALE_NONE / SCALE_TENSOR / SCALE_VECTOR.
 
 
 @triton.jit
@@ -63,6 +63,31 @@ def _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
         acc += tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], 0.0)
         acc += tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], 0.0)
     return acc
+
+
+@triton.jit
+def _split_k_partial(acc, part_ptr, stride_part, pid_k, lock, split_k, offs_m, offs_n, m_valid, M, N,
+                     out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS: tl.constexpr,
+                     X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Deterministic split-K in one launch: store this split's fp32 partial; the last split of the tile
+    to arrive (counter ``lock``) sums all partials in split order and runs the epilogue."""
+    mask = m_valid[:, None] & (offs_n < N)[None, :]
+    tile_off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(part_ptr + pid_k.to(tl.int64) * stride_part + tile_off, acc, mask=mask)
+    # all threads' partial stores happen before the (release) counter bump
+    tl.debug_barrier()
+    arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+    if arrived == split_k - 1:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        part_ptrs = part_ptr + tile_off
+        for s in range(split_k):  # fixed order: deterministic
+            # .cg: read from L2, where the other SMs' partials are (L1 is not coherent)
+            total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            part_ptrs += stride_part  # 64-bit pointer steps: no int32 overflow at large M * N
+        _epilogue(total, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr,
+                  HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE)
+        tl.store(lock, 0)  # ready for the next launch (same stream)
 
 
 @triton.jit
@@ -193,23 +218,9 @@ def _skinny_linear_kernel(
         _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr,
                   HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE)
     else:
-        mask = m_valid[:, None] & (offs_n < N)[None, :]
-        tile_off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k.to(tl.int64) * stride_part + tile_off, acc, mask=mask)
-        # all threads' partial stores happen before the (release) counter bump
-        tl.debug_barrier()
-        lock = lock_ptr + pid_n * num_m + pid_m
-        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            part_ptrs = part_ptr + tile_off
-            for s in range(split_k):  # fixed order: deterministic
-                # .cg: read from L2, where the other SMs' partials are (L1 is not coherent)
-                total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-                part_ptrs += stride_part  # 64-bit pointer steps: no int32 overflow at large M * N
-            _epilogue(total, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr,
-                      HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE)
-            tl.store(lock, 0)  # ready for the next launch (same stream)
+        _split_k_partial(acc, part_ptr, stride_part, pid_k, lock_ptr + pid_n * num_m + pid_m, split_k,
+                         offs_m, offs_n, m_valid, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr,
+                         HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE, BLOCK_M, BLOCK_N)
 
 
 def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
