@@ -464,3 +464,78 @@ def test_w4a8_errors_and_config():
     assert I.get_int4_config(32, 32, 512, 32, path=f.name)[1]["kind"] == "dot"  # W4A16: no entry, heuristic
     I.clear_config_cache()
     os.unlink(f.name)
+
+
+# ----------------------------------------------------------------------------- generated code
+
+_COMPILE_SNIPPET = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastdecode.kernels.int4 import _int4_linear_kernel
+
+cfg = json.loads(sys.argv[1])
+xt = cfg["x"]
+sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "bias_ptr": "*bf16",
+       "xs_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
+       "K": "i32", "G": "i32", "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_part": "i32",
+       "split_k": "i32"}
+consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"] == "dot", UNIFORM=True, SPG=4,
+              EVEN_K=True, X_SCALE_MODE=0, FAST_CVT=cfg["kind"] == "dot", BLOCK_M=cfg["BLOCK_M"],
+              BLOCK_N=cfg["BLOCK_N"], BLOCK_K=256, SPLIT=True)
+sig.update({k: "constexpr" for k in consts})
+aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "xs_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K",
+           "G", "KW", "stride_xm", "stride_om"}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in aligned}
+cc = triton.compile(ASTSource(_int4_linear_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": 4, "num_stages": 2})
+sys.stdout.write(cc.asm["ptx"])
+"""
+
+
+def _k_loop(ptx: str) -> str:
+    import re
+
+    lines = ptx.splitlines()
+    for i, line in enumerate(lines):  # the first backward branch closes the K loop
+        label = re.match(r"(\$L__BB\d+_\d+):", line)
+        if label:
+            ends = [j for j in range(i + 1, len(lines)) if re.search(rf"bra(\.uni)?\s+\{label.group(1)};", lines[j])]
+            if ends:
+                return "\n".join(lines[i + 1:ends[0]])
+    raise AssertionError("no K loop found in the PTX")
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16"), dict(kind="fma", BLOCK_M=4, BLOCK_N=32, ZM=2, x="fp16"),
+    dict(kind="dot", BLOCK_M=16, BLOCK_N=64, ZM=1, x="bf16"), dict(kind="dot", BLOCK_M=64, BLOCK_N=64, ZM=2, x="fp16"),
+], ids=["fma_m1_sym", "fma_m4_min", "dot_m16_zero_bf16", "dot_m64_min_fp16"])
+def test_sm90_code_converts_int4_without_float_conversions(cfg):
+    """Speed guard, compiled ahead of time for sm_90 (Triton bundles ptxas; no GPU needed): the FMA loop
+    turns nibbles into fp32 with bit operations only (no cvt of weights, one FFMA per value and row plus
+    the group fold) and the dot loop converts two nibbles per packed 16-bit FMA (the inline PTX)."""
+    import re
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SNIPPET, json.dumps(cfg)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    if r.returncode != 0:
+        if "ptxas" in r.stderr or "No module named" in r.stderr or "backend" in r.stderr.lower():
+            pytest.skip(f"cannot compile for sm_90 here: {r.stderr.strip().splitlines()[-1]}")
+        raise AssertionError(r.stderr[-3000:])
+    body = _k_loop(r.stdout)
+    values = cfg["BLOCK_N"] * 256 // 128  # weights per thread per K step (4 warps)
+    if cfg["kind"] == "fma":
+        assert not re.search(r"cvt\.rn\.(bf16|f16)", body), "the FMA loop rounds weights to 16 bits"
+        assert not re.search(r"cvt\.rn\.f32\.[su]32", body), "the FMA loop converts ints to float"
+        ffma = len(re.findall(r"\bfma\.rn\.f32", body))
+        # + one fold per group and row (+ the min term of "min"); the sum of x of a group rides along
+        assert values * cfg["BLOCK_M"] <= ffma <= values * cfg["BLOCK_M"] * (1.7 if cfg["ZM"] == 2 else 1.3), ffma
+    else:
+        ty = "bf16x2" if cfg["x"] == "bf16" else "f16x2"
+        assert len(re.findall(rf"fma\.rn\.{ty}", body)) == values, "expected 2 packed FMAs per pair of nibbles"
+        assert "mma" in body

@@ -128,3 +128,21 @@ def test_split_k_deterministic_graph_capture_and_compile():
     _close(out, I.int4_linear_ref(x, w))
     f = torch.compile(lambda a: I.int4_linear(a, w), fullgraph=True)
     _close(f(x), I.int4_linear_ref(x, w))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,g", [("sym", 128), ("zero", 32), ("min", 64), ("sym", 4096), ("zero", 96)])
+def test_dot_fast_conversion_equals_portable(fmt, g, x_dtype):
+    """The packed-pair PTX conversion (fast_cvt) against the bitcast form the interpreter runs: the same
+    dequantised operand up to the rounding of the scale to x.dtype, so results agree to the output rounding."""
+    N, K, M = 1024, 4224 if g == 96 else 4096, 48
+    K = 4096 if g == 4096 else K
+    w = _packed(N, K, g, fmt)
+    x = torch.randn(M, K, device=DEV).to(x_dtype)
+    cfg = dict(kind="dot", BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3)
+    fast = torch.full((M, N), float("nan"), device=DEV, dtype=x_dtype)
+    slow = torch.full((M, N), float("nan"), device=DEV, dtype=x_dtype)
+    I._triton_int4_linear(x, w, None, fast, cfg)
+    I._triton_int4_linear(x, w, None, slow, {**cfg, "fast_cvt": False})
+    _close(fast, slow)
+    _close(fast, I.int4_linear_ref(x, w))

@@ -51,6 +51,16 @@ def _cmd_bench_allreduce(args) -> int:
 
 
 def _cmd_tune(args) -> int:
+    if args.what == "int4":
+        from fastdecode.bench import int4 as bi
+
+        shapes = None
+        if args.shapes:
+            from fastdecode.bench.linear import parse_shapes
+
+            shapes = parse_shapes(args.shapes)
+        bi.tune(args.out, shapes=shapes, quick=args.quick, fp8=not args.no_fp8)
+        return 0
     from fastdecode.bench import linear as bl
 
     bl.tune(args.out, shapes=bl.parse_shapes(args.shapes) if args.shapes else None, quick=args.quick)
@@ -90,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     ar.set_defaults(func=_cmd_bench_allreduce)
 
     t = sub.add_parser("tune", help="measure launch configs on this GPU and write them as data")
-    t.add_argument("what", choices=["linear"])
+    t.add_argument("what", choices=["linear", "int4"])
+    t.add_argument("--no-fp8", action="store_true", help="int4: skip the W4A8 section")
     t.add_argument("--shapes", default=None, help='e.g. "8b.o,4096x14336" (default: the Llama shapes)')
     t.add_argument("--out", default=None, help="config JSON (default: the package's configs/ folder)")
     t.add_argument("--quick", action="store_true")

@@ -33,6 +33,7 @@ SHAPES = {  # name: (N, K)
 MS = (1, 16, 64, 256, 1024, 4096)
 QUICK_MS = (1, 16, 64, 256)
 TUNE_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+QUICK_TUNE_MS = (1, 2, 4, 16, 64, 256, 1024, 4096)
 GROUP = 128
 TARGETS = {1: 3.2, 16: 3.0, 64: 2.0, 256: 1.0}  # geomean speed-up over cuBLAS BF16 (issue 4)
 FLOOR_ANY_M = 0.85
@@ -132,37 +133,49 @@ def _ok(ops: _Operands, M: int, impl: str, config=None, fp8: bool = False) -> Op
 # ----------------------------------------------------------------------------- tuning
 
 
-def candidates(M: int, N: int, K: int, fp8: bool = False) -> list[dict]:
-    """A small config list per M: fma tiles for M <= 8, dot tiles for M >= 8, split-K 1..16."""
+def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False) -> list[dict]:
+    """A small config list per M: fma tiles for M <= 8, dot tiles for M >= 8, split-K 1..16.
+
+    fma tiles keep BLOCK_K = 256 (one layout tile: the per-group scaling of the kernel needs it);
+    ``quick``: 4 warps only and fewer dot tiles (a tuning run that fits a few device minutes)."""
     out = []
     splits = (1, 2, 4, 8, 16)
     if M <= 8:
         bm = min(4, 1 << max(M - 1, 0).bit_length())
-        for bn, nw, bk in itertools.product((16, 32, 64, 128), (4, 8), (256, 512)):
-            if bm * bn * bk // 8 // (32 * nw) > 128:  # accumulator registers per thread
+        for bn, nw in itertools.product((16, 32, 64, 128), (4,) if quick else (4, 8)):
+            if bm * bn * 256 // 8 // (32 * nw) > 128:  # accumulator registers per thread
                 continue
             for sk in splits:
-                out.append({"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk,
+                out.append({"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
                             "num_warps": nw, "num_stages": 1})
     if M >= 8:
-        bms = [16] if M <= 16 else ([16, 32] if M <= 32 else [32, 64, 128])
-        for bm, bn, st in itertools.product(bms, (32, 64, 128), (2, 3, 4)):
+        bms = [16] if M <= 16 else ([16, 32] if M <= 32 else ([32, 64] if M <= 64 else [64, 128]))
+        if quick:
+            bms = bms[-1:]
+        for bm, bn, st in itertools.product(bms, (64, 128) if quick else (32, 64, 128), (3,) if quick else (2, 3, 4)):
+            if bm == 128 and bn == 128:
+                st = 2  # 3 stages of 128 x 128 x 256 exceed the 227 KB of shared memory
             nw = 8 if bm * bn >= 128 * 128 else 4
-            for sk in (splits if M <= 256 else (1, 2)):
-                out.append({"kind": "dot", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
-                            "num_warps": nw, "num_stages": st})
+            for sk in (splits[:4] if M <= 256 else (1,)):
+                c = {"kind": "dot", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
+                     "num_warps": nw, "num_stages": st}
+                if c not in out:
+                    out.append(c)
     return out
 
 
-def tune(out_path=None, *, shapes=None, ms: Sequence[int] = TUNE_MS, groups=(GROUP,), fp8: bool = True,
-         max_candidates: int = 60) -> dict:
+def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, groups=(GROUP,), fp8: bool = True,
+         max_candidates: int = 60, quick: bool = False) -> dict:
     """Time candidates per (N, K, group, M) and write the dispatcher table (returns it)."""
     from fastdecode.ops.int4 import clear_config_cache, config_path, table_key
 
     shapes = dict(SHAPES) if shapes is None else shapes
+    ms = tuple(ms or (QUICK_TUNE_MS if quick else TUNE_MS))
     name = torch.cuda.get_device_name()
     table = {"gpu": name, "num_sms": torch.cuda.get_device_properties(0).multi_processor_count,
              "env": env_info(), "int4_linear": {}, "int4_linear_fp8": {}}
+    path = Path(out_path) if out_path else config_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     for (sname, (N, K)), g in itertools.product(shapes.items(), groups):
         ops = _Operands(N, K, g, max(ms))
         for op, is_fp8 in (("int4_linear", False), ("int4_linear_fp8", True)):
@@ -171,7 +184,7 @@ def tune(out_path=None, *, shapes=None, ms: Sequence[int] = TUNE_MS, groups=(GRO
             entries = table[op].setdefault(table_key(N, K, g), {})
             for M in ms:
                 best = None
-                cands = candidates(M, N, K, is_fp8)[:max_candidates]
+                cands = candidates(M, N, K, is_fp8, quick)[:max_candidates]
                 for cfg in cands:
                     impl = "triton_fp8" if is_fp8 else "triton"
                     try:
@@ -191,9 +204,7 @@ def tune(out_path=None, *, shapes=None, ms: Sequence[int] = TUNE_MS, groups=(GRO
                     print(f"{op} {sname} g{g} M={M}: {best[1]} {best[0]:.2f} us {best[2]}", flush=True)
         del ops
         torch.cuda.empty_cache()
-    path = Path(out_path) if out_path else config_path(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1) + "\n")
+        path.write_text(json.dumps(table, indent=1) + "\n")  # after every shape: a cut-off run keeps its data
     clear_config_cache()
     return table
 

@@ -72,21 +72,181 @@ def _dequant(qw, p, s, z, ZERO_MODE: tl.constexpr, W_DTYPE: tl.constexpr):
     return w.to(W_DTYPE)
 
 
+@triton.jit
+def _nibble_f32(qw, qw_hi, p: tl.constexpr):
+    """Shift ``p`` of the words as fp32 ``2**23 + q * 16**(p % 4)``, exactly, with one AND-OR (a LOP3)
+    and no shift: nibbles 0-3 are masked in place in ``qw``, nibbles 4-7 in ``qw_hi = qw >> 16``
+    (16**3 * 15 < 2**23, so the nibble stays inside the mantissa)."""
+    if p < 4:
+        base = qw
+    else:
+        base = qw_hi
+    MASK: tl.constexpr = 0xF << (4 * (p % 4))
+    return ((base & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pow16(j: tl.constexpr):
+    if j == 0:
+        return 1.0
+    elif j == 1:
+        return 16.0
+    elif j == 2:
+        return 256.0
+    else:
+        return 4096.0
+
+
+@triton.jit
+def _group_params(s_ptr, z_ptr, rn, G, k0, p: tl.constexpr, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr):
+    """fp32 scale and zero (or min) ``[BLOCK_N, 1]`` of shift ``p``'s group in the layout tile at column
+    ``k0`` (a multiple of 256; GROUP divides 256 or 256 divides GROUP, or one group per row), clamped:
+    padding columns >= K may point past the last group (their x is 0). The offset is written as
+    ``k0 // GROUP + constant`` so that the shifts of one group share one load."""
+    if GROUP <= 256:
+        gi = k0 // GROUP + (32 * p) // GROUP
+    else:
+        gi = k0 // GROUP
+    offs = rn[:, None] * G + tl.minimum(gi, G - 1)
+    s = tl.load(s_ptr + offs).to(tl.float32)
+    if ZERO_MODE == 0:
+        z = s * 0.0 + 8.0
+    else:
+        z = tl.load(z_ptr + offs).to(tl.float32)
+    return s, z
+
+
+# Fast 4-bit -> 16-bit conversion on the GPU (inline PTX; the interpreter runs the bitcast forms):
+# per 32-bit word, (word >> 4j) & 0x000F000F | MAGIC puts nibbles j and j+4 into the mantissas of a
+# packed pair of 16-bit floats MAGIC + q (bf16 0x4300 = 128, fp16 0x6400 = 1024: the ulp is 1 there),
+# one LOP3 for two values; then two packed FMAs per pair: ``t = t * 1 - (MAGIC + zero)`` (exact: q - zero)
+# and ``w = t * scale + c`` (c = -0 or the GGUF min; one rounding, as dequantize_int4's). $0-$7 are the
+# eight 16-bit outputs (shift p), $8 the word, $9-$12 the scale pairs (p, p+4), $13-$16 the
+# -(MAGIC + zero) pairs, $17-$20 the c pairs.
+_CVT_ASM = """
+{
+.reg .b32 t0, t1, t2, t3, u, one, mg;
+mov.b32 one, ONE;
+mov.b32 mg, MAGIC;
+lop3.b32 t0, $8, 0x000f000f, mg, 0xea;
+shr.u32 u, $8, 4;
+lop3.b32 t1, u, 0x000f000f, mg, 0xea;
+shr.u32 u, $8, 8;
+lop3.b32 t2, u, 0x000f000f, mg, 0xea;
+shr.u32 u, $8, 12;
+lop3.b32 t3, u, 0x000f000f, mg, 0xea;
+fma.rn.TY t0, t0, one, $13;
+fma.rn.TY t1, t1, one, $14;
+fma.rn.TY t2, t2, one, $15;
+fma.rn.TY t3, t3, one, $16;
+fma.rn.TY t0, t0, $9, $17;
+fma.rn.TY t1, t1, $10, $18;
+fma.rn.TY t2, t2, $11, $19;
+fma.rn.TY t3, t3, $12, $20;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$3, $7}, t3;
+}
+"""
+_CVT_ASM_BF16: tl.constexpr = tl.constexpr(
+    _CVT_ASM.replace("ONE", "0x3f803f80").replace("MAGIC", "0x43004300").replace("TY", "bf16x2"))
+_CVT_ASM_F16: tl.constexpr = tl.constexpr(
+    _CVT_ASM.replace("ONE", "0x3c003c00").replace("MAGIC", "0x64006400").replace("TY", "f16x2"))
+_CVT_CONSTRAINTS: tl.constexpr = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 13))
+
+
+@triton.jit
+def _pair_bits(lo, hi, W_DTYPE: tl.constexpr):
+    """Two fp32 ``[BN, 1]`` -> int32 holding (lo, hi) as a packed W_DTYPE pair (lo in the low half)."""
+    lb = lo.to(W_DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hb = hi.to(W_DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lb | (hb << 16)
+
+
+@triton.jit
+def _dequant8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr,
+                  W_DTYPE: tl.constexpr):
+    """All eight shifts of ``qw [BN, BK8]`` -> eight ``[BN, BK8]`` W_DTYPE tensors (GPU, one group per
+    32-column slice: UNIFORM)."""
+    if W_DTYPE == tl.bfloat16:
+        MAGIC: tl.constexpr = 128.0
+    else:
+        MAGIC: tl.constexpr = 1024.0
+    s0, z0 = _group_params(s_ptr, z_ptr, rn, G, k0, 0, GROUP, ZERO_MODE)
+    s1, z1 = _group_params(s_ptr, z_ptr, rn, G, k0, 1, GROUP, ZERO_MODE)
+    s2, z2 = _group_params(s_ptr, z_ptr, rn, G, k0, 2, GROUP, ZERO_MODE)
+    s3, z3 = _group_params(s_ptr, z_ptr, rn, G, k0, 3, GROUP, ZERO_MODE)
+    s4, z4 = _group_params(s_ptr, z_ptr, rn, G, k0, 4, GROUP, ZERO_MODE)
+    s5, z5 = _group_params(s_ptr, z_ptr, rn, G, k0, 5, GROUP, ZERO_MODE)
+    s6, z6 = _group_params(s_ptr, z_ptr, rn, G, k0, 6, GROUP, ZERO_MODE)
+    s7, z7 = _group_params(s_ptr, z_ptr, rn, G, k0, 7, GROUP, ZERO_MODE)
+    if ZERO_MODE == 2:  # w = q * scale + min
+        n0, n1, n2, n3 = -MAGIC + 0 * s0, -MAGIC + 0 * s0, -MAGIC + 0 * s0, -MAGIC + 0 * s0
+        c0, c1, c2, c3 = _pair_bits(z0, z4, W_DTYPE), _pair_bits(z1, z5, W_DTYPE), \
+            _pair_bits(z2, z6, W_DTYPE), _pair_bits(z3, z7, W_DTYPE)
+        n0, n1, n2, n3 = _pair_bits(n0, n0, W_DTYPE), _pair_bits(n1, n1, W_DTYPE), \
+            _pair_bits(n2, n2, W_DTYPE), _pair_bits(n3, n3, W_DTYPE)
+    else:  # w = (q - zero) * scale
+        n0, n1 = _pair_bits(-(MAGIC + z0), -(MAGIC + z4), W_DTYPE), _pair_bits(-(MAGIC + z1), -(MAGIC + z5), W_DTYPE)
+        n2, n3 = _pair_bits(-(MAGIC + z2), -(MAGIC + z6), W_DTYPE), _pair_bits(-(MAGIC + z3), -(MAGIC + z7), W_DTYPE)
+        c0 = (rn[:, None] * 0).to(tl.int32)  # + 0: one rounding of (q - zero) * scale
+        c1, c2, c3 = c0, c0, c0
+    p0, p1 = _pair_bits(s0, s4, W_DTYPE), _pair_bits(s1, s5, W_DTYPE)
+    p2, p3 = _pair_bits(s2, s6, W_DTYPE), _pair_bits(s3, s7, W_DTYPE)
+    if W_DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            _CVT_ASM_BF16, _CVT_CONSTRAINTS, [qw, p0, p1, p2, p3, n0, n1, n2, n3, c0, c1, c2, c3],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                   tl.bfloat16), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            _CVT_ASM_F16, _CVT_CONSTRAINTS, [qw, p0, p1, p2, p3, n0, n1, n2, n3, c0, c1, c2, c3],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
+                   tl.float16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _fma_group(acc, t, s, z, xsum, ZERO_MODE: tl.constexpr):
+    """Fold a finished group's unscaled sums ``t = sum (q - zero) x`` into ``acc``: ``acc += t * scale``
+    (+ ``min * sum(x)`` for "min")."""
+    acc += t * s
+    if ZERO_MODE == 2:
+        acc += xsum[None, :] * z
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
 def _int4_linear_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, xs_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, G, KW, stride_xm, stride_om, stride_part, split_k,
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
-    UNIFORM: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
+    UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
+    FAST_CVT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles). BLOCK_K is a multiple of 256 (whole layout tiles); KW is the
     number of words per weight row (Kp // 8); columns >= K are masked (x and scales read as 0).
 
-    W4A8 (x is FP8, X_SCALE_MODE 1 per tensor / 2 per token): the FMA path dequantises to fp32
-    (no 16-bit rounding); the DOT path converts the integers ``q - zero`` (or ``q`` for "min"),
-    exact in e4m3, to FP8 and runs FP8 ``tl.dot`` per shift (32 columns, one group: UNIFORM is
-    required), then ``acc += dot * scale[n]`` (+ ``min[n] * sum(x)`` for "min"); x_scale in the epilogue.
+    FMA path (weight streaming): nibbles become fp32 ``2**23 + q * 16**j`` in place (``_nibble_f32``,
+    no shifts, no int -> float conversion, no 16-bit rounding); ``d = f - (2**23 + zero * 16**j)`` is the
+    exact integer ``(q - zero) * 16**j``; with UNIFORM slices the scale is applied once per group, not
+    per value: ``t += d * (x * 16**-j)`` over the slices of a group, then ``acc += t * scale`` — per value
+    one LOP3, one FADD and one FFMA per token row. So this path computes with the exact dequantised
+    weight in fp32 (``dequantize_int4`` rounds it to x.dtype; the difference is below that rounding).
+
+    DOT path: ``acc = tl.dot(x, w^T, acc)`` per shift, with ``w`` dequantised to x.dtype as
+    ``dequantize_int4`` does: on the GPU (FAST_CVT) eight shifts per word by the packed-pair PTX of
+    ``_dequant8_asm``, in the interpreter by ``_dequant``.
+
+    SPG (> 0 when BLOCK_K == 256 and the groups tile the layout tile: GROUP divides 256, 256 divides
+    GROUP, or one group per row; else 0): shifts per group, for the per-group scaling of the FMA path
+    and for FAST_CVT (which needs SPG > 0).
+
+    W4A8 (x is FP8, X_SCALE_MODE 1 per tensor / 2 per token): the FMA path as above; the DOT path
+    converts the integers ``q - zero`` (or ``q`` for "min"), exact in e4m3, to FP8 and runs FP8
+    ``tl.dot`` per shift (32 columns, one group: UNIFORM is required), then ``acc += dot * scale[n]``
+    (+ ``min[n] * sum(x)`` for "min"); x_scale in the epilogue.
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
     pid_m = tl.program_id(0)
@@ -123,6 +283,14 @@ def _int4_linear_kernel(
         acc1 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
+        t0 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
+        t1 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
+        t2 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
+        t3 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
+        xs0 = tl.zeros((BK8,), dtype=tl.float32)
+        xs1 = tl.zeros((BK8,), dtype=tl.float32)
+        xs2 = tl.zeros((BK8,), dtype=tl.float32)
+        xs3 = tl.zeros((BK8,), dtype=tl.float32)
         x0_ptr = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm
         r0 = pid_m * BLOCK_M + tl.zeros((BK8,), dtype=tl.int32)  # a splat: the tile's first row
     for kb in range(kb_start, kb_end):
@@ -132,45 +300,111 @@ def _int4_linear_kernel(
             qw = tl.load(qw_row + kw[None, :])
         else:
             qw = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
-        for p in tl.static_range(8):
-            kcol = k0 + col0 + 32 * p  # the columns of shift p: runs of 32 consecutive columns
-            if EVEN_K:
-                k_mask = col0 < BLOCK_K  # all true, constant along K (vectorisable)
-            else:
-                k_mask = kcol < K
-            s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE, UNIFORM)
-            if USE_DOT and X_FP8:
+        if USE_DOT and FAST_CVT:
+            ws = _dequant8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, W_DTYPE)
+            for p in tl.static_range(8):
+                kcol = k0 + col0 + 32 * p
+                if EVEN_K:
+                    k_mask = col0 < BLOCK_K
+                else:
+                    k_mask = kcol < K
                 x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
                             mask=m_valid[:, None] & k_mask[None, :], other=0.0)
-                nib = (qw >> (4 * p)) & 0xF
-                qf = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                if ZERO_MODE == 0:
-                    qf = qf - 8.0
-                elif ZERO_MODE == 1:
-                    qf = qf - z
-                part = tl.dot(x, tl.trans(qf.to(tl.float8e4nv)))  # [BLOCK_M, BLOCK_N], exact integers
-                acc += part * tl.reshape(s, (1, BLOCK_N))
-                if ZERO_MODE == 2:
-                    xsum = tl.sum(x.to(tl.float32), axis=1)
-                    acc += xsum[:, None] * tl.reshape(z, (1, BLOCK_N))
-            elif USE_DOT:
-                w = _dequant(qw, p, s, z, ZERO_MODE, W_DTYPE)  # [BLOCK_N, BK8]
-                x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
-                            mask=m_valid[:, None] & k_mask[None, :], other=0.0)
-                acc = tl.dot(x, tl.trans(w), acc)
-            else:
-                w = _dequant(qw, p, s, z, ZERO_MODE, W_DTYPE)  # [BLOCK_N, BK8]
-                wf = w.to(tl.float32)
-                x0 = tl.load(x0_ptr + kcol, mask=k_mask & (r0 < M), other=0.0).to(tl.float32)
-                acc0 += wf * x0[None, :]
-                if BLOCK_M > 1:
-                    x1 = tl.load(x0_ptr + stride_xm + kcol, mask=k_mask & (r0 + 1 < M), other=0.0)
-                    acc1 += wf * x1.to(tl.float32)[None, :]
-                if BLOCK_M > 2:
-                    x2 = tl.load(x0_ptr + 2 * stride_xm + kcol, mask=k_mask & (r0 + 2 < M), other=0.0)
-                    acc2 += wf * x2.to(tl.float32)[None, :]
-                    x3 = tl.load(x0_ptr + 3 * stride_xm + kcol, mask=k_mask & (r0 + 3 < M), other=0.0)
-                    acc3 += wf * x3.to(tl.float32)[None, :]
+                acc = tl.dot(x, tl.trans(ws[p]), acc)
+        else:
+            qw_hi = qw >> 16
+            for p in tl.static_range(8):
+                kcol = k0 + col0 + 32 * p  # the columns of shift p: runs of 32 consecutive columns
+                if EVEN_K:
+                    k_mask = col0 < BLOCK_K  # all true, constant along K (vectorisable)
+                else:
+                    k_mask = kcol < K
+                if USE_DOT and X_FP8:
+                    s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE, UNIFORM)
+                    x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
+                                mask=m_valid[:, None] & k_mask[None, :], other=0.0)
+                    nib = (qw >> (4 * p)) & 0xF
+                    qf = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                    if ZERO_MODE == 0:
+                        qf = qf - 8.0
+                    elif ZERO_MODE == 1:
+                        qf = qf - z
+                    part = tl.dot(x, tl.trans(qf.to(tl.float8e4nv)))  # [BLOCK_M, BLOCK_N], exact integers
+                    acc += part * tl.reshape(s, (1, BLOCK_N))
+                    if ZERO_MODE == 2:
+                        xsum = tl.sum(x.to(tl.float32), axis=1)
+                        acc += xsum[:, None] * tl.reshape(z, (1, BLOCK_N))
+                elif USE_DOT:
+                    s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE, UNIFORM)
+                    w = _dequant(qw, p, s, z, ZERO_MODE, W_DTYPE)  # [BLOCK_N, BK8]
+                    x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
+                                mask=m_valid[:, None] & k_mask[None, :], other=0.0)
+                    acc = tl.dot(x, tl.trans(w), acc)
+                else:
+                    f = _nibble_f32(qw, qw_hi, p)
+                    MUL = _pow16(p % 4)  # the nibble's place value in f (a constant)
+                    INV = 1.0 / MUL
+                    x0 = tl.load(x0_ptr + kcol, mask=k_mask & (r0 < M), other=0.0).to(tl.float32) * INV
+                    if BLOCK_M > 1:
+                        x1 = tl.load(x0_ptr + stride_xm + kcol, mask=k_mask & (r0 + 1 < M),
+                                     other=0.0).to(tl.float32) * INV
+                    if BLOCK_M > 2:
+                        x2 = tl.load(x0_ptr + 2 * stride_xm + kcol, mask=k_mask & (r0 + 2 < M),
+                                     other=0.0).to(tl.float32) * INV
+                        x3 = tl.load(x0_ptr + 3 * stride_xm + kcol, mask=k_mask & (r0 + 3 < M),
+                                     other=0.0).to(tl.float32) * INV
+                    if SPG > 0:
+                        first = p % SPG == 0
+                        last = p % SPG == SPG - 1
+                        s, z = _group_params(s_ptr, z_ptr, rn, G, k0, p, GROUP, ZERO_MODE)
+                        if ZERO_MODE == 2:
+                            d = f - 8388608.0
+                        else:
+                            d = f - (8388608.0 + z * MUL)
+                        if first:
+                            t0 = d * x0[None, :]
+                            xs0 = x0 * MUL
+                        else:
+                            t0 += d * x0[None, :]
+                            xs0 += x0 * MUL
+                        if last:
+                            acc0 = _fma_group(acc0, t0, s, z, xs0, ZERO_MODE)
+                        if BLOCK_M > 1:
+                            if first:
+                                t1 = d * x1[None, :]
+                                xs1 = x1 * MUL
+                            else:
+                                t1 += d * x1[None, :]
+                                xs1 += x1 * MUL
+                            if last:
+                                acc1 = _fma_group(acc1, t1, s, z, xs1, ZERO_MODE)
+                        if BLOCK_M > 2:
+                            if first:
+                                t2 = d * x2[None, :]
+                                t3 = d * x3[None, :]
+                                xs2 = x2 * MUL
+                                xs3 = x3 * MUL
+                            else:
+                                t2 += d * x2[None, :]
+                                t3 += d * x3[None, :]
+                                xs2 += x2 * MUL
+                                xs3 += x3 * MUL
+                            if last:
+                                acc2 = _fma_group(acc2, t2, s, z, xs2, ZERO_MODE)
+                                acc3 = _fma_group(acc3, t3, s, z, xs3, ZERO_MODE)
+                    else:  # a slice spans groups: per-value scale and zero (a gather; L1 hits)
+                        s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE,
+                                             UNIFORM)
+                        if ZERO_MODE == 2:
+                            w = ((f - 8388608.0) * INV) * s + z
+                        else:
+                            w = ((f - (8388608.0 + z * MUL)) * INV) * s
+                        acc0 += w * (x0 * MUL)[None, :]
+                        if BLOCK_M > 1:
+                            acc1 += w * (x1 * MUL)[None, :]
+                        if BLOCK_M > 2:
+                            acc2 += w * (x2 * MUL)[None, :]
+                            acc3 += w * (x3 * MUL)[None, :]
     if not USE_DOT:
         acc = _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M)
 
@@ -197,6 +431,28 @@ def _uniform(group_size: int, bk: int) -> bool:
     return bk == 256 or group_size % bk == 0
 
 
+def slices_per_group(group_size: int, K: int, bk: int) -> int:
+    """32-column shifts per group inside a 256-column layout tile (8 when a tile lies in one group), or 0
+    when the kernel's per-group paths do not apply (BLOCK_K > 256, or groups that straddle tiles)."""
+    if bk != 256:
+        return 0
+    if group_size % 256 == 0 or group_size >= K:
+        return 8
+    return group_size // 32 if 256 % group_size == 0 else 0
+
+
+def fast_cvt_ok(x, uniform: bool, x_scale_mode: int = 0) -> bool:
+    """The packed-pair PTX conversion of the dot path: CUDA (not the interpreter), 16-bit activations,
+    one group per 32-column slice, and sm_80+ (``fma.rn.bf16x2``)."""
+    import os
+
+    if x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or x_scale_mode != 0 or not uniform:
+        return False
+    import torch
+
+    return x.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(x.device)[0] >= 8
+
+
 def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
                        config: dict, x_scale=None, x_scale_mode: int = 0):
     """Launch on 2-D views: x (M, K) unit stride in K (kernel column order), qweight (N, Kp // 8) int32,
@@ -214,13 +470,16 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     _, split = split_k_blocks(K, config)
     grid = (triton.cdiv(M, bm), split, triton.cdiv(N, bn))
+    uniform = _uniform(group_size, bk)
+    spg = slices_per_group(group_size, K, bk)
+    fast_cvt = bool(config.get("fast_cvt", True)) and fast_cvt_ok(x, spg > 0, x_scale_mode)
     _int4_linear_kernel[grid](
         x, qweight, scales, zm if zm is not None else scales, bias if bias is not None else out,
         x_scale if x_scale is not None else out, out, part if split > 1 else out, locks if split > 1 else out,
         M, N, K, scales.shape[1], qweight.shape[1], x.stride(0), out.stride(0), M * N, split,
         GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
-        USE_DOT=config["kind"] == "dot", UNIFORM=_uniform(group_size, bk), EVEN_K=K % bk == 0,
-        X_SCALE_MODE=x_scale_mode,
+        USE_DOT=config["kind"] == "dot", UNIFORM=uniform, SPG=spg, EVEN_K=K % bk == 0,
+        X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3),
     )
