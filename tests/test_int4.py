@@ -261,6 +261,8 @@ def _x(M, K, dtype=torch.float16):
 CONFIGS = {
     "fma_m1": dict(kind="fma", BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1),
     "fma_m2_split3": dict(kind="fma", BLOCK_M=2, BLOCK_N=4, BLOCK_K=256, SPLIT_K=3),
+    "fma_m1_prefetch_split2": dict(kind="fma", BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=2, PREFETCH=True),
+    "dot_prefetch_split2": dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=2, PREFETCH=True),
     "fma_m4_bk512_split2": dict(kind="fma", BLOCK_M=4, BLOCK_N=4, BLOCK_K=512, SPLIT_K=2),
     "dot_bk512": dict(kind="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, SPLIT_K=1),
     "dot_split3": dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=3),
@@ -482,7 +484,8 @@ sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", 
        "K": "i32", "G": "i32", "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_part": "i32",
        "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"] == "dot", UNIFORM=True, SPG=4,
-              EVEN_K=True, X_SCALE_MODE=0, FAST_CVT=cfg["kind"] == "dot", BLOCK_M=cfg["BLOCK_M"],
+              EVEN_K=True, X_SCALE_MODE=0, FAST_CVT=cfg["kind"] == "dot", PREFETCH=cfg.get("PF", False),
+              BLOCK_M=cfg["BLOCK_M"],
               BLOCK_N=cfg["BLOCK_N"], BLOCK_K=256, SPLIT=True)
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "xs_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K",
@@ -508,7 +511,7 @@ def _k_loop(ptx: str) -> str:
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16"), dict(kind="fma", BLOCK_M=4, BLOCK_N=32, ZM=2, x="fp16"),
+    dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True), dict(kind="fma", BLOCK_M=4, BLOCK_N=32, ZM=2, x="fp16"),
     dict(kind="dot", BLOCK_M=16, BLOCK_N=64, ZM=1, x="bf16"), dict(kind="dot", BLOCK_M=64, BLOCK_N=64, ZM=2, x="fp16"),
 ], ids=["fma_m1_sym", "fma_m4_min", "dot_m16_zero_bf16", "dot_m64_min_fp16"])
 def test_sm90_code_converts_int4_without_float_conversions(cfg):

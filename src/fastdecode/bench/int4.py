@@ -142,23 +142,25 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False) -
     splits = (1, 2, 4, 8, 16)
     if M <= 8:
         bm = min(4, 1 << max(M - 1, 0).bit_length())
-        for bn, nw in itertools.product((16, 32, 64, 128), (4,) if quick else (4, 8)):
+        for bn, nw, pf in itertools.product((16, 32, 64, 128), (4,) if quick else (4, 8),
+                                            (True,) if quick else (True, False)):
             if bm * bn * 256 // 8 // (32 * nw) > 128:  # accumulator registers per thread
                 continue
             for sk in splits:
                 out.append({"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
-                            "num_warps": nw, "num_stages": 1})
+                            "num_warps": nw, "num_stages": 1, "PREFETCH": pf})
     if M >= 8:
-        bms = [16] if M <= 16 else ([16, 32] if M <= 32 else ([32, 64] if M <= 64 else [64, 128]))
-        if quick:
-            bms = bms[-1:]
-        for bm, bn, st in itertools.product(bms, (64, 128) if quick else (32, 64, 128), (3,) if quick else (2, 3, 4)):
+        bms = [16] if M <= 16 else ([16, 32] if M <= 32 else ([16, 32, 64] if M <= 64 else [64, 128]))
+        for bm, bn, st, pf in itertools.product(bms, (64, 128) if quick else (32, 64, 128),
+                                                (3,) if quick else (2, 3, 4), (True, False)):
             if bm == 128 and bn == 128:
                 st = 2  # 3 stages of 128 x 128 x 256 exceed the 227 KB of shared memory
+            if pf and bm > 32:
+                continue  # the register double buffer is for the weight-streaming tiles
             nw = 8 if bm * bn >= 128 * 128 else 4
             for sk in (splits[:4] if M <= 256 else (1,)):
                 c = {"kind": "dot", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
-                     "num_warps": nw, "num_stages": st}
+                     "num_warps": nw, "num_stages": st, "PREFETCH": pf}
                 if c not in out:
                     out.append(c)
     return out

@@ -222,7 +222,7 @@ def _int4_linear_kernel(
     M, N, K, G, KW, stride_xm, stride_om, stride_part, split_k,
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
     UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
-    FAST_CVT: tl.constexpr,
+    FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles). BLOCK_K is a multiple of 256 (whole layout tiles); KW is the
@@ -293,13 +293,28 @@ def _int4_linear_kernel(
         xs3 = tl.zeros((BK8,), dtype=tl.float32)
         x0_ptr = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm
         r0 = pid_m * BLOCK_M + tl.zeros((BK8,), dtype=tl.int32)  # a splat: the tile's first row
+    if PREFETCH:  # register double buffer: the next step's words are in flight during this step's maths
+        kw = kb_start * BK8 + offs_w
+        if EVEN_K:
+            qw_next = tl.load(qw_row + kw[None, :])
+        else:
+            qw_next = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
     for kb in range(kb_start, kb_end):
         k0 = kb * BLOCK_K
-        kw = kb * BK8 + offs_w
-        if EVEN_K:  # K % BLOCK_K == 0: no masks, so loads stay 16-byte vectors
-            qw = tl.load(qw_row + kw[None, :])
+        if PREFETCH:
+            qw = qw_next
+            kw = (kb + 1) * BK8 + offs_w
+            more = (kb + 1 + tl.zeros((BLOCK_N, BK8), dtype=tl.int32)) < kb_end  # the last step loads nothing
+            if EVEN_K:
+                qw_next = tl.load(qw_row + kw[None, :], mask=more, other=0)
+            else:
+                qw_next = tl.load(qw_row + kw[None, :], mask=more & (kw < KW)[None, :], other=0)
         else:
-            qw = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
+            kw = kb * BK8 + offs_w
+            if EVEN_K:  # K % BLOCK_K == 0: no masks, so loads stay 16-byte vectors
+                qw = tl.load(qw_row + kw[None, :])
+            else:
+                qw = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
         if USE_DOT and FAST_CVT:
             ws = _dequant8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, W_DTYPE)
             for p in tl.static_range(8):
@@ -463,7 +478,8 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     (a power-of-2 multiple of 256), SPLIT_K, num_warps, num_stages).
     W4A8: x is float8_e4m3fn, ``x_scale`` fp32 (1,) (x_scale_mode 1) or (M,) (mode 2); the dot path
     then needs every 32-column slice of a tile in one group (BLOCK_K == 256 or a multiple of it
-    dividing group_size).
+    dividing group_size). Optional config keys: PREFETCH (register double buffer of the weight words),
+    fast_cvt (default True: the packed-pair PTX conversion where it applies).
     """
     M, K = x.shape
     N = qweight.shape[0]
@@ -479,7 +495,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         M, N, K, scales.shape[1], qweight.shape[1], x.stride(0), out.stride(0), M * N, split,
         GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
         USE_DOT=config["kind"] == "dot", UNIFORM=uniform, SPG=spg, EVEN_K=K % bk == 0,
-        X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt,
+        X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=bool(config.get("PREFETCH", False)),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3),
     )

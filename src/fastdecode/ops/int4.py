@@ -69,7 +69,7 @@ def heuristic_config(M: int, N: int, K: int, group_size: int, num_sms: int = DEF
         # BLOCK_N rows so that every thread has 64 bytes of weights in flight per step
         bm = next_pow2(M)
         cfg = {"kind": "fma", "BLOCK_M": bm, "BLOCK_N": 64 if bm <= 2 else 32, "BLOCK_K": 256,
-               "num_warps": 4, "num_stages": 1}
+               "num_warps": 4, "num_stages": 1, "PREFETCH": True}
     else:
         bm = 16 if M <= 16 else (32 if M <= 32 else (64 if M <= 64 else 128))
         # 128 x 128 x 256 tiles at 3 stages asked for 237,568 bytes of shared memory on the H200
