@@ -13,7 +13,7 @@ from fastdecode.engine.kv_cache import KVCache
 from fastdecode.engine.loader import CheckpointError, load, random_model
 from fastdecode.models.config import ModelConfig
 from fastdecode.models.llama import Fp8Linear
-from fastdecode.models.quantize import FP8_FORMAT, quantize_model, quantize_model_fp8
+from fastdecode.models.quantize import FP8_FORMAT, INT4_FORMAT, quantize_model, quantize_model_fp8
 
 CFG = ModelConfig.from_preset("tiny")
 # FP8 e4m3 has a 3-bit mantissa (rounding error up to 2^-4 relative per element, weights and activations);
@@ -71,7 +71,7 @@ def test_fp8_kernel_switches_change_only_where_quantisation_happens():
         m.set_kernels(fused_rope=False)
     with pytest.raises(ValueError, match="already quantised"):
         quantize_model_fp8(m)
-    with pytest.raises(NotImplementedError, match="int4"):
+    with pytest.raises(ValueError, match=r"already quantised \('fp8'\)"):
         quantize_model(copy.deepcopy(m), "int4")
 
 
@@ -262,13 +262,14 @@ def test_eval_accuracy_command_on_tiny_model(tmp_path):
                                  seed=int(torch.randint(0, 1000, ()))), tok, d, None)
     out = str(tmp_path / "acc.json")
     assert main(["eval-accuracy", "--model", d, "--device", "cpu", "--max-tokens", "40", "--window", "24",
-                 "--out", out]) == 0
+                 "--quant", "fp8", "int4", "--out", out]) == 0
     with open(out) as f:
         rows = {r["format"]: r for r in json.load(f)}
-    assert set(rows) == {"reference", FP8_FORMAT}
+    assert set(rows) == {"reference", FP8_FORMAT, INT4_FORMAT}
     ref = rows["reference"]
     assert ref["top1_agreement"] == 1.0 and ref["mean_kl"] == 0.0 and ref["tokens"] == 23 + 15
-    assert 0.0 <= rows[FP8_FORMAT]["top1_agreement"] <= 1.0 and rows[FP8_FORMAT]["mean_kl"] > 0
+    for fmt in (FP8_FORMAT, INT4_FORMAT):
+        assert 0.0 <= rows[fmt]["top1_agreement"] <= 1.0 and rows[fmt]["mean_kl"] > 0
     m = load(d, dtype=torch.float32, progress=False, max_seq_len=64).model
     ids = tok.encode(accuracy_text())[:40]
     nll = 0.0

@@ -84,6 +84,21 @@ def test_prefill_logits_close_to_hf(ours, hf):
     torch.testing.assert_close(got, ref, atol=LOGITS_ATOL, rtol=0)
 
 
+def test_q4_1_loaded_natively_as_int4_equals_dequantised(ours):
+    """quant="int4" keeps the file's Q4_1 projections as int4 weights (what runs on CUDA by default): the same
+    weights as the dequantised model, so the same logits, through the int4 path."""
+    from fastdecode.models.llama import Int4Linear
+
+    native = load(None, dtype=torch.float32, progress=False, max_seq_len=64, quant="int4").model
+    wqkv = native.layers[0].attention.wqkv
+    assert isinstance(wqkv, Int4Linear) and wqkv.packed.format == "int4.g32.min"
+    assert native.weight_bytes() < ours.model.weight_bytes() / 2.5
+    ids = torch.tensor([ours.tokenizer.encode(PROMPTS[0])])
+    got = native.prefill(ids, KVCache(ours.config, 1, 64, dtype=torch.float32))
+    ref = ours.model.prefill(ids, KVCache(ours.config, 1, 64, dtype=torch.float32))
+    torch.testing.assert_close(got, ref, atol=LOGITS_ATOL, rtol=0)
+
+
 def test_greedy_tokens_equal_hf_batched(ours, hf):
     """Three prompts of different lengths in one batch: each equals HF's greedy run on its own."""
     n = 12

@@ -34,7 +34,9 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write(path, hf, arch, freq_factors=None, quant_ffn=False):
+def _write(path, hf, arch, freq_factors=None, quant_ffn=False, qtype=None):
+    """``qtype(gguf tensor name)``: a GGMLQuantizationType to store that tensor in (None: F32); quant_ffn: Q8_0
+    for the MLP."""
     c = hf.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
@@ -63,9 +65,9 @@ def _write(path, hf, arch, freq_factors=None, quant_ffn=False):
     permute = arch == "llama"
 
     def put(name, arr, quant=False):
-        if quant:
-            w.add_tensor(name, gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        qt = gguf.GGMLQuantizationType.Q8_0 if quant else (qtype(name) if qtype is not None else None)
+        if qt is not None:
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(arr), qt), raw_dtype=qt)
         else:
             w.add_tensor(name, np.ascontiguousarray(arr))
 

@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU: 2 gloo processes against TP=1 on the same weights (greedy tokens equal,
-logits close), shard-only loading from safetensors, vocab padding, FP8 + TP, a rank failing at load
-stopping every rank, and head counts that do not divide."""
+logits close), shard-only loading from safetensors, vocab padding, FP8 + TP, int4 + TP (RTN per shard, GGUF
+Q4 shards), a rank failing at load stopping every rank, and head counts that do not divide."""
 
+import copy
 import os
 import traceback
 
@@ -72,8 +73,8 @@ def _entry(rank, world, port, fn, args, errq):
     os._exit(code)
 
 
-def _hf_dir(path, vocab=301, tie=True, seed=0):
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+def _hf_dir(path, vocab=301, tie=True, seed=0, hidden=64, inter=96):
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
                                    initializer_range=0.1)
@@ -140,6 +141,33 @@ def _tp_fp8_and_apply_tp(rank, world, path, prompt):
     assert got == ref_tokens
 
 
+def _tp_int4(rank, world, path, prompt):
+    """int4 quantised at load on each rank's shard: with every row-parallel shard a whole number of groups
+    (hidden 256 / intermediate 512: wo and w2 shards of 128 and 256 columns, group 128) the shards are slices
+    of the TP=1 int4 model, so TP changes only the summation order, as in fp32."""
+    from fastdecode.engine.loader import load
+    from fastdecode.engine.tp import apply_tp, load_tp, shard_tensor
+    from fastdecode.quant.int4 import dequantize_int4
+
+    full = load(path, dtype=torch.float32, progress=False, max_seq_len=64, quant="int4").model
+    tp = load_tp(path, dtype=torch.float32, progress=False, max_seq_len=64, quant="int4").model
+    assert tp.quant == "int4" and tp.layers[0].feed_forward.w2.in_features == 512 // world
+    for name in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2"):
+        part, whole = tp.layers[1].get_submodule(name), full.layers[1].get_submodule(name)
+        assert part.group_size == whole.group_size == 128
+        want = shard_tensor(f"layers.1.{name}.weight", dequantize_int4(whole.packed, torch.float32), full.config,
+                            rank, world)
+        torch.testing.assert_close(dequantize_int4(part.packed, torch.float32), want, atol=0, rtol=0)
+    want, ref_logits = _greedy(full, prompt, 8)
+    got, logits = _greedy(tp, prompt, 8)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    assert got == want
+    # apply_tp on a whole int4 model: its packed tensors sharded in place
+    sharded = apply_tp(load(path, dtype=torch.float32, progress=False, max_seq_len=64, quant="int4").model)
+    got, _ = _greedy(sharded, prompt, 8)
+    assert got == want
+
+
 def _missing_on_rank1(rank, world, path):
     from fastdecode.engine.tp import load_tp
 
@@ -163,6 +191,22 @@ def test_tp2_greedy_tokens_equal_tp1(tmp_path, backend):
 def test_tp2_fp8_and_apply_tp(tmp_path):
     path = _hf_dir(str(tmp_path / "ckpt"), vocab=300, tie=False, seed=int(torch.randint(0, 1000, ())))
     _run(2, _tp_fp8_and_apply_tp, path, _prompts(300))
+
+
+def test_tp2_int4_shards_quantised_at_load(tmp_path):
+    path = _hf_dir(str(tmp_path / "ckpt"), vocab=300, tie=False, seed=int(torch.randint(0, 1000, ())), hidden=256,
+                   inter=512)
+    _run(2, _tp_int4, path, _prompts(300))
+
+
+def test_int4_row_parallel_shard_must_hold_whole_groups():
+    from fastdecode.engine.tp import shard_int4
+    from fastdecode.quant.int4 import quantize_int4
+
+    w = quantize_int4(torch.randn(16, 256), 128)
+    assert shard_int4(w, "row", 1, 2).K == 128
+    with pytest.raises(ValueError, match=r"shard of K=256 has 64 columns, not a multiple of the group size 128"):
+        shard_int4(w, "row", 0, 4)
 
 
 def test_rank_failing_at_load_stops_every_rank(tmp_path):
@@ -254,20 +298,31 @@ def test_shard_loading_reads_only_the_shard(tmp_path, monkeypatch):
             torch.testing.assert_close(p, shard_tensor(name, whole[name], full.config, rank, 2), atol=0, rtol=0)
 
 
-def test_gguf_shards_equal_slices_of_the_whole_model(tmp_path):
-    """Regression: llama GGUF q/k rows must be un-permuted on the whole tensor, then sharded."""
-    pytest.importorskip("gguf")
+@pytest.mark.parametrize("native", [False, True])
+def test_gguf_shards_equal_slices_of_the_whole_model(tmp_path, native):
+    """Regression: llama GGUF q/k rows must be un-permuted on the whole tensor, then sharded; native Q4_0
+    int4 weights too (rows permuted and sharded on the packed tensors)."""
+    gguf = pytest.importorskip("gguf")
     from test_engine_gguf_synthetic import _llama, _write
 
     from fastdecode.engine.loader import load
-    from fastdecode.engine.tp import shard_tensor
+    from fastdecode.engine.tp import apply_tp_structure, shard_tensor
+    from fastdecode.models.llama import Int4Linear
 
     torch.manual_seed(int(torch.randint(0, 1000, ())))
     path = str(tmp_path / "m.gguf")
-    _write(path, _llama(), "llama")
-    full = load(path, dtype=torch.float32, progress=False, max_seq_len=64).model
+    q4 = lambda n: gguf.GGMLQuantizationType.Q4_0 if native and "_norm" not in n and n.startswith("blk.") else None
+    _write(path, _llama(intermediate_size=128), "llama", qtype=q4)  # w2 shards of 64 columns: whole groups of 32
+    full = load(path, dtype=torch.float32, progress=False, max_seq_len=64, gguf_native=native).model
+    assert isinstance(full.layers[0].attention.wqkv, Int4Linear) == native
     whole = dict(full.named_parameters())
     for rank in range(2):
-        part = load(path, dtype=torch.float32, progress=False, max_seq_len=64, tp=(rank, 2)).model
+        part = load(path, dtype=torch.float32, progress=False, max_seq_len=64, tp=(rank, 2), gguf_native=native).model
+        if native:  # the whole model's packed tensors sharded in place (engine.tp), the same bits
+            sharded = copy.deepcopy(full)
+            apply_tp_structure(sharded, rank, 2)
+            want = dict(sharded.named_parameters())
+        else:
+            want = {name: shard_tensor(name, whole[name], full.config, rank, 2) for name in whole}
         for name, p in part.named_parameters():
-            torch.testing.assert_close(p, shard_tensor(name, whole[name], full.config, rank, 2), atol=0, rtol=0)
+            torch.testing.assert_close(p, want[name], atol=0, rtol=0)

@@ -1,4 +1,4 @@
-"""Accuracy of quantised formats, measured: ``fastdecode eval-accuracy [--model PATH] [--quant fp8]``.
+"""Accuracy of quantised formats, measured: ``fastdecode eval-accuracy [--model PATH] [--quant fp8 int4]``.
 
 On a fixed English text that ships with the package (``fastdecode/data/accuracy_text.txt``, written for
 this project), the unquantised model and each quantised one predict every next token (teacher forcing,
@@ -8,7 +8,11 @@ non-overlapping windows of ``window`` tokens, each window a fresh context). Repo
 * ``top1_agreement``: the fraction of positions where the format's argmax equals the reference's;
 * ``mean_kl``: mean ``KL(reference || format)`` of the next-token distributions, in nats.
 
-The reference is the model in the load dtype (bf16 on GPUs, fp32 on the CPU) with ``quant=None``.
+The reference is the model in the load dtype (bf16 on GPUs, fp32 on the CPU) with ``quant=None`` (GGUF
+files dequantised). ``int4`` measures the RTN method (``int4-w4a16-g128-zero``) on the reference's weights,
+so for a GGUF source it quantises the dequantised weights a second time; the GGUF's own Q4_0 / Q4_1
+tensors loaded natively as int4 weights are reported as one more row (``int4-w4a16-gguf``), which should
+match the reference up to summation order: the same weights, through the int4 path.
 """
 
 from __future__ import annotations
@@ -82,8 +86,15 @@ def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), 
     for q in quants:
         if q not in FORMATS:
             raise ValueError(f"quant {q!r} cannot be evaluated yet (available: {', '.join(FORMATS)})")
-        models[FORMATS[q]] = load(path, device=device, dtype=dtype, max_seq_len=window, progress=False,
-                                  quant=q).model
+        # RTN on the reference's weights (GGUF: dequantised first), not the file's own int4 tensors
+        m = load(path, device=device, dtype=dtype, max_seq_len=window, progress=False, quant=q,
+                 **({"gguf_native": False} if q == "int4" else {})).model
+        models[m.quant_format or FORMATS[q]] = m
+        if q == "int4" and str(ref.source).endswith(".gguf"):
+            native = load(path, device=device, dtype=dtype, max_seq_len=window, progress=False, quant=q,
+                          gguf_native=True).model
+            if native.quant_format != m.quant_format:  # the file has Q4_0 / Q4_1 tensors
+                models[native.quant_format] = native
     rows = compare(ref.model, models, ids, window=window, device=device)
     dt = str(next(ref.model.parameters()).dtype).replace("torch.", "")
     for r in rows:

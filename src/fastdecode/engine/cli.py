@@ -38,8 +38,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_quant_tp_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None, choices=["fp8", "int4"],
-                   help="fp8: W8A8 (per-channel weights, per-token activations), quantised at load unless the "
-                        "checkpoint already is; default: as stored")
+                   help="fp8: W8A8 (per-channel weights, per-token activations); int4: W4A16 (group-wise int4 "
+                        "weights, RTN group 128); quantised at load unless the checkpoint already is (FP8, GPTQ, "
+                        "AWQ, GGUF Q4_0/Q4_1); default: as stored (GGUF Q4_0/Q4_1 run as int4 on CUDA)")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor parallelism over N GPUs (relaunches under torchrun; or run under torchrun yourself)")
 

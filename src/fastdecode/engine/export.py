@@ -1,11 +1,13 @@
-"""Write a model as a Hugging Face-layout safetensors checkpoint: ``fastdecode quantize SRC DST --method fp8``.
+"""Write a model as a Hugging Face-layout safetensors checkpoint: ``fastdecode quantize SRC DST --method fp8|int4``.
 
 The directory holds ``config.json`` (with ``quantization_config = {"quant_method": "fastdecode", "format": ...}``),
 ``model.safetensors`` (q/k/v and gate/up split back into HF names; FP8 projections as ``float8_e4m3fn`` with a
-``<name>.weight_scale`` of shape (N, 1), the compressed-tensors layout; the format also in the file's
-metadata) and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``).
-Loading it reads the FP8 weights as they are (no re-quantisation), and the recorded format lets the loader
-refuse kernels that do not match.
+``<name>.weight_scale`` of shape (N, 1), the compressed-tensors layout; int4 projections in the int4 kernels'
+own layout: ``<name>.qweight`` int32 (N, Kp / 8), ``<name>.scales`` (N, G), and ``.zeros`` / ``.mins`` / ``.perm``
+where the format has them, with the packing recorded as ``quantization_config.layout``; the format also in the
+file's metadata) and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``).
+Loading it reads the quantised weights as they are (no re-quantisation, no repacking), and the recorded format
+and layout let the loader refuse kernels that do not match.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 import fastdecode
 from fastdecode.models.config import ModelConfig
-from fastdecode.models.llama import Fp8Linear, Transformer
+from fastdecode.models.llama import Fp8Linear, Int4Linear, Transformer
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -45,7 +47,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """Our tensors under Hugging Face names (fused q|k|v and gate|up split back), FP8 scales included."""
+    """Our tensors under Hugging Face names (fused q|k|v and gate|up split back), FP8 scales and int4 tensors
+    included."""
     if model.tp is not None:
         raise ValueError("cannot export a tensor-parallel shard; export the whole model (tp=None)")
     c = model.config
@@ -54,9 +57,16 @@ def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
         out["lm_head.weight"] = model.output.weight
 
     def put(names, lin, sizes):
-        ws = lin.weight.split(sizes)
-        for n, w in zip(names, ws):
-            out[n + ".weight"] = w
+        if isinstance(lin, Int4Linear):  # rows split back per projection; groups run along K
+            from fastdecode.quant.int4 import split_n
+
+            for n, w in zip(names, split_n(lin.packed, sizes)):
+                for k in ("qweight", "scales", "zeros", "mins", "perm"):
+                    if getattr(w, k) is not None:  # the parts of a fused projection share one act-order perm
+                        out[f"{n}.{k}"] = getattr(w, k).clone() if k == "perm" else getattr(w, k)
+        else:
+            for n, w in zip(names, lin.weight.split(sizes)):
+                out[n + ".weight"] = w
         if isinstance(lin, Fp8Linear):
             for n, s in zip(names, lin.weight_scale.split(sizes)):
                 out[n + ".weight_scale"] = s.reshape(-1, 1)
@@ -95,9 +105,18 @@ def save_checkpoint(model: Transformer, tokenizer, dst: str, fmt: Optional[str])
     os.makedirs(dst, exist_ok=True)
     cfg = config_to_hf(model.config)
     if fmt is not None:
-        cfg["quantization_config"] = {"quant_method": "fastdecode", "format": fmt,
-                                      "fastdecode_version": fastdecode.__version__,
-                                      "activations": "dynamic per-token FP8", "ignored": ["lm_head", "embed_tokens"]}
+        from fastdecode.models.quantize import method_of
+
+        qc = {"quant_method": "fastdecode", "format": fmt, "fastdecode_version": fastdecode.__version__,
+              "activations": "dynamic per-token FP8", "ignored": ["lm_head", "embed_tokens"]}
+        if method_of(fmt) == "int4":
+            from fastdecode.quant.int4 import LAYOUT
+
+            weights = sorted({m.packed.format for m in model.modules() if isinstance(m, Int4Linear)})
+            if not weights:
+                raise ValueError(f"format {fmt!r} is int4 but the model has no int4 projections")
+            qc.update(activations="model dtype (W4A16)", layout=LAYOUT, weights=weights)
+        cfg["quantization_config"] = qc
     if tokenizer is not None and tokenizer.bos_id is not None:
         cfg["bos_token_id"] = tokenizer.bos_id
     with open(os.path.join(dst, "config.json"), "w") as f:
@@ -109,7 +128,10 @@ def save_checkpoint(model: Transformer, tokenizer, dst: str, fmt: Optional[str])
 
 
 def quantize_checkpoint(src: Optional[str], dst: str, method: str, *, dtype=torch.bfloat16) -> str:
-    """Load ``src`` (any loadable path), quantise with ``method``, write ``dst``; returns the format written."""
+    """Load ``src`` (any loadable path), quantise with ``method``, write ``dst``; returns the format written.
+
+    ``int4``: RTN group 128 from dense weights; int4 sources (GPTQ, AWQ, GGUF Q4_0 / Q4_1) are written as they
+    are (no second quantisation)."""
     from fastdecode.engine.loader import load
     from fastdecode.models.quantize import FORMATS, QUANT_METHODS
 
@@ -118,5 +140,7 @@ def quantize_checkpoint(src: Optional[str], dst: str, method: str, *, dtype=torc
     if method not in FORMATS:
         raise NotImplementedError(f"quantize --method {method} is not available yet")
     loaded = load(src, device="cpu", dtype=dtype, backend="torch", quant=method, progress=False)
-    save_checkpoint(loaded.model, loaded.tokenizer, dst, FORMATS[method])
-    return FORMATS[method]
+    # int4 sources (GPTQ, AWQ, GGUF Q4) keep their weights and name their origin in the format
+    fmt = loaded.model.quant_format or FORMATS[method]
+    save_checkpoint(loaded.model, loaded.tokenizer, dst, fmt)
+    return fmt

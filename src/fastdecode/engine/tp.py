@@ -7,6 +7,10 @@ the *next* norm together with the residual add (``RMSNorm.comm``: ``all_reduce_a
 The embedding and the lm head are vocab-parallel: rank r holds rows ``[r*s, (r+1)*s)`` with
 ``s = ceil(V/N)`` (zero-padded on the last rank); embeddings are all-reduced, logits all-gathered.
 
+Int4 projections (``Int4Linear``) shard the same way on their packed tensors: column-parallel takes rows,
+row-parallel cuts K, which must fall on group boundaries (``shard_int4``; act-order weights cannot be
+row-parallel). Quantised at load (``quant="int4"``), each rank quantises its own dense shard.
+
 Every rank sees the same logits (identical bits), so greedy and seeded sampling agree across ranks.
 
 Life cycle (``load_tp``): each rank loads only its shard (``loader.load(..., tp=(rank, world))`` slices
@@ -116,6 +120,26 @@ def shard_part(t, rule: Optional[str], rank: int, world: int, full_shape: tuple)
     raise ValueError(f"unknown shard rule {rule!r}")
 
 
+def shard_int4(w, rule: Optional[str], rank: int, world: int):
+    """An ``Int4Weight`` -> rank's shard: 'col' takes rows, 'row' cuts K (on group boundaries)."""
+    from fastdecode.quant.int4 import slice_k, take_rows
+
+    if rule is None or world == 1:
+        return w
+    if rule == "col":
+        n = w.N // world
+        return take_rows(w, slice(rank * n, (rank + 1) * n))
+    if rule == "row":
+        n = w.K // world
+        if w.perm is not None:
+            raise ValueError("an act-order (g_idx) int4 weight cannot be split along K for a row-parallel layer")
+        if w.group_size != w.K and n % w.group_size:
+            raise ValueError(f"int4 with tensor parallelism over {world} ranks: a row-parallel shard of K={w.K} has "
+                             f"{n} columns, not a multiple of the group size {w.group_size}; use fewer ranks")
+        return slice_k(w, rank * n, (rank + 1) * n)
+    raise ValueError(f"int4 weights have no shard rule {rule!r}")
+
+
 def _parts(name: str, cfg: ModelConfig) -> list[int]:
     if "wqkv" in name:
         return [cfg.q_size, cfg.kv_size, cfg.kv_size]
@@ -136,15 +160,26 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, rank: int, world:
 def apply_tp_structure(model, rank: int, world: int) -> None:
     """Shard every parameter of ``model`` (real or ``meta``) in place and fix the per-rank shapes;
     no communication (``attach_comm`` adds the workspace)."""
-    from fastdecode.models.llama import Fp8Linear, Linear
+    from fastdecode.models.llama import Fp8Linear, Int4Linear, Linear
+    from fastdecode.quant.int4 import concat_n, split_n
 
     if model.tp is not None:
         raise ValueError("the model is already tensor-parallel")
     cfg = model.config
     local = local_config(cfg, world)
     tied = cfg.tie_embeddings
+    for name, m in list(model.named_modules()):
+        if isinstance(m, Int4Linear):  # packed weights: fused parts sharded on their own, then fused again
+            w, sizes, rule = m.packed, _parts(name, cfg), shard_rule(name + ".weight")
+            parts = split_n(w, sizes) if rule == "col" and sizes else [w]
+            new = Int4Linear.from_weight(concat_n([shard_int4(p, rule, rank, world) for p in parts]), m.bias)
+            new.impl = m.impl
+            parent, attr = name.rsplit(".", 1)
+            setattr(model.get_submodule(parent), attr, new)  # its bias is sharded with the parameters below
+    int4_params = {f"{n}.{a}" for n, m in model.named_modules() if isinstance(m, Int4Linear)
+                   for a in ("qweight", "scales", "zeros", "mins", "perm")}
     for name, p in list(model.named_parameters(remove_duplicate=False)):
-        if tied and name == "output.weight":
+        if (tied and name == "output.weight") or name in int4_params:
             continue
         mod_name, attr = name.rsplit(".", 1)
         mod = model.get_submodule(mod_name)
@@ -155,6 +190,8 @@ def apply_tp_structure(model, rank: int, world: int) -> None:
     for m in model.modules():
         if isinstance(m, (Linear, Fp8Linear)):
             m.out_features, m.in_features = m.weight.shape
+        elif isinstance(m, Int4Linear):
+            m.out_features = m.qweight.shape[0]
     start, rows, s = vocab_range(cfg.vocab_size, rank, world)
     model.tok_embeddings.num_embeddings = s
     model.tie_weights()

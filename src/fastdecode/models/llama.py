@@ -12,6 +12,7 @@ Weight layout (names used by every loader)::
     norm.weight                                 [dim]
     output.weight                               [V, dim]                  the embedding when tied
     <projection>.weight_scale                   [N] float32               FP8 models only (Fp8Linear)
+    <projection>.qweight / .scales (.zeros | .mins, .perm)                  int4 models: Int4Linear, no .weight
 
 The KV cache is an explicit object passed to ``prefill``/``decode`` (``cache.k[i]``, ``cache.v[i]`` of shape
 [B_max, Hkv, T, D]); see ``fastdecode.engine.kv_cache``.
@@ -22,12 +23,18 @@ scales directly and SiLU-and-mul feeds w2 in FP8; the attention output is quanti
 An activation is then either a tensor or an ``(fp8, scale)`` pair (``real = fp8 * scale``). The lm head
 stays in the model dtype (it is the most accuracy-sensitive matmul and a small share of the bytes at 8B).
 
+Int4 W4A16 (``fastdecode.models.quantize.quantize_model_int4``, or int4 checkpoints: GPTQ, AWQ, GGUF Q4_0 /
+Q4_1, ``fastdecode quantize``): a block projection becomes ``Int4Linear`` (a prepacked ``Int4Weight``, group-wise
+scales); activations stay in the model dtype, so no norm emits FP8 before it. Projections of one model may
+differ in format (group size, zero mode) or stay dense; each module dispatches its own kernel.
+
 Tensor parallelism (``fastdecode.engine.tp.apply_tp``): the norm after each row-parallel layer owns the
 all-reduce (``RMSNorm.comm``), fused with the residual add and the norm; ``model.tp`` makes the embedding
 and the lm head vocab-parallel.
 
 Kernel switches for the ablation: ``model.set_kernels(fused_norm=..., fused_act=..., skinny_gemm=...,
-fused_allreduce=...)``; a switched-off fusion runs as separate plain-PyTorch ops.
+fused_allreduce=..., int4_gemm=...)``; a switched-off fusion runs as separate plain-PyTorch ops (an int4 GEMM
+as dequantise + cuBLAS).
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -47,6 +54,8 @@ from fastdecode.models.config import ModelConfig
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
 from fastdecode.ops.allreduce import all_reduce, all_reduce_add_rms_norm
 from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref
+from fastdecode.ops.int4 import int4_linear, int4_linear_ref
+from fastdecode.ops.int4_format import KTILE, LAYOUT, Int4Weight
 from fastdecode.ops.attention import decode_attention, decode_attention_ref, rope_kv_write, rope_kv_write_ref
 from fastdecode.ops.norm import (
     fused_add_rms_norm, fused_add_rms_norm_fp8, fused_add_rms_norm_fp8_ref, fused_add_rms_norm_ref, rms_norm,
@@ -55,7 +64,8 @@ from fastdecode.ops.norm import (
 from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
-KERNELS = ("fused_norm", "fused_act", "skinny_gemm", "fused_allreduce")
+KERNELS = ("fused_norm", "fused_act", "skinny_gemm", "fused_allreduce", "int4_gemm")
+INT4_ACT_DTYPES = (torch.bfloat16, torch.float16)  # what the int4 kernels take; fp32 runs the reference
 
 
 def _lead(x) -> tuple:
@@ -128,6 +138,87 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, fp8 w8a8"
+
+
+class Int4Linear(nn.Module):
+    """W4A16: ``y = x @ dequantize_int4(W, x.dtype).T (+ b)`` on a prepacked int4 weight, fp32 accumulation.
+
+    Holds the tensors of a ``fastdecode.quant.int4.Int4Weight`` as parameters, so that ``.to(device)``,
+    ``state_dict`` and sharding see them: ``qweight`` int32 (N, Kp // 8) in the kernel layout, ``scales``
+    (N, K // group_size) bf16/fp16, ``zeros`` uint8 (zero mode "zero") or ``mins`` (zero mode "min") of the
+    same shape, ``perm`` int64 (K,) for GPTQ act-order; ``bias`` in the model dtype. The activation stays
+    bf16/fp16 (never an FP8 pair: the norms before an int4 projection keep their float output); fp32
+    activations (the CPU engine) run ``int4_linear_ref``. ``impl``: None (the int4 dispatcher: our kernels,
+    or dequantise + cuBLAS at large M) or "dequant" (ablation ``int4_gemm`` off: dequantise + cuBLAS always).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int,
+                 zero_mode: str = "sym", act_order: bool = False, device=None, dtype=torch.bfloat16,
+                 scale_dtype=torch.bfloat16, layout: str = LAYOUT):
+        super().__init__()
+        if zero_mode not in ("sym", "zero", "min"):
+            raise ValueError(f"zero_mode must be 'sym', 'zero' or 'min', got {zero_mode!r}")
+        if in_features % group_size:
+            raise ValueError(f"group_size {group_size} does not divide in_features {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size, self.zero_mode, self.layout = group_size, zero_mode, layout
+        G, kw = in_features // group_size, -(-in_features // KTILE) * KTILE // 8
+
+        def param(shape, dt):
+            return nn.Parameter(torch.empty(shape, device=device, dtype=dt), requires_grad=False)
+
+        self.qweight = param((out_features, kw), torch.int32)
+        self.scales = param((out_features, G), scale_dtype)
+        self.zeros = param((out_features, G), torch.uint8) if zero_mode == "zero" else None
+        self.mins = param((out_features, G), scale_dtype) if zero_mode == "min" else None
+        self.perm = param((in_features,), torch.int64) if act_order else None
+        self.bias = param((out_features,), dtype) if bias else None
+        self.impl: Optional[str] = None
+
+    @classmethod
+    def from_weight(cls, w: Int4Weight, bias: Optional[torch.Tensor] = None, *, device=None,
+                    dtype=torch.bfloat16) -> "Int4Linear":
+        """A module holding ``w`` (tensors shared, not copied); ``device="meta"``: the structure only."""
+        meta = device is not None and torch.device(device).type == "meta"
+        m = cls(w.K, w.N, bias=bias is not None, group_size=w.group_size, zero_mode=w.zero_mode,
+                act_order=w.perm is not None, device="meta", dtype=dtype if bias is None else bias.dtype,
+                scale_dtype=w.scales.dtype, layout=w.layout)
+        if not meta:
+            for name in ("qweight", "scales", "zeros", "mins", "perm"):
+                t = getattr(w, name)
+                if t is not None:
+                    setattr(m, name, nn.Parameter(t, requires_grad=False))
+            if bias is not None:
+                m.bias = nn.Parameter(bias, requires_grad=False)
+        return m
+
+    @property
+    def packed(self) -> Int4Weight:
+        """The weight as the int4 ops take it (a view of the parameters)."""
+        return Int4Weight(self.qweight, self.scales, self.zeros, self.mins, self.group_size, self.zero_mode,
+                          self.perm, self.in_features, self.layout)
+
+    def forward(self, x, backend: str = "ref") -> torch.Tensor:
+        if isinstance(x, tuple):
+            raise ValueError("Int4Linear is W4A16: it takes a bf16/fp16 (or fp32) activation, got an (fp8, scale) "
+                             "pair; the norm / activation before an int4 projection must not emit FP8")
+        w = self.packed
+        if backend == "ref" or x.dtype not in INT4_ACT_DTYPES:
+            return int4_linear_ref(x, w, self.bias)
+        # impl applies to the Triton backend on CUDA (the torch backend has one path; no cuBLAS on the CPU)
+        impl = self.impl if x.is_cuda and backend != "torch" else None
+        return int4_linear(x, w, self.bias, backend=backend, impl=impl)
+
+    def weight_bytes(self) -> int:
+        """Bytes a forward reads: N * K / 2 of nibbles (not the layout's padding past K, which the kernels
+        mask), scales, zeros / mins, the act-order permutation and the bias."""
+        extra = sum(t.numel() * t.element_size() for t in (self.scales, self.zeros, self.mins, self.perm, self.bias)
+                    if t is not None)
+        return self.out_features * self.in_features // 2 + extra
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
+                f"{self.packed.format} w4a16")
 
 
 class RMSNorm(nn.Module):
@@ -303,7 +394,8 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.rope_freq_factors = rope_freq_factors
-        self.quant: Optional[str] = None  # "fp8" after quantize_model_fp8
+        self.quant: Optional[str] = None  # "fp8" / "int4" after quantize_model or a quantised load
+        self.quant_format: Optional[str] = None  # the format recorded on export (models.quantize)
         self.tp = None  # fastdecode.engine.tp.TPState after apply_tp
         self.kernels = dict.fromkeys(KERNELS, True)
         self.rope_len = rope_len or cfg.max_seq_len
@@ -406,31 +498,43 @@ class Transformer(nn.Module):
                 m.gemm_impl = impl
 
     def set_kernels(self, **flags: bool) -> None:
-        """Switch fused kernels on/off (ablation): ``fused_norm``, ``fused_act``, ``skinny_gemm``, ``fused_allreduce``.
+        """Switch fused kernels on/off (ablation): ``fused_norm``, ``fused_act``, ``skinny_gemm``, ``fused_allreduce``,
+        ``int4_gemm``.
 
         Off means the unfused PyTorch ops (norm, activation), cuBLAS (GEMMs), NCCL/gloo all-reduce then
-        the norm. Also re-derives where FP8 activations are produced (after ``quantize_model_fp8``).
+        the norm, dequantise + cuBLAS (``Int4Linear``). Also re-derives where FP8 activations are produced
+        (after ``quantize_model_fp8``; never before an ``Int4Linear``, which is W4A16).
         """
         bad = sorted(set(flags) - set(KERNELS))
         if bad:
             raise ValueError(f"unknown kernel switch {bad[0]!r}; known: {', '.join(KERNELS)}")
         self.kernels.update({k: bool(v) for k, v in flags.items()})
-        k, fp8 = self.kernels, self.quant == "fp8"
+        k = self.kernels
         for layer in self.layers:
-            for norm in (layer.attention_norm, layer.ffn_norm):
+            # FP8 output only where the consumer is an Fp8Linear (int4 and bf16 projections take floats)
+            a, f = layer.attention, layer.feed_forward
+            for norm, consumer in ((layer.attention_norm, a.wqkv), (layer.ffn_norm, f.w13)):
                 norm.fused = k["fused_norm"]
-                norm.fp8_out = fp8 and k["fused_norm"]
-            layer.feed_forward.fused = k["fused_act"]
-            layer.feed_forward.fp8_act = fp8 and k["fused_act"]
+                norm.fp8_out = isinstance(consumer, Fp8Linear) and k["fused_norm"]
+            f.fused = k["fused_act"]
+            f.fp8_act = isinstance(f.w2, Fp8Linear) and k["fused_act"]
         for norm in [self.norm] + [m for layer in self.layers for m in (layer.attention_norm, layer.ffn_norm)]:
             norm.fuse_comm = k["fused_allreduce"]
         self.norm.fused = k["fused_norm"]
         if "skinny_gemm" in flags:
             self.set_gemm_impl(None if k["skinny_gemm"] else "cublas")
+        for m in self.modules():
+            if isinstance(m, Int4Linear):
+                m.impl = None if k["int4_gemm"] else "dequant"
 
     def weight_bytes(self) -> int:
-        """Bytes of all parameters (tied embeddings counted once): what one decode step must read."""
+        """Bytes of all parameters (tied embeddings counted once): what one decode step must read
+        (``Int4Linear``: its packed bytes without the layout's padding)."""
         seen, total = set(), 0
+        for m in self.modules():
+            if isinstance(m, Int4Linear):
+                seen |= {id(p) for p in m.parameters()}
+                total += m.weight_bytes()
         for p in self.parameters():
             if id(p) not in seen:
                 seen.add(id(p))

@@ -2,6 +2,7 @@
 
     model = load(path).model
     quantize_model(model, "fp8")       # every block's wqkv / wo / w13 / w2 -> Fp8Linear (W8A8)
+    quantize_model(model, "int4")      # every block's wqkv / wo / w13 / w2 -> Int4Linear (W4A16, RTN g128)
 
 Formats are named by strings recorded in quantised checkpoints (``fastdecode quantize``), so that loading
 a checkpoint with the wrong kernels is refused rather than silently wrong:
@@ -9,9 +10,16 @@ a checkpoint with the wrong kernels is refused rather than silently wrong:
 * ``fp8-w8a8-channel``: FP8 e4m3 weights with one float32 scale per output channel; activations are
   quantised per token at run time (by the fused norm / SiLU-and-mul kernels). The embedding, the norms
   and the lm head stay in the model dtype.
-
-``int4`` (W4A16, group 128) is the hook for the int4 kernels: ``QUANT_METHODS`` lists it, and
-``quantize_model(model, "int4")`` raises until the int4 module provides its transform.
+* ``int4-w4a16-g128-zero``: int4 weights, round-to-nearest with a zero point (``w = (q - zero) * scale``,
+  ``scale = (max - min) / 15`` over the group, the range widened to include 0), one scale and one uint8 zero
+  per group of 128 input columns (64 or 32 where K is not a multiple of 128, e.g. SmolLM2's 576);
+  activations stay bf16/fp16. The embedding, the norms and the lm head stay in the model dtype. The
+  symmetric variant (``w = (q - 8) * scale``, ``int4-w4a16-g128-sym``, ``quantize_model_int4(m,
+  symmetric=True)``) saves the zeros (1/64 of the bytes) but measured much worse on the shipped text
+  (benchmarks/NOTES.md: perplexity +51% against +19% on SmolLM2-135M), so it is not the default.
+* other ``int4-w4a16-*`` names record where imported int4 weights came from (``-gptq``, ``-awq``,
+  ``-gguf``); each tensor carries its own group size and zero mode, and the checkpoint records the kernel
+  layout (``fastdecode.quant.int4.LAYOUT``) its nibbles are packed in.
 """
 
 from __future__ import annotations
@@ -20,15 +28,40 @@ from typing import Optional
 
 import torch
 
-from fastdecode.models.llama import Fp8Linear, Linear, Transformer
+from fastdecode.models.llama import Fp8Linear, Int4Linear, Linear, Transformer
 from fastdecode.quant.fp8 import quantize_weight_fp8
+from fastdecode.quant.int4 import SCALE_DTYPES, quantize_int4, rtn_group_size
 
 QUANT_METHODS = ("fp8", "int4")
 FP8_FORMAT = "fp8-w8a8-channel"
+INT4_GROUP = 128
+INT4_SYMMETRIC = False  # zero points: measured more accurate (module docstring)
+INT4_FAMILY = "int4-w4a16"  # every int4 format name starts with this
+
+
+def int4_format(group_size: int = INT4_GROUP, symmetric: bool = INT4_SYMMETRIC) -> str:
+    return f"{INT4_FAMILY}-g{group_size}-{'sym' if symmetric else 'zero'}"
+
+
+INT4_FORMAT = int4_format()
 #: method -> the format string a checkpoint records
-FORMATS = {"fp8": FP8_FORMAT}
+FORMATS = {"fp8": FP8_FORMAT, "int4": INT4_FORMAT}
 # the projections of a block that are quantised (the lm head and the embedding are not)
 BLOCK_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
+
+
+def method_of(fmt: Optional[str]) -> Optional[str]:
+    """The quant method ("fp8" / "int4") of a recorded format name, None when unquantised or unknown."""
+    if fmt in (FP8_FORMAT, "fp8"):
+        return "fp8"
+    if isinstance(fmt, str) and (fmt == "int4" or fmt.startswith(INT4_FAMILY)):
+        return "int4"
+    return None
+
+
+def int4_scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scales in the model dtype when the kernels take it (bf16 / fp16), else bf16 (fp32 CPU models)."""
+    return dtype if dtype in SCALE_DTYPES else torch.bfloat16
 
 
 def fp8_linear_from(lin: Linear, out_dtype: Optional[torch.dtype] = None) -> Fp8Linear:
@@ -47,6 +80,34 @@ def fp8_linear_from(lin: Linear, out_dtype: Optional[torch.dtype] = None) -> Fp8
     return m
 
 
+def quantize_weight_int4(w: torch.Tensor, group_size: int = INT4_GROUP, symmetric: bool = INT4_SYMMETRIC):
+    """RTN of a dense (N, K) weight as ``quantize_model_int4`` does it: group ``rtn_group_size(K, group_size)``,
+    scales in ``int4_scale_dtype(w.dtype)``. Returns an ``Int4Weight``."""
+    return quantize_int4(w.detach(), rtn_group_size(w.shape[1], group_size), symmetric=symmetric,
+                         scale_dtype=int4_scale_dtype(w.dtype))
+
+
+def int4_linear_from(lin: Linear, group_size: int = INT4_GROUP, symmetric: bool = INT4_SYMMETRIC) -> Int4Linear:
+    """An ``Int4Linear`` holding ``lin``'s weight RTN-quantised (``quantize_weight_int4``); on ``meta``: the
+    structure only, for loading."""
+    w = lin.weight
+    if w.device.type == "meta":
+        return Int4Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                          group_size=rtn_group_size(lin.in_features, group_size),
+                          zero_mode="sym" if symmetric else "zero", device="meta", dtype=w.dtype,
+                          scale_dtype=int4_scale_dtype(w.dtype))
+    packed = quantize_weight_int4(w, group_size, symmetric)
+    return Int4Linear.from_weight(packed, None if lin.bias is None else lin.bias.detach(), dtype=w.dtype)
+
+
+def _swap_block_linears(model: Transformer, make) -> None:
+    for layer in model.layers:
+        for path in BLOCK_LINEARS:
+            parent_name, name = path.split(".")
+            parent = getattr(layer, parent_name)
+            setattr(parent, name, make(getattr(parent, name)))
+
+
 def quantize_model_fp8(model: Transformer) -> Transformer:
     """In place: every block's projections -> ``Fp8Linear`` (per-channel FP8 weights), and the norms before
     wqkv / w13 and the SiLU-and-mul before w2 switched to FP8 output. Returns the model.
@@ -56,13 +117,26 @@ def quantize_model_fp8(model: Transformer) -> Transformer:
     if model.quant is not None:
         raise ValueError(f"the model is already quantised ({model.quant!r})")
     dtype = model.tok_embeddings.weight.dtype
-    for layer in model.layers:
-        for path in BLOCK_LINEARS:
-            parent_name, name = path.split(".")
-            parent = getattr(layer, parent_name)
-            setattr(parent, name, fp8_linear_from(getattr(parent, name), out_dtype=dtype))
-    model.quant = "fp8"
+    _swap_block_linears(model, lambda lin: fp8_linear_from(lin, out_dtype=dtype))
+    model.quant, model.quant_format = "fp8", FP8_FORMAT
     model.set_kernels()  # FP8 outputs of the fused norms / activation where their switches are on
+    return model
+
+
+def quantize_model_int4(model: Transformer, group_size: int = INT4_GROUP,
+                        symmetric: bool = INT4_SYMMETRIC) -> Transformer:
+    """In place: every block's projections -> ``Int4Linear``, RTN with ``group_size`` along K (the largest of
+    128 / 64 / 32 not above it that divides K, else per channel), with zero points unless ``symmetric``.
+    Returns the model.
+
+    On a ``meta`` model only the structure changes (the shapes of this RTN format). Under tensor
+    parallelism, call it after sharding: each rank quantises its own shard (groups never straddle a shard).
+    """
+    if model.quant is not None:
+        raise ValueError(f"the model is already quantised ({model.quant!r})")
+    _swap_block_linears(model, lambda lin: int4_linear_from(lin, group_size, symmetric))
+    model.quant, model.quant_format = "int4", int4_format(group_size, symmetric)
+    model.set_kernels()  # int4_gemm switch; no FP8 activations
     return model
 
 
@@ -74,5 +148,4 @@ def quantize_model(model: Transformer, method: Optional[str]) -> Transformer:
         raise ValueError(f"quant method must be one of {QUANT_METHODS} or None, got {method!r}")
     if method == "fp8":
         return quantize_model_fp8(model)
-    raise NotImplementedError("quant 'int4' is not available yet: the int4 kernels and their transform "
-                              "(fastdecode.quant.int4) plug in here")
+    return quantize_model_int4(model)

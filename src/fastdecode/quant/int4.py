@@ -29,6 +29,11 @@ Kernel layout (``LAYOUT``), whatever the source:
 
 Round trips are exact: :meth:`Int4Weight.unpack` returns the integer nibbles (and zeros) in the
 original column order, bit for bit what the importer was given.
+
+Fused and sharded projections (the engine): :func:`concat_n` stacks weights of one format along N
+(q | k | v, gate | up), :func:`take_rows` / :func:`split_n` pick rows (a RoPE row permutation, a
+column-parallel shard), :func:`slice_k` cuts K on group boundaries (a row-parallel shard); RTN picks
+its group with :func:`rtn_group_size` (128 where it divides K).
 """
 
 from __future__ import annotations
@@ -208,3 +213,89 @@ def from_gguf_q4_1(data: torch.Tensor, shape) -> Int4Weight:
     b = _gguf_blocks(data, N, K, GGUF_Q4_1_BYTES, "from_gguf_q4_1")
     d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     return prepack(_gguf_nibbles(b[..., 4:]), d, group_size=GGUF_BLOCK, mins=m)
+
+
+# ----------------------------------------------------------------------------- rows, columns, fusion
+
+RTN_GROUP_SIZES = (128, 64, 32)
+
+
+def rtn_group_size(K: int, preferred: int = 128) -> int:
+    """The group size RTN uses for a K-column weight: ``preferred`` when it divides K, else the largest of
+    64 / 32 (not above ``preferred``) that does, else per channel (K). SmolLM2's K=576 gets 64."""
+    if K % 8:
+        raise ValueError(f"int4 weights need K to be a multiple of 8, got K={K}")
+    for g in (preferred, *(g for g in RTN_GROUP_SIZES if g < preferred)):
+        if K % g == 0:
+            return g
+    return K
+
+
+def take_rows(w: Int4Weight, rows) -> Int4Weight:
+    """The output rows ``rows`` (a slice or an int64 index) of ``w``: groups run along K, so every row's
+    nibbles, scales and zeros / mins move together (a q/k RoPE permutation, a column-parallel shard)."""
+    pick = lambda t: None if t is None else t[rows].contiguous()  # noqa: E731
+    return Int4Weight(pick(w.qweight), pick(w.scales), pick(w.zeros), pick(w.mins), w.group_size, w.zero_mode,
+                      w.perm, w.k, w.layout)
+
+
+def split_n(w: Int4Weight, sizes) -> list[Int4Weight]:
+    """Split ``w`` along N into consecutive row blocks of ``sizes`` (e.g. fused q | k | v)."""
+    if sum(sizes) != w.N:
+        raise ValueError(f"split sizes {list(sizes)} do not add up to the weight's N={w.N}")
+    out, start = [], 0
+    for n in sizes:
+        out.append(take_rows(w, slice(start, start + n)))
+        start += n
+    return out
+
+
+def concat_n(ws, names=None) -> Int4Weight:
+    """One weight whose rows are those of ``ws`` in order (fused q | k | v, gate | up).
+
+    All parts must share K, layout, group size, zero mode, scale dtype and act-order permutation (one
+    kernel call reads one format); ``names`` (one per part) name the offending part in the error.
+    """
+    ws = list(ws)
+    if not ws:
+        raise ValueError("concat_n needs at least one int4 weight")
+    names = list(names) if names is not None else [f"part {i}" for i in range(len(ws))]
+    a = ws[0]
+    for w, name in zip(ws[1:], names[1:]):
+        for what, x, y in (("K", w.K, a.K), ("layout", w.layout, a.layout), ("group size", w.group_size, a.group_size),
+                           ("zero mode", w.zero_mode, a.zero_mode), ("scale dtype", w.scales.dtype, a.scales.dtype)):
+            if x != y:
+                raise ValueError(f"cannot fuse int4 weights: {name} has {what} {x!r} but {names[0]} has {y!r}")
+        if (w.perm is None) != (a.perm is None) or (w.perm is not None and not torch.equal(w.perm, a.perm)):
+            raise ValueError(f"cannot fuse int4 weights: {name} has a different act-order permutation (g_idx) than "
+                             f"{names[0]}; a fused projection runs one column order")
+    if len(ws) == 1:
+        return a
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts).contiguous()  # noqa: E731
+    return Int4Weight(cat([w.qweight for w in ws]), cat([w.scales for w in ws]), cat([w.zeros for w in ws]),
+                      cat([w.mins for w in ws]), a.group_size, a.zero_mode, a.perm, a.k, a.layout)
+
+
+def slice_k(w: Int4Weight, start: int, stop: int) -> Int4Weight:
+    """Columns ``[start, stop)`` of ``w`` (a row-parallel shard), repacked; both ends must fall on group
+    boundaries (per-channel weights: any multiple of 8 columns). Not for act-order weights, whose groups
+    are scattered over K."""
+    g = w.group_size
+    w.check_format(what="slice_k")  # repacking assumes this version's layout
+    if not 0 <= start < stop <= w.K:
+        raise ValueError(f"column range [{start}, {stop}) is not inside K={w.K}")
+    if w.perm is not None:
+        raise ValueError("an act-order (g_idx) int4 weight cannot be split along K: its groups are scattered "
+                         "over the columns")
+    q = unpack_kernel_layout(w.qweight, w.K)[:, start:stop]
+    if g == w.K:  # per channel: one scale per row whatever the columns
+        if (stop - start) % 8:
+            raise ValueError(f"column range [{start}, {stop}) must hold a multiple of 8 columns")
+        g, gs = stop - start, slice(0, 1)
+    elif start % g or stop % g:
+        raise ValueError(f"column range [{start}, {stop}) must start and end on group boundaries (group size {g})")
+    else:
+        gs = slice(start // g, stop // g)
+    pick = lambda t: None if t is None else t[:, gs].contiguous()  # noqa: E731
+    return Int4Weight(pack_kernel_layout(q), pick(w.scales), pick(w.zeros), pick(w.mins), g, w.zero_mode, None,
+                      stop - start, w.layout)
