@@ -10,8 +10,9 @@ from fastdecode.engine.loader import random_model
 from fastdecode.models.config import ModelConfig
 
 CFG = ModelConfig.from_preset("tiny")
-# fp32 on both sides; only the order of fp32 sums differs (2 layers, |logits| < 1 with std 0.02... scaled up)
-ATOL = 1e-5
+# fp32 on both sides; only the order of fp32 sums differs (prefill and decode run different matmul
+# shapes). 1e-5 failed on 3 of 60 seeds (1.08e-5 at worst): 5e-5, still ~200x below a bf16 ulp of the logits
+ATOL = 5e-5
 
 
 def _model(backend="torch", dtype=torch.float32, cfg=CFG, seed=None):

@@ -158,7 +158,8 @@ def candidates(M: int, N: int, K: int, dkey: str, num_sms: int) -> list[dict]:
         for warps, regs in ((4, 64), (4, 32), (2, 64)):
             base = fma_tile(M, elem, warps, regs)
             out += [with_split_k(base, M, N, K, num_sms, s) for s in (3, 6)]
-    if M >= 2:  # swap-AB tensor-core dot, BLOCK_M = the MMA's narrow side
+    if M >= 2 or dkey == "fp8":  # swap-AB tensor-core dot, BLOCK_M = the MMA's narrow side (FP8: at M=1
+        # too; FP8 operands go straight into the MMA, while the FMA path converts every weight)
         bm = min(max(triton.next_power_of_2(M), 16), 64)
         tiles = ((64, 256, 4, 4), (128, 256, 8, 3), (64, 128, 4, 5)) if dkey == "fp8" else \
                 ((64, 128, 4, 4), (128, 128, 8, 3), (64, 64, 4, 6))

@@ -8,6 +8,7 @@ times after a warm-up; we report the median. Rows (one per implementation):
 * ``torch-compile``    the plain-PyTorch model (``*_ref`` functions, no custom ops) under
                        ``torch.compile(mode="reduce-overhead")``: the gpt-fast-style baseline
 * ``fastdecode-graph`` fastdecode's Triton kernels, the decode step replayed as one CUDA graph
+  (``-cublas``: every GEMM on cuBLAS; ``-triton``: every GEMM on the skinny Triton kernels)
 
 ``median_us`` is the median per-token decode step (prefill excluded); ``tokens_per_s`` is
 ``batch * output_len / (prefill + decode time)`` (the standard figure); ``tbps`` is the bytes one step
@@ -17,10 +18,12 @@ what the GPU's peak bandwidth would allow for the weights alone.
 Ablation (``--ablate``): ``fastdecode-graph`` with one switch off at a time (``model.set_kernels``):
 ``-no-fused_norm`` (plain PyTorch add + RMSNorm, and a separate FP8 quantisation under ``--quant fp8``),
 ``-no-fused_act``, ``-no-skinny_gemm`` (cuBLAS / ``_scaled_mm``), ``-no-fused_allreduce`` (NCCL all-reduce,
-then the norm; TP only), and ``fastdecode-eager`` (no CUDA graph). ``int4_gemm`` joins with the int4 kernels.
+then the norm; TP only), ``-no-int4_gemm`` (the int4 projections dequantised into a scratch weight, then
+cuBLAS; int4 models only), and ``fastdecode-eager`` (no CUDA graph).
 
-``--quant fp8`` quantises the random-weight model (W8A8); ``--tp N`` runs under torchrun with N ranks
-(rank 0 reports; ``weight_bytes`` are per rank).
+``--quant fp8`` quantises the random-weight model (W8A8), ``--quant int4`` to W4A16 (RTN, group 128; a
+checkpoint path loads as stored when it is int4 already: GPTQ, AWQ, GGUF Q4_0 / Q4_1); ``--tp N`` runs under
+torchrun with N ranks (rank 0 reports; ``weight_bytes`` are per rank, the packed int4 bytes for int4).
 
 On a CPU only ``torch-eager`` runs (wall-clock timing); the others are reported as skipped.
 """
@@ -36,7 +39,9 @@ from typing import Optional, Sequence
 import torch
 
 IMPLS = ("torch-eager", "torch-graph", "torch-compile", "fastdecode-graph-cublas", "fastdecode-graph")
-ABLATION_KERNELS = ("fused_norm", "fused_act", "skinny_gemm", "fused_allreduce")
+# not in the default list: every GEMM through the skinny Triton kernels (the table's best Triton config)
+EXTRA_IMPLS = ("fastdecode-graph-triton",)
+ABLATION_KERNELS = ("fused_norm", "fused_act", "skinny_gemm", "fused_allreduce", "int4_gemm")
 ABLATIONS = ("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in ABLATION_KERNELS)
 # Peak HBM bandwidth by GPU name fragment, bytes/s (vendor figures); the copy anchor is 4.24 TB/s on H200
 PEAK_BW = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
@@ -80,10 +85,10 @@ class _Runner:
             torch._dynamo.mark_static_address(cache.k)
             torch._dynamo.mark_static_address(cache.v)
             self.compiled = torch.compile(model.decode, mode="reduce-overhead", fullgraph=True)
-        elif impl in ("fastdecode-graph", "fastdecode-graph-cublas"):
+        elif impl in ("fastdecode-graph", "fastdecode-graph-cublas", "fastdecode-graph-triton"):
             model.backend = "triton"
             # ablation: every fastdecode kernel, with the GEMMs on cuBLAS or through the dispatcher
-            model.set_gemm_impl("cublas" if impl.endswith("-cublas") else None)
+            model.set_gemm_impl("cublas" if impl.endswith("-cublas") else ("triton" if impl.endswith("-triton") else None))
         else:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if impl.endswith("-graph") or impl.startswith("fastdecode-graph-no-"):
@@ -144,6 +149,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     from fastdecode.engine.kv_cache import KVCache
     from fastdecode.engine.loader import load, random_model
     from fastdecode.models.config import PRESETS, ModelConfig
+    from fastdecode.models.llama import Int4Linear
 
     tp = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
     if device is None and tp is not None and torch.cuda.is_available():
@@ -176,6 +182,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         model, cfg = loaded.model, loaded.config
     cache = KVCache(model.config, batch, max_seq, dtype=dtype, device=device)
     wbytes = model.weight_bytes()
+    has_int4 = any(isinstance(m, Int4Linear) for m in model.modules())
     # KV bytes read per step, averaged over the decode steps (positions input_len+1 .. max_seq-1)
     kv_avg = cache.bytes_read([batch * (input_len + output_len / 2)])
     step_bytes = wbytes + kv_avg
@@ -191,6 +198,8 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
             skip = "needs CUDA"
         elif impl == "fastdecode-graph-no-fused_allreduce" and tp is None:
             skip = "needs --tp"
+        elif impl == "fastdecode-graph-no-int4_gemm" and not has_int4:
+            skip = "needs int4 weights (--quant int4)"
         elif impl == "torch-compile" and tp is not None:
             skip = "not with --tp"
         if skip:
@@ -279,10 +288,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS + ABLATIONS)
+    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS + EXTRA_IMPLS + ABLATIONS)
     p.add_argument("--ablate", action="store_true",
                    help="add fastdecode-graph with each kernel switched off in turn, and fastdecode-eager")
-    p.add_argument("--quant", default=None, choices=["fp8", "int4"], help="quantise the model (W8A8 FP8)")
+    p.add_argument("--quant", default=None, choices=["fp8", "int4"],
+                   help="quantise the model: fp8 (W8A8) or int4 (W4A16, RTN group 128)")
     p.add_argument("--tp", type=int, default=None, help="tensor parallelism over N GPUs (relaunches under torchrun)")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (big presets)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
