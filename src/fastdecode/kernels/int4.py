@@ -206,66 +206,6 @@ def _dequant8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: t
                    tl.float16), is_pure=True, pack=1)
 
 
-_INT_ASM = """
-{
-.reg .b32 t0, t1, t2, t3, u, one, mg;
-mov.b32 one, ONE;
-mov.b32 mg, MAGIC;
-lop3.b32 t0, $8, 0x000f000f, mg, 0xea;
-shr.u32 u, $8, 4;
-lop3.b32 t1, u, 0x000f000f, mg, 0xea;
-shr.u32 u, $8, 8;
-lop3.b32 t2, u, 0x000f000f, mg, 0xea;
-shr.u32 u, $8, 12;
-lop3.b32 t3, u, 0x000f000f, mg, 0xea;
-fma.rn.TY t0, t0, one, $9;
-fma.rn.TY t1, t1, one, $10;
-fma.rn.TY t2, t2, one, $11;
-fma.rn.TY t3, t3, one, $12;
-mov.b32 {$0, $4}, t0;
-mov.b32 {$1, $5}, t1;
-mov.b32 {$2, $6}, t2;
-mov.b32 {$3, $7}, t3;
-}
-"""
-_INT_ASM_BF16: tl.constexpr = tl.constexpr(
-    _INT_ASM.replace("ONE", "0x3f803f80").replace("MAGIC", "0x43004300").replace("TY", "bf16x2"))
-_INT_ASM_F16: tl.constexpr = tl.constexpr(
-    _INT_ASM.replace("ONE", "0x3c003c00").replace("MAGIC", "0x64006400").replace("TY", "f16x2"))
-_INT_CONSTRAINTS: tl.constexpr = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 5))
-
-
-@triton.jit
-def _int8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, W_DTYPE: tl.constexpr):
-    """All eight shifts of ``qw [BN, BK8]`` -> eight ``[BN, BK8]`` W_DTYPE tensors holding the exact
-    integers ``q - zero`` (|q - zero| <= 15: exact in bf16 / fp16); one LOP3 and one packed FMA per pair
-    (+ a shift per two pairs). The scale is applied after the MMAs, once per group (GPU; "sym", "zero")."""
-    if W_DTYPE == tl.bfloat16:
-        MAGIC: tl.constexpr = 128.0
-    else:
-        MAGIC: tl.constexpr = 1024.0
-    s0, z0 = _group_params(s_ptr, z_ptr, rn, G, k0, 0, GROUP, ZERO_MODE)
-    s1, z1 = _group_params(s_ptr, z_ptr, rn, G, k0, 1, GROUP, ZERO_MODE)
-    s2, z2 = _group_params(s_ptr, z_ptr, rn, G, k0, 2, GROUP, ZERO_MODE)
-    s3, z3 = _group_params(s_ptr, z_ptr, rn, G, k0, 3, GROUP, ZERO_MODE)
-    s4, z4 = _group_params(s_ptr, z_ptr, rn, G, k0, 4, GROUP, ZERO_MODE)
-    s5, z5 = _group_params(s_ptr, z_ptr, rn, G, k0, 5, GROUP, ZERO_MODE)
-    s6, z6 = _group_params(s_ptr, z_ptr, rn, G, k0, 6, GROUP, ZERO_MODE)
-    s7, z7 = _group_params(s_ptr, z_ptr, rn, G, k0, 7, GROUP, ZERO_MODE)
-    n0, n1 = _pair_bits(-(MAGIC + z0), -(MAGIC + z4), W_DTYPE), _pair_bits(-(MAGIC + z1), -(MAGIC + z5), W_DTYPE)
-    n2, n3 = _pair_bits(-(MAGIC + z2), -(MAGIC + z6), W_DTYPE), _pair_bits(-(MAGIC + z3), -(MAGIC + z7), W_DTYPE)
-    if W_DTYPE == tl.bfloat16:
-        return tl.inline_asm_elementwise(
-            _INT_ASM_BF16, _INT_CONSTRAINTS, [qw, n0, n1, n2, n3],
-            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
-                   tl.bfloat16), is_pure=True, pack=1)
-    else:
-        return tl.inline_asm_elementwise(
-            _INT_ASM_F16, _INT_CONSTRAINTS, [qw, n0, n1, n2, n3],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
-                   tl.float16), is_pure=True, pack=1)
-
-
 @triton.jit
 def _fma_group(acc, t, s, z, xsum, ZERO_MODE: tl.constexpr):
     """Fold a finished group's unscaled sums ``t = sum (q - zero) x`` into ``acc``: ``acc += t * scale``
@@ -295,11 +235,9 @@ def _int4_linear_kernel(
     one LOP3, one FADD and one FFMA per token row. So this path computes with the exact dequantised
     weight in fp32 (``dequantize_int4`` rounds it to x.dtype; the difference is below that rounding).
 
-    DOT path: on the GPU (FAST_CVT) the packed-pair PTX turns each word into eight shifts of exact
-    16-bit integers ``q - zero`` (``_int8_asm``), the MMAs of a group accumulate ``sum x (q - zero)``
-    in fp32 and ``acc += that * scale`` once per group ("min": ``_dequant8_asm`` scales in the
-    conversion, ``acc = tl.dot(x, w^T, acc)``); in the interpreter ``w`` is dequantised to x.dtype by
-    ``_dequant`` as ``dequantize_int4`` does.
+    DOT path: ``acc = tl.dot(x, w^T, acc)`` per shift, with ``w`` dequantised to x.dtype as
+    ``dequantize_int4`` does: on the GPU (FAST_CVT) eight shifts per word by the packed-pair PTX of
+    ``_dequant8_asm``, in the interpreter by ``_dequant``.
 
     SPG (> 0 when BLOCK_K == 256 and the groups tile the layout tile: GROUP divides 256, 256 divides
     GROUP, or one group per row; else 0): shifts per group, for the per-group scaling of the FMA path
@@ -377,7 +315,7 @@ def _int4_linear_kernel(
                 qw = tl.load(qw_row + kw[None, :])
             else:
                 qw = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
-        if USE_DOT and FAST_CVT and ZERO_MODE == 2:  # "min": scaled in the conversion
+        if USE_DOT and FAST_CVT:
             ws = _dequant8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, W_DTYPE)
             for p in tl.static_range(8):
                 kcol = k0 + col0 + 32 * p
@@ -388,22 +326,6 @@ def _int4_linear_kernel(
                 x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
                             mask=m_valid[:, None] & k_mask[None, :], other=0.0)
                 acc = tl.dot(x, tl.trans(ws[p]), acc)
-        elif USE_DOT and FAST_CVT:  # integers q - zero into the MMAs, the scale once per group
-            ws = _int8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, W_DTYPE)
-            accg = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for p in tl.static_range(8):
-                kcol = k0 + col0 + 32 * p
-                if EVEN_K:
-                    k_mask = col0 < BLOCK_K
-                else:
-                    k_mask = kcol < K
-                x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
-                            mask=m_valid[:, None] & k_mask[None, :], other=0.0)
-                accg = tl.dot(x, tl.trans(ws[p]), accg)
-                if p % SPG == SPG - 1:
-                    s, z = _group_params(s_ptr, z_ptr, rn, G, k0, p, GROUP, ZERO_MODE)
-                    acc += accg * tl.reshape(s, (1, BLOCK_N))
-                    accg = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             qw_hi = qw >> 16
             for p in tl.static_range(8):
