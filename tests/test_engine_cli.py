@@ -64,3 +64,23 @@ def test_chat_two_turns(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert "Paris" in out
     assert err.count("tokens/s") == 2
+
+
+@pytest.mark.parametrize("impl", ["torch-graph", "fastdecode-graph", "fastdecode-graph-cublas",
+                                  "fastdecode-graph-triton", "fastdecode-graph-no-fused_norm"])
+def test_every_graph_row_of_the_decode_bench_replays_a_graph(impl):
+    """Regression: the -cublas / -triton rows once ran eagerly (the graph condition matched only names
+    ending in "-graph"), which made them look 10x slower than the dispatcher on the GPU. On the CPU every
+    graph row must refuse to run rather than silently time eager code."""
+    import torch
+
+    from fastdecode.engine.bench_decode import _Runner
+    from fastdecode.engine.kv_cache import KVCache
+    from fastdecode.engine.loader import random_model
+    from fastdecode.models.config import ModelConfig
+
+    cfg = ModelConfig.from_preset("tiny")
+    model = random_model(cfg, device=torch.device("cpu"), dtype=torch.float32, max_seq_len=16)
+    cache = KVCache(model.config, 1, 16, dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        _Runner(impl, model, cache, 1)

@@ -91,7 +91,7 @@ class _Runner:
             model.set_gemm_impl("cublas" if impl.endswith("-cublas") else ("triton" if impl.endswith("-triton") else None))
         else:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-        if impl.endswith("-graph") or impl.startswith("fastdecode-graph-no-"):
+        if impl == "torch-graph" or impl.startswith("fastdecode-graph"):  # every *-graph* row replays a graph
             if dev.type != "cuda":
                 raise RuntimeError(f"{impl} needs a CUDA device")
             from fastdecode.engine.cuda_graph import DecodeGraphRunner
