@@ -216,6 +216,22 @@ def _fma_group(acc, t, s, z, xsum, ZERO_MODE: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _fold_row(acc, t, xs, d, x, s, z, MUL, FIRST: tl.constexpr, LAST: tl.constexpr, ZERO_MODE: tl.constexpr):
+    """One token row of the FMA path, one shift: ``t += d * x`` (the shift's x pre-divided by its place
+    value), ``xs += x * MUL`` (the group's sum of x, for "min"); the group's last shift folds them
+    into ``acc``. Returns (acc, t, xs)."""
+    if FIRST:
+        t = d * x[None, :]
+        xs = x * MUL
+    else:
+        t += d * x[None, :]
+        xs += x * MUL
+    if LAST:
+        acc = _fma_group(acc, t, s, z, xs, ZERO_MODE)
+    return acc, t, xs
+
+
 @triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
 def _int4_linear_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, xs_ptr, out_ptr, part_ptr, lock_ptr,
@@ -376,37 +392,12 @@ def _int4_linear_kernel(
                             d = f - 8388608.0
                         else:
                             d = f - (8388608.0 + z * MUL)
-                        if first:
-                            t0 = d * x0[None, :]
-                            xs0 = x0 * MUL
-                        else:
-                            t0 += d * x0[None, :]
-                            xs0 += x0 * MUL
-                        if last:
-                            acc0 = _fma_group(acc0, t0, s, z, xs0, ZERO_MODE)
+                        acc0, t0, xs0 = _fold_row(acc0, t0, xs0, d, x0, s, z, MUL, first, last, ZERO_MODE)
                         if BLOCK_M > 1:
-                            if first:
-                                t1 = d * x1[None, :]
-                                xs1 = x1 * MUL
-                            else:
-                                t1 += d * x1[None, :]
-                                xs1 += x1 * MUL
-                            if last:
-                                acc1 = _fma_group(acc1, t1, s, z, xs1, ZERO_MODE)
+                            acc1, t1, xs1 = _fold_row(acc1, t1, xs1, d, x1, s, z, MUL, first, last, ZERO_MODE)
                         if BLOCK_M > 2:
-                            if first:
-                                t2 = d * x2[None, :]
-                                t3 = d * x3[None, :]
-                                xs2 = x2 * MUL
-                                xs3 = x3 * MUL
-                            else:
-                                t2 += d * x2[None, :]
-                                t3 += d * x3[None, :]
-                                xs2 += x2 * MUL
-                                xs3 += x3 * MUL
-                            if last:
-                                acc2 = _fma_group(acc2, t2, s, z, xs2, ZERO_MODE)
-                                acc3 = _fma_group(acc3, t3, s, z, xs3, ZERO_MODE)
+                            acc2, t2, xs2 = _fold_row(acc2, t2, xs2, d, x2, s, z, MUL, first, last, ZERO_MODE)
+                            acc3, t3, xs3 = _fold_row(acc3, t3, xs3, d, x3, s, z, MUL, first, last, ZERO_MODE)
                     else:  # a slice spans groups: per-value scale and zero (a gather; L1 hits)
                         s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE,
                                              UNIFORM)
