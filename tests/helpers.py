@@ -1,9 +1,17 @@
 """Tolerances and comparisons shared by the tests (one table, STYLE.md habit 7)."""
 
+import json
 import os
+import re
 import socket
+import subprocess
+import sys
+import traceback
 
+import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 FP8 = torch.float8_e4m3fn
 
@@ -25,10 +33,11 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def assert_close(actual, expected, dtype=None):
+def assert_close(actual, expected, dtype=None, ulps=1):
+    """Within the table's tolerance of ``dtype`` (default: expected's), ``ulps`` times wider."""
     dtype = dtype or expected.dtype
     tol = INTERPRETER_BF16 if (dtype == torch.bfloat16 and interpreter_on()) else TOLERANCES[dtype]
-    torch.testing.assert_close(actual.float(), expected.float(), **tol)
+    torch.testing.assert_close(actual.float(), expected.float(), **{k: v * ulps for k, v in tol.items()})
 
 
 def e4m3_step(v: torch.Tensor) -> torch.Tensor:
@@ -96,3 +105,117 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def _rank_entry(rank, world, port, backend, fn, args, errq):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        fn(rank, world, *args)
+        dist.barrier()  # leave together: a rank tearing down gloo while its peer still talks aborts it
+    except BaseException:
+        errq.put(f"rank {rank}:\n{traceback.format_exc()}")
+        code = 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # skip interpreter teardown: about 1 run in 50 a rank aborted there (SIGABRT, "terminate called without
+    # an active exception") after a clean finish, a C++ thread destroyed at exit, not the code under test
+    os._exit(code)
+
+
+def run_ranks(world, fn, *args, backend="gloo", timeout=180, expect_fail=False) -> list:
+    """Spawn ``world`` ranks (a process group on ``backend``) running ``fn(rank, world, *args)``.
+
+    Every rank must exit cleanly (or, with ``expect_fail``, every rank must fail); a rank still running
+    after ``timeout`` s fails the test as a hang instead of blocking the suite. Returns the error reports.
+    """
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, backend, fn, args, errq)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    alive = [p.is_alive() for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    errors = []
+    while not errq.empty():
+        errors.append(errq.get())
+    codes = [p.exitcode for p in procs]
+    assert not any(alive), f"ranks still running after {timeout} s (a hang): {alive}"
+    if expect_fail:
+        assert all(c != 0 for c in codes), f"exit codes {codes}"
+        return errors
+    assert not errors, "\n".join(errors)
+    assert codes == [0] * world, f"exit codes {codes}"
+    return errors
+
+
+# ----------------------------------------------------------------------------- generated code
+
+
+def sm90_ptx(snippet: str, *argv: str) -> str:
+    """PTX that ``snippet`` (a script compiling a kernel with ``triton.compile(..., GPUTarget("cuda", 90,
+    32))``) writes to stdout: no GPU needed (Triton bundles ptxas), but not under the interpreter, hence
+    a subprocess without TRITON_INTERPRET. Skips when this machine cannot compile for sm_90."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, "-c", snippet, *argv], capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0:
+        if "ptxas" in r.stderr or "No module named" in r.stderr or "backend" in r.stderr.lower():
+            pytest.skip(f"cannot compile for sm_90 here: {r.stderr.strip().splitlines()[-1]}")
+        raise AssertionError(r.stderr[-3000:])
+    return r.stdout
+
+
+def k_loop(ptx: str) -> str:
+    """The body of the first loop of the PTX (a label closed by a backward branch): a kernel's K loop."""
+    lines = ptx.splitlines()
+    for i, line in enumerate(lines):
+        label = re.match(r"(\$L__BB\d+_\d+):", line)
+        if label:
+            ends = [j for j in range(i + 1, len(lines)) if re.search(rf"bra(\.uni)?\s+\{label.group(1)};", lines[j])]
+            if ends:
+                return "\n".join(lines[i + 1:ends[0]])
+    raise AssertionError("no K loop found in the PTX")
+
+
+# ----------------------------------------------------------------------------- files and formats
+
+
+def edit_json(path, edit) -> None:
+    """Rewrite a JSON file in place: ``edit(obj)`` mutates the loaded object (corrupting a checkpoint's
+    config or index for an error test)."""
+    with open(path) as f:
+        obj = json.load(f)
+    edit(obj)
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def pack_words_along(q: torch.Tensor, order=range(8)) -> torch.Tensor:
+    """ints (R, 8C) -> int32 (R, C): nibble p of word c holds column 8c + order[p] (a plain loop, independent
+    of the code under test; GPTQ / AWQ packings are built from it)."""
+    R, C8 = q.shape
+    out = torch.zeros(R, C8 // 8, dtype=torch.int64)
+    for p, col in enumerate(order):
+        out |= q[:, col::8].to(torch.int64) << (4 * p)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+def gptq_qweight(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) ints -> GPTQ qweight int32 (K // 8, N): nibble p of word [r, n] is column k = 8r + p."""
+    return pack_words_along(q).t().contiguous()

@@ -5,59 +5,14 @@ GPU (2 GPUs, ``multigpu``): every symmetric-memory path against NCCL + the refer
 under CUDA-graph replay, and a stress run of 10,000 replays with checked results.
 """
 
-import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fastdecode as fd
-from helpers import assert_fp8_close, free_port
+from helpers import assert_fp8_close, run_ranks
 from fastdecode.ops.allreduce import CommWorkspace, all_reduce, all_reduce_add_rms_norm, all_reduce_ref
-
-
-def _run(world, fn, backend):
-    """Spawn ``world`` ranks running fn(rank, world); every rank must exit cleanly."""
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, backend, errq)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    errors = []
-    while not errq.empty():
-        errors.append(errq.get())
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not errors, "\n".join(errors)
-    assert codes == [0] * world, f"exit codes {codes}"
-
-
-def _entry(rank, world, port, fn, backend, errq):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        else:
-            dist.init_process_group("gloo", rank=rank, world_size=world)
-        fn(rank, world)
-        dist.barrier()  # leave together: a rank tearing down gloo while its peer still talks aborts it
-    except BaseException:
-        errq.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise SystemExit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # a clean rank leaves at once: gloo's threads have aborted ranks at interpreter teardown
-    # ("terminate called without an active exception") about once in 50 runs
-    os._exit(0)
 
 
 def _partials(world, shape, dtype, device, seed):
@@ -116,7 +71,7 @@ def _cpu_checks(rank, world):
 
 
 def test_gloo_fallback_two_processes():
-    _run(2, _cpu_checks, "gloo")
+    run_ranks(2, _cpu_checks, backend="gloo", timeout=600)
 
 
 def test_workspace_needs_init():
@@ -208,4 +163,4 @@ def _gpu_checks(rank, world):
 
 @pytest.mark.multigpu
 def test_two_gpus_paths_graphs_and_stress():
-    _run(2, _gpu_checks, "nccl")
+    run_ranks(2, _gpu_checks, backend="nccl", timeout=600)

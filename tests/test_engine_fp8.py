@@ -14,6 +14,7 @@ from fastdecode.engine.loader import CheckpointError, load, random_model
 from fastdecode.models.config import ModelConfig
 from fastdecode.models.llama import Fp8Linear
 from fastdecode.models.quantize import FP8_FORMAT, INT4_FORMAT, quantize_model, quantize_model_fp8
+from helpers import edit_json
 
 CFG = ModelConfig.from_preset("tiny")
 # FP8 e4m3 has a 3-bit mantissa (rounding error up to 2^-4 relative per element, weights and activations);
@@ -192,11 +193,7 @@ def test_quantize_command_round_trip_and_refusals(tmp_path):
     # the recorded format refuses other kernels, and formats this version does not know
     with pytest.raises(CheckpointError, match="quantised as fp8-w8a8-channel; it cannot be loaded with quant='int4'"):
         load(dst, dtype=torch.float32, progress=False, quant="int4")
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"]["format"] = "int4-g128-awq-v9"
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    edit_json(os.path.join(dst, "config.json"), lambda c: c["quantization_config"].update(format="int4-g128-awq-v9"))
     with pytest.raises(CheckpointError, match="format 'int4-g128-awq-v9', which this version cannot run"):
         load(dst, dtype=torch.float32, progress=False)
 

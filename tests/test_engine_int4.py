@@ -2,9 +2,9 @@
 GPTQ / AWQ checkpoints written here by hand from the published layouts, GGUF Q4_0 / Q4_1 loaded natively,
 ``fastdecode quantize --method int4`` round trips and refusals, ``bench decode --quant int4``.
 
-Fixtures pack integers with plain loops written from the GPTQ / AWQ layouts (as test_int4.py does; not
-imported from there: it turns the Triton interpreter on at import), never with the code under test; the
-dense reference checkpoints hold ``(q - zero) * scale`` computed here."""
+Fixtures pack integers with the plain loops of helpers.py written from the GPTQ / AWQ layouts (shared with
+test_int4.py), never with the code under test; the dense reference checkpoints hold ``(q - zero) * scale``
+computed here."""
 
 import copy
 import json
@@ -19,6 +19,7 @@ from fastdecode.models.config import ModelConfig
 from fastdecode.models.llama import Int4Linear, Linear
 from fastdecode.models.quantize import INT4_FORMAT, quantize_model, quantize_model_int4
 from fastdecode.quant.int4 import dequantize_int4
+from helpers import edit_json, gptq_qweight, pack_words_along
 
 CFG = ModelConfig.from_preset("tiny")
 # RTN int4 (zero point, 16 levels) on the tiny random models (dim 64, 2 layers, std 0.08): the logits' relative
@@ -35,24 +36,6 @@ def _rel(a, b):
 def _prefill(model, ids, T=64):
     cache = KVCache(model.config, ids.shape[0], T, dtype=model.tok_embeddings.weight.dtype)
     return model.prefill(ids, cache), cache
-
-
-def _pack_words_along(q: torch.Tensor, order=range(8)) -> torch.Tensor:
-    """ints (R, 8C) -> int32 (R, C): nibble p of word c holds column 8c + order[p]."""
-    R, C8 = q.shape
-    out = torch.zeros(R, C8 // 8, dtype=torch.int64)
-    for p, col in enumerate(order):
-        out |= q[:, col::8].to(torch.int64) << (4 * p)
-    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
-
-
-def _gptq_qweight(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) ints -> GPTQ qweight int32 (K // 8, N): nibble p of word [r, n] is column k = 8r + p."""
-    N, K = q.shape
-    out = torch.zeros(K // 8, N, dtype=torch.int64)
-    for p in range(8):
-        out |= q[:, p::8].t().to(torch.int64) << (4 * p)
-    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
 def _projections(model):
@@ -189,11 +172,7 @@ def test_load_quant_int4_equals_quantize_model_and_export_round_trip(tmp_path):
     with pytest.raises(CheckpointError, match=r"int4 weight 'model.layers.1.mlp.down_proj' \(qweight, scales, zeros\): "
                                               r"model.layers.1.mlp.down_proj.scales must be .* G dividing K=96"):
         load(dst, dtype=torch.float32, progress=False)
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"]["layout"] = "int4.k128s16.v0"
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    edit_json(os.path.join(dst, "config.json"), lambda c: c["quantization_config"].update(layout="int4.k128s16.v0"))
     with pytest.raises(CheckpointError, match="packed in layout 'int4.k128s16.v0', but this version's int4 kernels "
                                               "read 'int4.k256s32.v1'"):
         load(dst, dtype=torch.float32, progress=False)
@@ -226,15 +205,15 @@ def _quantised_checkpoints(src, tmp_path, fmt, g=32):
                 orders[group_key] = torch.empty(K, dtype=torch.int32)
                 orders[group_key][perm] = (torch.arange(K) // g).to(torch.int32)
             g_idx = orders[group_key]
-            out[base + ".qweight"] = _gptq_qweight(q)
-            out[base + ".qzeros"] = _pack_words_along((z - 1).t().contiguous())  # (G, N // 8)
+            out[base + ".qweight"] = gptq_qweight(q)
+            out[base + ".qzeros"] = pack_words_along((z - 1).t().contiguous())  # (G, N // 8)
             out[base + ".scales"] = s.t().contiguous()
             out[base + ".g_idx"] = g_idx.clone()
         else:
             g_idx = torch.arange(K) // g
             order = (0, 2, 4, 6, 1, 3, 5, 7)
-            out[base + ".qweight"] = _pack_words_along(q.t().contiguous(), order)  # (K, N // 8)
-            out[base + ".qzeros"] = _pack_words_along(z.t().contiguous(), order)  # (G, N // 8)
+            out[base + ".qweight"] = pack_words_along(q.t().contiguous(), order)  # (K, N // 8)
+            out[base + ".qzeros"] = pack_words_along(z.t().contiguous(), order)  # (G, N // 8)
             out[base + ".scales"] = s.t().contiguous()
         gi = g_idx.long()
         dense[k] = (q.float() - z.float()[:, gi]) * s.float()[:, gi]
@@ -287,11 +266,7 @@ def test_gptq_awq_checkpoints_equal_their_dense_weights(tmp_path, fmt):
                                               r"'model.layers.1.self_attn.k_proj' \(qweight, qzeros, scales, "
                                               r"g_idx\) has a different act-order"):
         load(qdir, dtype=torch.float32, progress=False)
-    with open(os.path.join(qdir, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"]["bits"] = 8
-    with open(os.path.join(qdir, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    edit_json(os.path.join(qdir, "config.json"), lambda c: c["quantization_config"].update(bits=8))
     with pytest.raises(CheckpointError, match="GPTQ with bits=8; only 4-bit"):
         load(qdir, dtype=torch.float32, progress=False)
 

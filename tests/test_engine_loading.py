@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from fastdecode.engine.kv_cache import KVCache  # noqa: E402
 from fastdecode.engine.loader import CheckpointError, load  # noqa: E402
 from fastdecode.models.config import ModelConfig  # noqa: E402
+from helpers import edit_json
 
 # fp32 both sides, 2 layers, |logits| ~ 1: summation order only
 ATOL = 2e-5
@@ -134,12 +135,8 @@ def test_missing_tensor_is_named(ckpt):
 
 
 def test_missing_tensor_in_index_is_named(ckpt):
-    p = os.path.join(ckpt, "model.safetensors.index.json")
-    with open(p) as f:
-        idx = json.load(f)
-    del idx["weight_map"]["model.layers.0.self_attn.k_proj.weight"]
-    with open(p, "w") as f:
-        json.dump(idx, f)
+    edit_json(os.path.join(ckpt, "model.safetensors.index.json"),
+              lambda idx: idx["weight_map"].pop("model.layers.0.self_attn.k_proj.weight"))
     with pytest.raises(CheckpointError, match=r"tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' is missing"):
         load(ckpt, dtype=torch.float32, progress=False)
 
@@ -175,12 +172,7 @@ def test_missing_shard_file_is_named(ckpt):
 
 def test_extra_layer_is_rejected(ckpt):
     """A config with fewer layers than the checkpoint must not load silently."""
-    p = os.path.join(ckpt, "config.json")
-    with open(p) as f:
-        c = json.load(f)
-    c["num_hidden_layers"] = 1
-    with open(p, "w") as f:
-        json.dump(c, f)
+    edit_json(os.path.join(ckpt, "config.json"), lambda c: c.update(num_hidden_layers=1))
     with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.1\."):
         load(ckpt, dtype=torch.float32, progress=False)
 

@@ -4,16 +4,13 @@ Q4 shards), a rank failing at load stopping every rank, and head counts that do 
 
 import copy
 import os
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fastdecode.engine.tp import TPLoadError, check_tp, local_config, vocab_range
 from fastdecode.models.config import ModelConfig
-from helpers import free_port
+from helpers import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,52 +22,6 @@ ATOL = 1e-4
 # on these tiny models: relative RMS error 0.099 +- 0.019 (max 0.129 over 30 seeds, last-position
 # logits); a sharding bug (wrong rows, wrong scales) gives errors of order 1
 FP8_REL = 0.2
-
-
-def _run(world, fn, *args, expect_fail=False):
-    """Spawn ``world`` gloo ranks running fn(rank, world, *args); returns the error reports."""
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errq)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=JOIN_TIMEOUT)
-    alive = [p.is_alive() for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = []
-    while not errq.empty():
-        errors.append(errq.get())
-    codes = [p.exitcode for p in procs]
-    assert not any(alive), f"ranks still running after {JOIN_TIMEOUT} s (a hang): {alive}"
-    if expect_fail:
-        assert all(c != 0 for c in codes), f"exit codes {codes}"
-        return errors
-    assert not errors, "\n".join(errors)
-    assert codes == [0] * world, f"exit codes {codes}"
-    return errors
-
-
-def _entry(rank, world, port, fn, args, errq):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    code = 0
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        fn(rank, world, *args)
-        dist.barrier()  # leave together
-    except BaseException:
-        errq.put(f"rank {rank}:\n{traceback.format_exc()}")
-        code = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # skip interpreter teardown: about 1 run in 50 a rank aborted there (SIGABRT, "terminate called without
-    # an active exception") after a clean finish, a C++ thread destroyed at exit, not the code under test
-    os._exit(code)
 
 
 def _hf_dir(path, vocab=301, tie=True, seed=0, hidden=64, inter=96):
@@ -185,18 +136,18 @@ def _prompts(vocab=301):
 @pytest.mark.parametrize("backend", ["torch", "ref"])
 def test_tp2_greedy_tokens_equal_tp1(tmp_path, backend):
     path = _hf_dir(str(tmp_path / "ckpt"), seed=int(torch.randint(0, 1000, ())))
-    _run(2, _tp_equals_tp1, path, _prompts(), backend)
+    run_ranks(2, _tp_equals_tp1, path, _prompts(), backend, timeout=JOIN_TIMEOUT)
 
 
 def test_tp2_fp8_and_apply_tp(tmp_path):
     path = _hf_dir(str(tmp_path / "ckpt"), vocab=300, tie=False, seed=int(torch.randint(0, 1000, ())))
-    _run(2, _tp_fp8_and_apply_tp, path, _prompts(300))
+    run_ranks(2, _tp_fp8_and_apply_tp, path, _prompts(300), timeout=JOIN_TIMEOUT)
 
 
 def test_tp2_int4_shards_quantised_at_load(tmp_path):
     path = _hf_dir(str(tmp_path / "ckpt"), vocab=300, tie=False, seed=int(torch.randint(0, 1000, ())), hidden=256,
                    inter=512)
-    _run(2, _tp_int4, path, _prompts(300))
+    run_ranks(2, _tp_int4, path, _prompts(300), timeout=JOIN_TIMEOUT)
 
 
 def test_int4_row_parallel_shard_must_hold_whole_groups():
@@ -211,7 +162,7 @@ def test_int4_row_parallel_shard_must_hold_whole_groups():
 
 def test_rank_failing_at_load_stops_every_rank(tmp_path):
     path = _hf_dir(str(tmp_path / "ckpt"))
-    errors = _run(2, _missing_on_rank1, path, expect_fail=True)
+    errors = run_ranks(2, _missing_on_rank1, path, expect_fail=True, timeout=JOIN_TIMEOUT)
     assert len(errors) == 2, errors  # both ranks raised, neither hung
     for e in errors:
         assert "TPLoadError: loading failed on 1 of 2 ranks, stopping every rank: rank 1: FileNotFoundError" in e, e

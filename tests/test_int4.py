@@ -17,31 +17,20 @@ import torch  # noqa: E402
 
 import fastdecode.ops.int4 as I  # noqa: E402
 from fastdecode.quant import int4 as Q  # noqa: E402
-from helpers import TOLERANCES, interpreter_on, poison_, strided_rows  # noqa: E402
+import helpers  # noqa: E402
+from helpers import gptq_qweight, k_loop, pack_words_along, poison_, sm90_ptx, strided_rows  # noqa: E402
 
 
 def assert_close(actual, expected):
     """Two output ulps: the reference multiplies by the weight rounded to x.dtype (``dequantize_int4``),
     the FMA path (and the GPU dot path) by the exact dequantised weight, so the two may round apart."""
-    dtype = expected.dtype
-    tol = {k: v * (2 if dtype == torch.bfloat16 and interpreter_on() else 1) for k, v in TOLERANCES[dtype].items()}
-    torch.testing.assert_close(actual.float(), expected.float(), **{k: 2 * v for k, v in tol.items()})
+    helpers.assert_close(actual, expected, ulps=2)
 
 if torch.cuda.is_available():  # this file is the CPU (interpreter) suite
     pytestmark = pytest.mark.skip(reason="CPU interpreter suite; see test_int4_gpu.py")
 
 
 # ----------------------------------------------------------------------------- fixtures
-
-
-def _pack_words_along(q: torch.Tensor, order=range(8)) -> torch.Tensor:
-    """ints (R, 8C) -> int32 (R, C): nibble p of word c holds column 8c + order[p] (a plain loop)."""
-    R, C8 = q.shape
-    out = torch.zeros(R, C8 // 8, dtype=torch.int64)
-    for p, col in enumerate(order):
-        out |= q[:, col::8].to(torch.int64) << (4 * p)
-    out = torch.where(out >= 2**31, out - 2**32, out)
-    return out.to(torch.int32)
 
 
 def _rand_params(N, K, g, scale_dtype=torch.float16):
@@ -82,7 +71,7 @@ def test_nibble_words_round_trip_and_bit_positions():
     q = torch.randint(0, 16, (7, 64), dtype=torch.uint8)
     w = Q.pack_nibbles(q)
     assert w.dtype == torch.int32 and w.shape == (7, 8)
-    assert torch.equal(w, _pack_words_along(q))  # column 8j + p at bits 4p
+    assert torch.equal(w, pack_words_along(q))  # column 8j + p at bits 4p
     assert torch.equal(Q.unpack_nibbles(w), q)
     assert Q.pack_nibbles(torch.full((1, 8), 15, dtype=torch.uint8)).item() == -1  # all ones, wrapped
 
@@ -157,25 +146,16 @@ def test_gptq_import_v1_zeros_and_round_trip():
     N, K, g = 40, 256, 64
     q, s, z, _ = _rand_params(N, K, g)
     z = z.clamp(1, 15)  # v1 stores z - 1, so a true zero of 0 cannot be written
-    qweight = _gptq_qweight(q)
-    qzeros = _pack_words_along(z.t().contiguous() - 1)  # (G, N // 8), zero - 1 (AutoGPTQ v1)
+    qweight = gptq_qweight(q)
+    qzeros = pack_words_along(z.t().contiguous() - 1)  # (G, N // 8), zero - 1 (AutoGPTQ v1)
     w = Q.from_gptq(qweight, qzeros, s.t().contiguous())
     u = w.unpack()
     assert torch.equal(u["q"], q) and torch.equal(u["zeros"], z) and torch.equal(u["scales"], s)
     torch.testing.assert_close(Q.dequantize_int4(w, torch.float32), _formula(q, s, torch.arange(K) // g, z),
                                atol=1e-7, rtol=1e-6)
     # the same tensors read as gptq_v2 (no offset) are off by one everywhere
-    w2 = Q.from_gptq(qweight, _pack_words_along(z.t().contiguous()), s.t().contiguous(), zero_offset=0)
+    w2 = Q.from_gptq(qweight, pack_words_along(z.t().contiguous()), s.t().contiguous(), zero_offset=0)
     assert torch.equal(w2.unpack()["zeros"], z)
-
-
-def _gptq_qweight(q):
-    """(N, K) ints -> GPTQ qweight int32 (K // 8, N): nibble p of word [r, n] is column k = 8r + p."""
-    N, K = q.shape
-    out = torch.zeros(K // 8, N, dtype=torch.int64)
-    for p in range(8):
-        out |= q[:, p::8].t().to(torch.int64) << (4 * p)
-    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
 def test_gptq_import_act_order_and_symmetric():
@@ -183,42 +163,42 @@ def test_gptq_import_act_order_and_symmetric():
     q, s, _, _ = _rand_params(N, K, g)
     g_idx = _act_order_g_idx(K, g)
     qzeros = torch.full((K // g, N // 8), 0x77777777, dtype=torch.int32)  # v1: every zero 8, stored 7
-    w = Q.from_gptq(_gptq_qweight(q), qzeros, s.t().contiguous(), g_idx.to(torch.int32))
+    w = Q.from_gptq(gptq_qweight(q), qzeros, s.t().contiguous(), g_idx.to(torch.int32))
     assert w.zero_mode == "sym" and w.perm is not None and w.format == "int4.g32.sym.actorder"
     u = w.unpack()
     assert torch.equal(u["q"], q) and torch.equal(u["g_idx"], g_idx)
     torch.testing.assert_close(Q.dequantize_int4(w, torch.float32), _formula(q, s, g_idx), atol=1e-7, rtol=1e-6)
-    wz = Q.from_gptq(_gptq_qweight(q), qzeros, s.t().contiguous(), g_idx, symmetric=False)
+    wz = Q.from_gptq(gptq_qweight(q), qzeros, s.t().contiguous(), g_idx, symmetric=False)
     assert wz.zero_mode == "zero" and torch.all(wz.zeros == 8)
 
 
 def test_gptq_import_errors():
     N, K, g = 16, 128, 32
     q, s, z, _ = _rand_params(N, K, g)
-    qz = _pack_words_along(z.t().contiguous())
+    qz = pack_words_along(z.t().contiguous())
     with pytest.raises(ValueError, match="fall outside 0..15"):
-        Q.from_gptq(_gptq_qweight(q), torch.full_like(qz, -1), s.t().contiguous())  # stored 15 -> 16
+        Q.from_gptq(gptq_qweight(q), torch.full_like(qz, -1), s.t().contiguous())  # stored 15 -> 16
     with pytest.raises(ValueError, match="qweight must be a 2-D int32"):
-        Q.from_gptq(_gptq_qweight(q).float(), qz, s.t().contiguous())
+        Q.from_gptq(gptq_qweight(q).float(), qz, s.t().contiguous())
     with pytest.raises(ValueError, match="qzeros must be int32"):
-        Q.from_gptq(_gptq_qweight(q), qz[:, :1], s.t().contiguous())
+        Q.from_gptq(gptq_qweight(q), qz[:, :1], s.t().contiguous())
     with pytest.raises(ValueError, match="exactly group_size"):
-        Q.from_gptq(_gptq_qweight(q), qz, s.t().contiguous(), torch.zeros(K, dtype=torch.int32), zero_offset=0)
+        Q.from_gptq(gptq_qweight(q), qz, s.t().contiguous(), torch.zeros(K, dtype=torch.int32), zero_offset=0)
 
 
 def test_awq_import_interleaved_order():
     N, K, g = 32, 256, 128
     q, s, z, _ = _rand_params(N, K, g)
     order = (0, 2, 4, 6, 1, 3, 5, 7)
-    qweight = _pack_words_along(q.t().contiguous(), order)  # (K, N // 8) along N, AWQ order
-    qzeros = _pack_words_along(z.t().contiguous(), order)  # (G, N // 8)
+    qweight = pack_words_along(q.t().contiguous(), order)  # (K, N // 8) along N, AWQ order
+    qzeros = pack_words_along(z.t().contiguous(), order)  # (G, N // 8)
     w = Q.from_awq(qweight, qzeros, s.t().contiguous())
     u = w.unpack()
     assert torch.equal(u["q"], q) and torch.equal(u["zeros"], z) and w.zero_mode == "zero"
     torch.testing.assert_close(Q.dequantize_int4(w, torch.float32), _formula(q, s, torch.arange(K) // g, z),
                                atol=1e-7, rtol=1e-6)
     # reading AWQ words in natural order would scramble columns: the order matters
-    natural = Q.from_awq(_pack_words_along(q.t().contiguous()), qzeros, s.t().contiguous())
+    natural = Q.from_awq(pack_words_along(q.t().contiguous()), qzeros, s.t().contiguous())
     assert not torch.equal(natural.unpack()["q"], q)
 
 
@@ -320,12 +300,18 @@ def test_bf16_fma_path():
     assert_close(I.int4_linear(x, w, b, backend="triton"), I.int4_linear_ref(x, w, b))
 
 
-def test_act_order_through_the_op_strided_and_nd():
-    N, K, g = 32, 256, 64
+def _gptq_act_order_weight(N, K, g):
+    """A GPTQ act-order weight with integer zeros (v2, no offset) and its (q, s, z, g_idx)."""
     q, s, z, _ = _rand_params(N, K, g)
     g_idx = _act_order_g_idx(K, g)
-    w = Q.from_gptq(_gptq_qweight(q), _pack_words_along(z.t().contiguous()), s.t().contiguous(), g_idx,
+    w = Q.from_gptq(gptq_qweight(q), pack_words_along(z.t().contiguous()), s.t().contiguous(), g_idx,
                     zero_offset=0)
+    return w, (q, s, z, g_idx)
+
+
+def test_act_order_through_the_op_strided_and_nd():
+    N, K, g = 32, 256, 64
+    w, (q, s, z, g_idx) = _gptq_act_order_weight(N, K, g)
     x = torch.randn(2, 3, K + 8).half()[..., :K]  # leading dims, strided rows
     y = I.int4_linear(x, w, backend="triton")
     assert y.shape == (2, 3, N)
@@ -439,10 +425,7 @@ def test_w4a8_paths_and_formats(name, per_token, fmt):
 
 def test_w4a8_public_op_act_order_nd_and_torch_backend():
     N, K, g = 32, 256, 64
-    q, s, z, _ = _rand_params(N, K, g)
-    g_idx = _act_order_g_idx(K, g)
-    w = Q.from_gptq(_gptq_qweight(q), _pack_words_along(z.t().contiguous()), s.t().contiguous(), g_idx,
-                    zero_offset=0)
+    w, (q, s, z, g_idx) = _gptq_act_order_weight(N, K, g)
     xq, xs = _fp8_x(None, K, True, lead=(2, 9))  # M = 18: the dot path
     y = I.int4_linear_fp8(xq, xs, w, backend="triton")
     assert y.shape == (2, 9, N) and y.dtype == torch.bfloat16
@@ -505,19 +488,6 @@ sys.stdout.write(cc.asm["ptx"])
 """
 
 
-def _k_loop(ptx: str) -> str:
-    import re
-
-    lines = ptx.splitlines()
-    for i, line in enumerate(lines):  # the first backward branch closes the K loop
-        label = re.match(r"(\$L__BB\d+_\d+):", line)
-        if label:
-            ends = [j for j in range(i + 1, len(lines)) if re.search(rf"bra(\.uni)?\s+\{label.group(1)};", lines[j])]
-            if ends:
-                return "\n".join(lines[i + 1:ends[0]])
-    raise AssertionError("no K loop found in the PTX")
-
-
 @pytest.mark.parametrize("cfg", [
     dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True), dict(kind="fma", BLOCK_M=4, BLOCK_N=32, ZM=2, x="fp16"),
     dict(kind="dot", BLOCK_M=16, BLOCK_N=64, ZM=1, x="bf16"), dict(kind="dot", BLOCK_M=64, BLOCK_N=64, ZM=2, x="fp16"),
@@ -527,18 +497,8 @@ def test_sm90_code_converts_int4_without_float_conversions(cfg):
     turns nibbles into fp32 with bit operations only (no cvt of weights, one FFMA per value and row plus
     the group fold) and the dot loop converts two nibbles per LOP3 and packed 16-bit FMA (the inline PTX)."""
     import re
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SNIPPET, json.dumps(cfg)], capture_output=True, text=True,
-                       env=env, timeout=300)
-    if r.returncode != 0:
-        if "ptxas" in r.stderr or "No module named" in r.stderr or "backend" in r.stderr.lower():
-            pytest.skip(f"cannot compile for sm_90 here: {r.stderr.strip().splitlines()[-1]}")
-        raise AssertionError(r.stderr[-3000:])
-    body = _k_loop(r.stdout)
+    body = k_loop(sm90_ptx(_COMPILE_SNIPPET, json.dumps(cfg)))
     values = cfg["BLOCK_N"] * 256 // 128  # weights per thread per K step (4 warps)
     if cfg["kind"] == "fma":
         assert not re.search(r"cvt\.rn\.(bf16|f16)", body), "the FMA loop rounds weights to 16 bits"

@@ -135,8 +135,7 @@ def test_split_k_deterministic_graph_capture_and_compile():
 def test_dot_fast_conversion_equals_portable(fmt, g, x_dtype):
     """The packed-pair PTX conversion (fast_cvt) against the bitcast form the interpreter runs: the same
     dequantised operand up to the rounding of the scale to x.dtype, so results agree to the output rounding."""
-    N, K, M = 1024, 4224 if g == 96 else 4096, 48
-    K = 4096 if g == 4096 else K
+    N, K, M = 1024, 4224 if g == 96 else 4096, 48  # 4224 = 44 groups of 96
     w = _packed(N, K, g, fmt)
     x = torch.randn(M, K, device=DEV).to(x_dtype)
     cfg = dict(kind="dot", BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3)

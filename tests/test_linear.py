@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 import fastdecode.ops.gemm as L  # noqa: E402
 from fastdecode.quant import dequantize_fp8, quantize_activation_fp8, quantize_weight_fp8  # noqa: E402
-from helpers import FP8, assert_close, e4m3_step, poison_, strided_rows  # noqa: E402
+from helpers import FP8, assert_close, e4m3_step, k_loop, poison_, sm90_ptx, strided_rows  # noqa: E402
 
 if torch.cuda.is_available():  # this file is the CPU (interpreter) suite
     pytestmark = pytest.mark.skip(reason="CPU interpreter suite; see test_linear_gpu.py")
@@ -376,20 +376,7 @@ sys.stdout.write(cc.asm["ptx"])
 
 
 def _ptx_for_h100(cfg, elem_ty) -> str:
-    """PTX of the kernel compiled ahead of time for sm_90: no GPU needed (Triton bundles ptxas),
-    but not under the interpreter, hence a subprocess without TRITON_INTERPRET."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SNIPPET, json.dumps(cfg), elem_ty],
-                       capture_output=True, text=True, env=env, timeout=300)
-    if r.returncode != 0:
-        if "ptxas" in r.stderr or "No module named" in r.stderr or "backend" in r.stderr.lower():
-            pytest.skip(f"cannot compile for sm_90 here: {r.stderr.strip().splitlines()[-1]}")
-        raise AssertionError(r.stderr[-3000:])
-    return r.stdout
+    return sm90_ptx(_COMPILE_SNIPPET, json.dumps(cfg), elem_ty)
 
 
 @pytest.mark.parametrize("dkey,elem_ty,M,prefetch", [
@@ -403,16 +390,7 @@ def test_fma_loop_streams_16_byte_loads_without_shuffles(dkey, elem_ty, M, prefe
 
     cfg = {**L.fma_tile(M, 1 if dkey == "fp8" else 2), "PREFETCH": prefetch}
     ptx = _ptx_for_h100(cfg, elem_ty)
-    lines = ptx.splitlines()
-    body = None
-    for i, line in enumerate(lines):  # the first backward branch closes the K loop
-        label = re.match(r"(\$L__BB\d+_\d+):", line)
-        if label:
-            ends = [j for j in range(i + 1, len(lines)) if re.search(rf"bra(\.uni)?\s+\{label.group(1)};", lines[j])]
-            if ends:
-                body = "\n".join(lines[i + 1:ends[0]])
-                break
-    assert body is not None, "no K loop found in the PTX"
+    body = k_loop(ptx)
     assert "shared" not in body and "bar.sync" not in body, "the K loop shuffles through shared memory"
     w_loads = re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", body)
     assert len(w_loads) >= cfg["BLOCK_N"], f"expected >= {cfg['BLOCK_N']} 16-byte loads per step, got {len(w_loads)}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -123,6 +124,12 @@ def time_cuda(
     if graph:
         del g
     return _stats(samples)
+
+
+def geomean(xs) -> float:
+    """Geometric mean of the positive values of ``xs`` (nan when there are none)."""
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def make_row(

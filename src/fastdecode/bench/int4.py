@@ -17,19 +17,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from fastdecode.bench.harness import env_info, make_row, print_table, rotation_count, time_cuda, write_rows
+from fastdecode.bench.harness import env_info, geomean, make_row, print_table, rotation_count, time_cuda, write_rows
+from fastdecode.bench.linear import SHAPES  # the eight Llama projections (N x K), as the GEMM benchmark's
 
-SHAPES = {  # name: (N, K)
-    "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
-    "70b_tp2.qkv": (5120, 8192), "70b_tp2.o": (8192, 4096), "70b_tp2.gate_up": (28672, 8192),
-    "70b_tp2.down": (8192, 14336),
-}
 MS = (1, 16, 64, 256, 1024, 4096)
 QUICK_MS = (1, 16, 64, 256)
 TUNE_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -214,11 +209,6 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
 # ----------------------------------------------------------------------------- benchmark
 
 
-def _geomean(xs) -> float:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
-
 def run(out_path=None, quick: bool = False, *, shapes=None, ms: Optional[Sequence[int]] = None) -> list[dict]:
     """Benchmark rows + summary rows against the issue's targets; written to ``out_path`` if given."""
     shapes = dict(SHAPES) if shapes is None else shapes
@@ -258,7 +248,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     for M in ms:
         sp = [r["speedup_vs_cublas"] for r in w4 if r["shape"]["M"] == M]
         s = {"op": "int4_linear", "impl": "summary", "shape": {"M": M, "group": GROUP},
-             "geomean_speedup_vs_cublas": round(_geomean(sp), 3), "min_speedup": round(min(sp), 3)}
+             "geomean_speedup_vs_cublas": round(geomean(sp), 3), "min_speedup": round(min(sp), 3)}
         if M in TARGETS:
             s["target"] = TARGETS[M]
             s["pass"] = bool(s["geomean_speedup_vs_cublas"] >= TARGETS[M] and s["min_speedup"] >= FLOOR_ANY_M)
@@ -271,7 +261,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     ratios = [r["median_us"] / w8[(r["shape"]["name"], r["shape"]["M"])] for r in w4
               if r["shape"]["M"] >= 256 and (r["shape"]["name"], r["shape"]["M"]) in w8]
     if ratios:
-        g = _geomean(ratios)
+        g = geomean(ratios)
         out.append({"op": "int4_linear_fp8", "impl": "summary", "shape": {"M": ">=256", "group": GROUP},
                     "geomean_speedup_vs_w4a16": round(g, 3), "target": W4A8_OVER_W4A16,
                     "pass": bool(g >= W4A8_OVER_W4A16), **env_info()})

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 import triton
 
-from fastdecode.bench.harness import env_info, make_row, rotation_count, time_cuda, write_rows
+from fastdecode.bench.harness import env_info, geomean, make_row, rotation_count, time_cuda, write_rows
 
 SHAPES = {  # name: (N, K)
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -346,11 +346,6 @@ def _tuned_triton_config(dkey: str, N: int, K: int, M: int) -> Optional[dict]:
     return heuristic_config(M, N, K, dkey, torch.cuda.get_device_properties(0).multi_processor_count)
 
 
-def _geomean(xs) -> float:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
-
 def run(out_path=None, quick: bool = False, *, shapes=None) -> list[dict]:
     """Benchmark rows (and summary rows against the issue's targets); written to ``out_path``.
 
@@ -413,7 +408,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             continue
         sp = [r["speedup_vs_cublas"] for r in tgt]
         s = {"op": op, "impl": "summary", "shape": {"M": "1-16 (targets)"},
-             "geomean_speedup_vs_cublas": round(_geomean(sp), 3), "geomean_target": need_geo,
+             "geomean_speedup_vs_cublas": round(geomean(sp), 3), "geomean_target": need_geo,
              "min_speedup_vs_cublas": min(sp) if sp else None,
              "min_weight_tbps": min(r["weight_tbps"] for r in tgt) if tgt else None,
              "dispatch_min_vs_best": min(r["vs_best"] for r in ours),

@@ -27,6 +27,10 @@ Split-K: as ``kernels/linear.py`` (fp32 partials, a per-tile arrival counter, th
 the partials in split order: deterministic; one launch, counters reset by the kernel).
 """
 
+import functools
+import os
+
+import torch
 import triton
 import triton.language as tl
 
@@ -447,16 +451,19 @@ def slices_per_group(group_size: int, K: int, bk: int) -> int:
     return group_size // 32 if 256 % group_size == 0 else 0
 
 
+@functools.cache
+def _sm_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def fast_cvt_ok(x, uniform: bool, x_scale_mode: int = 0) -> bool:
     """The packed-pair PTX conversion of the dot path: CUDA (not the interpreter), 16-bit activations,
     one group per 32-column slice, and sm_80+ (``fma.rn.bf16x2``)."""
-    import os
-
-    if x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or x_scale_mode != 0 or not uniform:
+    if x.device.type != "cuda" or x_scale_mode != 0 or not uniform or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    import torch
-
-    return x.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(x.device)[0] >= 8
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    return _sm_major(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 8
 
 
 def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
