@@ -51,7 +51,10 @@ def assert_fp8_close(q, q_ref, scale=None, scale_ref=None, *, max_mismatch=0.05)
 
     Under the Triton interpreter (triton 3.6-3.9) the fp32 -> float8e4nv cast drops the carry when a
     value rounds up to the next power of two (e.g. 125.3 -> 64 instead of 128), on ~2% of elements:
-    those, and only those, are accepted there (value exactly half a power-of-two reference).
+    those, and only those, are accepted there: the kernel's value is a power of two ``p`` whose double
+    ``2p`` is within one step of the reference. ``2p`` may be the reference itself, or the reference
+    may be one step below it when the two fp32 values before the cast differ by an ulp and straddle
+    the rounding boundary (seen about once per 20 million elements: kernel -4 for -7.5, 16 for 30).
     """
     assert q.dtype == FP8 and q_ref.dtype == FP8, (q.dtype, q_ref.dtype)
     a, b = q.float(), q_ref.float()
@@ -60,8 +63,9 @@ def assert_fp8_close(q, q_ref, scale=None, scale_ref=None, *, max_mismatch=0.05)
         torch.testing.assert_close(scale.float(), scale_ref.float(), atol=0, rtol=1e-5)
     ok = (a - b).abs() <= e4m3_step(b) * 1.0001
     if interpreter_on():
-        log2b = torch.log2(b.abs())
-        lost_carry = (log2b == log2b.round()) & (a == b / 2)
+        log2a = torch.log2(a.abs())
+        power_of_two = (a != 0) & (log2a == log2a.round())
+        lost_carry = power_of_two & ((2 * a - b).abs() <= e4m3_step(b) * 1.0001)
         ok |= lost_carry
     bad = (~ok).sum().item()
     assert bad == 0, f"{bad} of {a.numel()} FP8 values differ by more than one e4m3 step"
