@@ -1,8 +1,11 @@
 """Benchmark: all-reduce and fused all-reduce + add + RMSNorm against NCCL (+ PyTorch), in CUDA graphs.
 
-Run on a machine with >= 2 GPUs: ``fastdecode bench allreduce --world 2`` (spawns one process per GPU).
-Each timing is CUDA-graph replays of 20 back-to-back calls, after a ``dist.barrier`` so that ranks
-start together; rank 0 reports the median of 30 replays. Rows also record which path ``auto`` took.
+Run on a machine with >= 2 GPUs: ``fastdecode bench allreduce --world N`` (spawns one process per GPU,
+N = 2, 4, 8, ...). Each timing is CUDA-graph replays of 20 back-to-back calls, after a ``dist.barrier``
+so that ranks start together; rank 0 reports the median of 30 replays (the slowest rank's). Rows also
+record which path ``auto`` took. ``--write-config`` stores the crossovers measured here (one-shot /
+two-shot / NCCL, ``ops.allreduce.crossovers_from_rows``) for this GPU and world size in
+``configs/allreduce_<gpu>.json``, the table the dispatcher reads.
 """
 
 from __future__ import annotations
@@ -62,7 +65,10 @@ def _row(rows, rank, op, impl, shape, t, nbytes, **extra):
         print(json.dumps({k: r[k] for k in ("op", "impl", "shape", "median_us")}), flush=True)
 
 
-def _worker(rank, world, port, out, quick):
+HIDDEN = (4096, 8192, 16384)
+
+
+def _worker(rank, world, port, out, quick, write_config):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
@@ -77,7 +83,7 @@ def _worker(rank, world, port, out, quick):
              "two_shot": {"one_shot": 0, "two_shot": 1 << 40}}
 
     # 1. fused all-reduce + add + RMSNorm vs NCCL + PyTorch (and NCCL + our fused norm)
-    for H in (4096, 8192):
+    for H in HIDDEN:
         w = torch.randn(H, device=dev, dtype=torch.bfloat16)
         for M in ((1, 32, 512) if quick else (1, 8, 32, 128, 512, 2048, 4096)):
             x = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
@@ -126,16 +132,25 @@ def _worker(rank, world, port, out, quick):
         if out:
             write_rows(rows, out)
         print_table(rows, ("op", "impl", "shape", "median_us", "path"))
+        if write_config:
+            from fastdecode.ops.allreduce import crossovers_from_rows, write_config as store
+
+            limits = crossovers_from_rows(rows, world)
+            path = store(torch.cuda.get_device_name(dev), world, limits,
+                         f"fastdecode bench allreduce --world {world} (git {env_info()['git_sha']})")
+            print(f"crossovers for {world} ranks: {limits} -> {path}")
     dist.destroy_process_group()
 
 
-def run(world: int = 2, out=None, quick=False):
+def run(world: int = 2, out=None, quick=False, write_config=False):
+    if world < 2:
+        raise ValueError(f"the all-reduce benchmark needs a world size >= 2, got {world}")
     if torch.cuda.device_count() < world:
         raise RuntimeError(f"the all-reduce benchmark needs {world} GPUs, found {torch.cuda.device_count()}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, out, quick), nprocs=world)
+    mp.spawn(_worker, args=(world, port, out, quick, write_config), nprocs=world)
 
 
 def main(argv=None):
@@ -143,8 +158,10 @@ def main(argv=None):
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--write-config", action="store_true",
+                   help="store the measured crossovers for this GPU and world size in configs/allreduce_<gpu>.json")
     a = p.parse_args(argv)
-    run(a.world, a.out, a.quick)
+    run(a.world, a.out, a.quick, a.write_config)
 
 
 if __name__ == "__main__":

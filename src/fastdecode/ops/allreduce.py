@@ -6,14 +6,21 @@ exchange, the mapping and the clean-up, and works for any world size on one host
 flags, an input region and a result region. Create it once per process group, **before** any
 CUDA-graph capture, and ``destroy()`` it when done (or use it as a context manager).
 
-Paths, chosen per call by message size (thresholds are data, per world size; see ``PATH_BYTES``):
+Paths, chosen per call by message size. The thresholds are data, per GPU and world size, in
+``configs/allreduce_<gpu>.json``, written by ``fastdecode bench allreduce --world N --write-config``
+from its own measurements (``crossovers_from_rows``); a world size not in the table starts from
+``DEFAULT_PATH_BYTES`` with one warning:
 
 * ``one_shot``: each rank pushes its partial into every peer's buffer and raises a flag there; each
   rank waits for all flags and sums the partials from its own memory (same order everywhere, so all
   ranks get identical bits). One exchange per call (kernels/allreduce.py explains why it is safe).
 * ``two_shot``: reduce-scatter + all-gather over the same buffers (each rank sums 1/world).
-* ``nccl``: ``torch.distributed.all_reduce`` above the crossover, or when peers are not reachable.
+* ``nccl``: ``torch.distributed.all_reduce`` above the crossover, or when peers are not reachable
+  (ranks on several nodes: ``LOCAL_WORLD_SIZE`` < world size, as torchrun sets it; no P2P access; no
+  symmetric memory), said in one warning when the workspace is made.
 * ``torch``: CPU tensors (gloo): ``torch.distributed.all_reduce`` and the reference norm.
+
+Each path a workspace takes is logged once (INFO), with the rule that chose it.
 
 Stream contract: every call is enqueued on the current stream; all ranks must make the same
 sequence of calls with the same shapes (as with NCCL). Barriers keep no host-side state, so graphs
@@ -23,9 +30,12 @@ calls first compare shapes across ranks and raise on a mismatch instead of hangi
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import logging
 import os
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -39,15 +49,95 @@ from fastdecode.ops._common import (
 
 log = logging.getLogger("fastdecode")
 
-# Largest message (bytes) for each symmetric-memory path, by world size: measured on 2xH200
-# (benchmarks/results/allreduce.json); other world sizes start from these until measured.
-PATH_BYTES = {2: {"one_shot": 4 << 20, "two_shot": 4 << 20}}
+# Largest message (bytes) for each symmetric-memory path when the GPU / world size has no measured
+# crossovers in configs/allreduce_<gpu>.json (two-shot above one-shot's limit, NCCL above both).
 DEFAULT_PATH_BYTES = {"one_shot": 512 << 10, "two_shot": 8 << 20}
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ONE_SHOT_BLOCK = 2048  # elements per chunk of the flat one-shot / two-shot kernels
 MAX_FUSED_H = 32768  # the fused kernel keeps a row in registers
 
 _WORKSPACES: dict[int, "CommWorkspace"] = {}
 _ids = itertools.count(1)
+_warned: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+# ----------------------------------------------------------------------------- crossover data
+
+
+def config_path(gpu_name: str) -> Path:
+    from fastdecode.ops.gemm import gpu_key
+
+    return CONFIG_DIR / f"allreduce_{gpu_key(gpu_name)}.json"
+
+
+@functools.cache
+def _load_table(path: str) -> Optional[dict]:
+    p = Path(path)
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def measured_path_bytes(gpu_name: str, world: int) -> Optional[dict]:
+    """The measured ``{"one_shot": bytes, "two_shot": bytes}`` limits for ``world`` ranks, or None."""
+    table = _load_table(str(config_path(gpu_name)))
+    entry = (table or {}).get("world", {}).get(str(world))
+    return {"one_shot": int(entry["one_shot"]), "two_shot": int(entry["two_shot"])} if entry else None
+
+
+def crossovers_from_rows(rows: list[dict], world: int) -> dict:
+    """Path limits from the plain all-reduce rows of ``fastdecode bench allreduce`` at ``world`` ranks.
+
+    One-shot keeps every size up to the largest one from which on, going up from the smallest, it
+    was measured and no slower than both two-shot and NCCL; two-shot then keeps the sizes above that
+    while it is no slower than NCCL; NCCL takes the rest. Sizes are those measured (no interpolation).
+    """
+    times: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r.get("op") != "all_reduce" or r.get("shape", {}).get("world") != world or r.get("median_us") is None:
+            continue
+        impl = {"nccl": "nccl", "fastdecode_one_shot": "one_shot", "fastdecode_two_shot": "two_shot"}.get(r["impl"])
+        if impl:
+            times.setdefault(int(r["shape"]["bytes"]), {})[impl] = float(r["median_us"])
+    sizes = sorted(b for b, t in times.items() if "nccl" in t)
+    if not sizes:
+        raise ValueError(f"no plain all-reduce rows with an NCCL baseline at world size {world}")
+    inf = float("inf")
+    one = 0
+    for b in sizes:
+        t = times[b]
+        if t.get("one_shot", inf) <= min(t["nccl"], t.get("two_shot", inf)):
+            one = b
+        else:
+            break
+    two = one
+    for b in (b for b in sizes if b > one):
+        if times[b].get("two_shot", inf) <= times[b]["nccl"]:
+            two = b
+        else:
+            break
+    return {"one_shot": one, "two_shot": two}
+
+
+def write_config(gpu_name: str, world: int, path_bytes: dict, source: str, path: Optional[Path] = None) -> Path:
+    """Store ``path_bytes`` for ``world`` ranks in the GPU's table (other world sizes are kept)."""
+    path = Path(path) if path is not None else config_path(gpu_name)
+    table = json.loads(path.read_text()) if path.is_file() else {"gpu": gpu_name, "world": {}}
+    table.setdefault("world", {})[str(world)] = {
+        "one_shot": int(path_bytes["one_shot"]), "two_shot": int(path_bytes["two_shot"]), "source": source}
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    _load_table.cache_clear()
+    return path
+
+
+def _spans_nodes(world: int) -> bool:
+    """True when torchrun (or the launcher) says not every rank of the group is on this host."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return local is not None and local.isdigit() and int(local) < world
 
 
 class CommWorkspace:
@@ -56,6 +146,8 @@ class CommWorkspace:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, max_bytes: int = 16 << 20,
                  max_blocks: int = 64, slab_bytes: int = 64 << 10, path_bytes: Optional[dict] = None,
                  check: Optional[bool] = None):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("create the CommWorkspace before CUDA-graph capture, not inside it")
         if not dist.is_initialized():
             raise RuntimeError("CommWorkspace needs torch.distributed to be initialised (init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
@@ -64,22 +156,41 @@ class CommWorkspace:
         self.max_bytes = int(max_bytes)
         self.max_blocks = int(max_blocks)
         self.slab_bytes = int(slab_bytes)  # one-shot: bytes one program sends per call
-        self.path_bytes = dict(path_bytes or PATH_BYTES.get(self.world, DEFAULT_PATH_BYTES))
         self.check = check if check is not None else os.environ.get("FASTDECODE_COMM_CHECK", "0") == "1"
         self.backend = dist.get_backend(self.group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.mode = "torch" if self.device.type == "cpu" else "symm"
         self.reason = "CPU process group" if self.mode == "torch" else ""
+        self.path_bytes = dict(path_bytes) if path_bytes else self._measured_paths()
+        self._logged_paths: set = set()
         self._buf = self._hdl = None
+        if self.mode == "symm" and _spans_nodes(self.world):
+            self.mode = "nccl"
+            self.reason = (f"the {self.world} ranks span several nodes (LOCAL_WORLD_SIZE="
+                           f"{os.environ['LOCAL_WORLD_SIZE']}): no peer memory across nodes")
         if self.mode == "symm":
             try:
                 self._setup_symm()
-            except Exception as e:  # other node, no P2P, no symmetric memory: NCCL for everything
+            except Exception as e:  # no P2P, no symmetric memory: NCCL for everything
                 self.mode, self.reason = "nccl", f"peer memory unavailable ({type(e).__name__}: {e})"
-        if self.mode != "symm":
-            log.info("fastdecode: all-reduce on %d ranks uses %s: %s", self.world, self.mode, self.reason)
+        if self.mode == "nccl":
+            _warn_once(f"fastdecode: all-reduce on {self.world} ranks falls back to NCCL: {self.reason}")
+        elif self.mode == "torch":
+            log.info("fastdecode: all-reduce on %d ranks uses torch.distributed (%s)", self.world, self.reason)
         self.handle = next(_ids)
         _WORKSPACES[self.handle] = self
+
+    def _measured_paths(self) -> dict:
+        if self.mode != "symm":
+            return dict(DEFAULT_PATH_BYTES)
+        name = torch.cuda.get_device_name(self.device)
+        measured = measured_path_bytes(name, self.world)
+        if measured is None:
+            _warn_once(f"fastdecode: no measured all-reduce crossovers for {self.world} ranks of {name} "
+                       f"({config_path(name).name}); using defaults {DEFAULT_PATH_BYTES} (measure them with "
+                       f"`fastdecode bench allreduce --world {self.world} --write-config`)")
+            return dict(DEFAULT_PATH_BYTES)
+        return measured
 
     def _setup_symm(self):
         import torch.distributed._symmetric_memory as symm_mem
@@ -148,14 +259,27 @@ class CommWorkspace:
 
     def path_for(self, numel: int, element_size: int = 2, rows: Optional[int] = None) -> str:
         """Which path an all-reduce of ``numel`` elements takes (``rows``: the fused kernel's rows)."""
+        path, why = self._choose(numel, element_size, rows)
+        return path
+
+    def _choose(self, numel: int, element_size: int, rows: Optional[int]) -> tuple[str, str]:
         if self.mode != "symm":
-            return self.mode
+            return self.mode, self.reason
         nbytes = numel * element_size
-        if nbytes <= self.path_bytes["one_shot"] and self._one_shot_fits(numel, element_size, rows):
-            return "one_shot"
-        if nbytes <= min(self.path_bytes["two_shot"], self.max_bytes):
-            return "two_shot"
-        return "nccl"
+        one, two = self.path_bytes["one_shot"], min(self.path_bytes["two_shot"], self.max_bytes)
+        if nbytes <= one and self._one_shot_fits(numel, element_size, rows):
+            return "one_shot", f"<= {one} bytes (one-shot limit)"
+        if nbytes <= two:
+            why = f"<= {two} bytes (two-shot limit)"
+            return "two_shot", why + (" and too large for one program's slab" if nbytes <= one else "")
+        return "nccl", f"> {two} bytes (NCCL above the two-shot limit)"
+
+    def _log_path(self, path: str, why: str, nbytes: int, fused: bool) -> None:
+        key = (path, fused)
+        if key not in self._logged_paths:
+            self._logged_paths.add(key)
+            what = "all-reduce + add + RMSNorm" if fused else "all-reduce"
+            log.info("fastdecode: %s of %d bytes on %d ranks takes %s: %s", what, nbytes, self.world, path, why)
 
     def _check_shapes(self, *tensors):
         if not self.check or is_tracing():
@@ -241,7 +365,11 @@ def _(x, residual, weight, out, scale_in, scale_out, eps, handle, path, backend)
 
 def all_reduce(x: torch.Tensor, workspace: CommWorkspace, *, out: Optional[torch.Tensor] = None,
                inplace: bool = False) -> torch.Tensor:
-    """``out = sum over ranks of x`` (fp32 accumulation in rank order, rounded to x.dtype).
+    """``out = sum over ranks of x``, rounded to x.dtype.
+
+    The one-shot and two-shot paths accumulate in fp32 in rank order (bit for bit ``all_reduce_ref``,
+    the same on every rank); NCCL and gloo add in their own order, so above 2 ranks their result may
+    differ from it in the last bits.
 
     Returns a new tensor (or ``out``; ``inplace=True`` writes into x). The path (one-shot, two-shot,
     NCCL, gloo) is chosen by ``workspace.path_for(x.numel(), x.element_size())``.
@@ -255,7 +383,8 @@ def all_reduce(x: torch.Tensor, workspace: CommWorkspace, *, out: Optional[torch
     if inplace:
         out = x
     check_out("out", out, x.shape, x.dtype, x.device)
-    path = ws.path_for(x.numel(), x.element_size())
+    path, why = ws._choose(x.numel(), x.element_size(), None)
+    ws._log_path(path, why, x.numel() * x.element_size(), fused=False)
     src = x if x.is_contiguous() or path in ("nccl", "torch") else x.contiguous()
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -298,7 +427,8 @@ def all_reduce_add_rms_norm(x, residual, weight, eps: float, workspace: CommWork
         require_sm(x.device, 8, 9, "FP8 output")
     x2 = as_rows("x", x)
     r2 = as_rows("residual", residual, inplace=True)
-    path = ws.path_for(x.numel(), x.element_size(), rows=x2.shape[0])
+    path, why = ws._choose(x.numel(), x.element_size(), x2.shape[0])
+    ws._log_path(path, why, x.numel() * x.element_size(), fused=True)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device) if out is None else out
     dynamic = fp8 and scale_t is None
     scale_out = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device) if dynamic else None
