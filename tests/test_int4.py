@@ -87,11 +87,12 @@ def test_kernel_layout_stride_32_interleave_and_padding():
     assert torch.equal(Q.unpack_kernel_layout(w, 288), q)
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", ["sym", "zero", "min"])
 @pytest.mark.parametrize("g", [32, 64, 128, 256])  # 256 == K: per channel
-def test_prepack_round_trip_exact(fmt, g):
+def test_prepack_round_trip_exact(fmt, g, scale_dtype):
     N, K = 24, 256
-    q, s, z, m = _rand_params(N, K, g, torch.bfloat16)
+    q, s, z, m = _rand_params(N, K, g, scale_dtype)
     kw = {"zeros": z} if fmt == "zero" else ({"mins": m} if fmt == "min" else {})
     w = Q.prepack(q, s, group_size=g, **kw)
     u = w.unpack()
@@ -200,6 +201,75 @@ def test_awq_import_interleaved_order():
     # reading AWQ words in natural order would scramble columns: the order matters
     natural = Q.from_awq(pack_words_along(q.t().contiguous()), qzeros, s.t().contiguous())
     assert not torch.equal(natural.unpack()["q"], q)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("g", [32, 64, 128, 256])  # 256 == K: per channel
+@pytest.mark.parametrize("source", ["gptq", "gptq_act_order", "awq"])
+def test_importer_round_trips_every_group_size(source, g, scale_dtype):
+    """unpack(import(packed q)) == q, zeros, scales and g_idx, for every group size and scale dtype."""
+    N, K = 16, 256
+    q, s, z, _ = _rand_params(N, K, g, scale_dtype)
+    g_idx = _act_order_g_idx(K, g) if source == "gptq_act_order" else torch.arange(K) // g
+    if source == "awq":
+        order = (0, 2, 4, 6, 1, 3, 5, 7)
+        w = Q.from_awq(pack_words_along(q.t().contiguous(), order), pack_words_along(z.t().contiguous(), order),
+                       s.t().contiguous())
+    else:
+        z = z.clamp(1, 15)  # AutoGPTQ v1 stores zero - 1
+        w = Q.from_gptq(gptq_qweight(q), pack_words_along(z.t().contiguous() - 1), s.t().contiguous(),
+                        g_idx.to(torch.int32) if source == "gptq_act_order" else None)
+    u = w.unpack()
+    assert w.group_size == g and w.zero_mode == "zero" and w.scales.dtype == scale_dtype
+    assert torch.equal(u["q"], q) and torch.equal(u["zeros"], z) and torch.equal(u["scales"], s)
+    assert torch.equal(u["g_idx"], g_idx)
+    assert (w.perm is not None) == (source == "gptq_act_order" and g != K)
+    torch.testing.assert_close(Q.dequantize_int4(w, torch.float32), _formula(q, s, g_idx, z), atol=1e-7, rtol=1e-6)
+
+
+def test_fp32_checkpoint_scales_become_16_bit_without_overflow():
+    N, K, g = 16, 128, 32
+    q, s, z, _ = _rand_params(N, K, g)
+    qw, qz = gptq_qweight(q), pack_words_along(z.clamp(1, 15).t().contiguous() - 1)
+    w = Q.from_gptq(qw, qz, s.float().t().contiguous())
+    assert w.scales.dtype == torch.float16 and torch.equal(w.scales, s)  # fp16 values: exact
+    big = s.float() * 1e7  # beyond fp16's 65504: bf16, finite
+    w = Q.from_gptq(qw, qz, big.t().contiguous())
+    assert w.scales.dtype == torch.bfloat16 and torch.isfinite(w.scales.float()).all()
+    with pytest.raises(ValueError, match="inf or NaN"):
+        Q.from_awq(pack_words_along(q.t().contiguous()), pack_words_along(z.t().contiguous()),
+                   torch.full((K // g, N), float("inf")))
+
+
+def test_a_packed_weight_with_an_inconsistent_record_is_refused():
+    """A record edited by hand (or built by other code) must not produce a silently wrong output."""
+    import dataclasses
+
+    x = _x(2, 256)
+    w = _packed("zero", 32, 256, 128)
+    wm = _packed("min", 32, 256, 128)
+    cases = {
+        "group_size 64 with group-128 scales": (dataclasses.replace(w, group_size=64), "scales must be"),
+        "zero mode 'zero' without zeros": (dataclasses.replace(w, zeros=None), "needs zeros"),
+        "zero mode 'sym' with zeros": (dataclasses.replace(w, zero_mode="sym"), "needs neither"),
+        "scales of half the rows": (dataclasses.replace(w, scales=w.scales[:16]), "scales must be"),
+        "fp32 scales": (dataclasses.replace(w, scales=w.scales.float()), "scales must be"),
+        "unknown zero mode": (dataclasses.replace(w, zero_mode="foo"), "zero_mode must be one of"),
+        "mins of another dtype": (dataclasses.replace(wm, mins=wm.mins.float()), "mins must be"),
+        "perm of the wrong length": (dataclasses.replace(w, perm=torch.arange(128)), "perm must be"),
+        "group size 48": (dataclasses.replace(w, group_size=48), "group_size 48"),
+    }
+    for what, (bad, msg) in cases.items():
+        for backend in ("triton", "torch"):
+            with pytest.raises(ValueError, match=msg):
+                I.int4_linear(x, bad, backend=backend)
+                pytest.fail(f"{what}: accepted by the {backend} backend")
+
+
+def test_prepack_refuses_mins_of_another_dtype():
+    q, s, _, m = _rand_params(8, 64, 32)
+    with pytest.raises(ValueError, match="mins must be torch.float16"):
+        Q.prepack(q, s, group_size=32, mins=m.float())
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])

@@ -78,9 +78,44 @@ class Int4Weight:
         return Int4Weight(mv(self.qweight), mv(self.scales), mv(self.zeros), mv(self.mins),
                           self.group_size, self.zero_mode, mv(self.perm), self.k, self.layout)
 
+    def validate(self, what: str = "int4 weight") -> None:
+        """Raise ValueError unless the record is self-consistent: a known zero mode, a group size that
+        divides K, scales / zeros / mins / perm of the shapes and dtypes that mode and group size imply.
+        Shapes and dtypes only (no pass over the data), so it is cheap enough for every call."""
+        N, K, g = self.N, self.K, self.group_size
+        if self.zero_mode not in ZERO_MODES:
+            raise ValueError(f"{what}: zero_mode must be one of {ZERO_MODES}, got {self.zero_mode!r}")
+        if not isinstance(g, int) or g <= 0 or K % g or (g % 32 and g != K):
+            raise ValueError(f"{what}: group_size {g!r} must divide K={K} and be a multiple of 32 or K")
+        G = K // g
+        if self.qweight.dtype != torch.int32 or self.qweight.dim() != 2 or self.qweight.shape[1] * 8 < K:
+            raise ValueError(f"{what}: qweight must be int32 (N, >= K / 8), got {self.qweight.dtype} "
+                             f"{tuple(self.qweight.shape)} for K={K}")
+        sc = self.scales
+        if sc.dtype not in SCALE_DTYPES or tuple(sc.shape) != (N, G) or not sc.is_contiguous():
+            raise ValueError(f"{what}: scales must be contiguous bf16/fp16 of shape {(N, G)} (group_size {g}), "
+                             f"got {sc.dtype} {tuple(sc.shape)}")
+        want_zeros, want_mins = self.zero_mode == "zero", self.zero_mode == "min"
+        if (self.zeros is not None) != want_zeros or (self.mins is not None) != want_mins:
+            raise ValueError(f"{what}: zero mode {self.zero_mode!r} needs "
+                             + ("zeros" if want_zeros else "mins" if want_mins else "neither zeros nor mins")
+                             + f", got zeros={'set' if self.zeros is not None else None}, "
+                               f"mins={'set' if self.mins is not None else None}")
+        if want_zeros and (self.zeros.dtype != torch.uint8 or tuple(self.zeros.shape) != (N, G)
+                           or not self.zeros.is_contiguous()):
+            raise ValueError(f"{what}: zeros must be contiguous uint8 {(N, G)}, got {self.zeros.dtype} "
+                             f"{tuple(self.zeros.shape)}")
+        if want_mins and (self.mins.dtype != sc.dtype or tuple(self.mins.shape) != (N, G)
+                          or not self.mins.is_contiguous()):
+            raise ValueError(f"{what}: mins must be contiguous {sc.dtype} (the scales' dtype) {(N, G)}, got "
+                             f"{self.mins.dtype} {tuple(self.mins.shape)}")
+        if self.perm is not None and (self.perm.dtype != torch.int64 or tuple(self.perm.shape) != (K,)):
+            raise ValueError(f"{what}: perm must be int64 ({K},), got {self.perm.dtype} {tuple(self.perm.shape)}")
+
     def check_format(self, *, group_size: Optional[int] = None, zero_mode: Optional[str] = None,
                      K: Optional[int] = None, what: str = "int4 weight") -> None:
-        """Raise ValueError unless this weight has the layout, K, group size and zero mode asked for."""
+        """Raise ValueError unless this weight has the layout, K, group size and zero mode asked for
+        (and is self-consistent, :meth:`validate`)."""
         if self.layout != LAYOUT:
             raise ValueError(f"{what}: packed layout {self.layout!r} is not this kernel's {LAYOUT!r}; prepack again")
         if K is not None and self.K != K:
@@ -89,6 +124,7 @@ class Int4Weight:
             raise ValueError(f"{what}: expected group_size {group_size}, the weight has {self.group_size}")
         if zero_mode is not None and self.zero_mode != zero_mode:
             raise ValueError(f"{what}: expected zero mode {zero_mode!r}, the weight has {self.zero_mode!r}")
+        self.validate(what)
 
     def unpack(self) -> dict:
         """Integers and scales in the ORIGINAL column order: {'q': uint8 (N, K), 'scales', 'zeros', 'mins',
@@ -181,9 +217,11 @@ def prepack(q: torch.Tensor, scales: torch.Tensor, *, group_size: int, zeros: Op
         _check_int("zeros", zeros, (N, G))
         zeros, mode = zeros.to(torch.uint8).contiguous(), "zero"
     if mins is not None:
-        if not isinstance(mins, torch.Tensor) or tuple(mins.shape) != (N, G) or not mins.is_floating_point():
-            raise ValueError(f"mins must be a float tensor of shape {(N, G)}, got {getattr(mins, 'shape', mins)}")
-        mins, mode = mins.to(scales.dtype).contiguous(), "min"
+        if not isinstance(mins, torch.Tensor) or tuple(mins.shape) != (N, G) or mins.dtype != scales.dtype:
+            got = f"{mins.dtype} {tuple(mins.shape)}" if isinstance(mins, torch.Tensor) else type(mins).__name__
+            raise ValueError(f"mins must be {scales.dtype} (the scales' dtype, so nothing is rounded) of shape "
+                             f"{(N, G)}, got {got}")
+        mins, mode = mins.contiguous(), "min"
     perm = None
     if g_idx is not None:
         g_idx = g_idx.to(torch.int64)
@@ -194,7 +232,9 @@ def prepack(q: torch.Tensor, scales: torch.Tensor, *, group_size: int, zeros: Op
                 raise ValueError(f"g_idx must put exactly group_size={group_size} columns in every group")
             perm = torch.sort(g_idx, stable=True).indices
             q = q[:, perm]
-    return Int4Weight(pack_kernel_layout(q), scales.contiguous(), zeros, mins, group_size, mode, perm, K)
+    w = Int4Weight(pack_kernel_layout(q), scales.contiguous(), zeros, mins, group_size, mode, perm, K)
+    w.validate("prepack")
+    return w
 
 
 def dequantize_int4(w: Int4Weight, dtype: torch.dtype = torch.bfloat16, *, kernel_order: bool = False) -> torch.Tensor:

@@ -129,14 +129,25 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     if int(z.min()) < 0 or int(z.max()) > 15:
         raise ValueError(f"GPTQ zeros + zero_offset={zero_offset} fall outside 0..15 "
                          f"([{int(z.min())}, {int(z.max())}]); is this a gptq_v2 checkpoint (zero_offset=0)?")
-    sc = scales.t().contiguous()
-    if sc.dtype not in SCALE_DTYPES:
-        sc = sc.to(torch.float16)
+    sc = _scales_16bit(scales.t().contiguous(), "from_gptq")
     z = z.t().contiguous()
     sym = bool(torch.all(z == 8)) if symmetric is None else symmetric
     if sym and not torch.all(z == 8):
         raise ValueError("symmetric=True but the GPTQ zeros are not all 8")
     return prepack(q, sc, group_size=group_size, zeros=None if sym else z, g_idx=g_idx)
+
+
+def _scales_16bit(sc: torch.Tensor, what: str) -> torch.Tensor:
+    """Checkpoint scales as the kernels take them: fp16 / bf16 as stored; other float dtypes (fp32)
+    rounded to fp16, or to bf16 where a scale is beyond fp16's range (never to inf)."""
+    if sc.dtype in SCALE_DTYPES:
+        return sc
+    if not sc.is_floating_point():
+        raise ValueError(f"{what}: scales must be a float tensor, got {sc.dtype}")
+    if not bool(torch.isfinite(sc).all()):
+        raise ValueError(f"{what}: scales hold inf or NaN")
+    big = sc.numel() and float(sc.abs().max()) > torch.finfo(torch.float16).max
+    return sc.to(torch.bfloat16 if big else torch.float16)
 
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *,
@@ -164,9 +175,7 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
         raise ValueError(f"scales have {G} groups, which does not match K={K} with group_size={group_size}")
     q = _unpack_int32_cols(qweight, AWQ_ORDER).t().contiguous()  # (N, K)
     z = _unpack_int32_cols(qzeros, AWQ_ORDER).t().contiguous()  # (N, G)
-    sc = scales.t().contiguous()
-    if sc.dtype not in SCALE_DTYPES:
-        sc = sc.to(torch.float16)
+    sc = _scales_16bit(scales.t().contiguous(), "from_awq")
     return prepack(q, sc, group_size=group_size, zeros=z)
 
 
