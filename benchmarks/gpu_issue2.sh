@@ -11,5 +11,5 @@ if [ "${SWEEP:-1}" = 1 ]; then
   timeout 150 python3 benchmarks/sweep_norm_configs.py --out "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1
   tail -3 "$OUT/sweep.txt"
 fi
-timeout 300 python3 -m fastdecode bench all --out "$OUT/norm_activation_quant.json" 2>&1 | tail -80 > "$OUT/bench.txt"
+timeout 300 python3 -m fastdecode bench kernels --out "$OUT/norm_activation_quant.json" 2>&1 | tail -80 > "$OUT/bench.txt"
 cat "$OUT/bench.txt"

@@ -95,3 +95,79 @@ def test_errors():
         fd.quantize_fp8(x, scale=float("nan"))
     with pytest.raises(ValueError, match="scale must be positive"):
         fd.silu_and_mul_fp8(x, torch.zeros(1, device=DEV))
+
+
+# ----------------------------------------------------------------------------- review follow-ups
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fp8_hidden_size_0_returns_min_scales_not_garbage(backend):
+    """Width 0: nothing to launch, but dynamic scales are written (the floor, as the reference and the
+    per-tensor path give) instead of left uninitialised; M = 0 stays a no-op."""
+    floor = torch.tensor(fd.ops._common.FP8_MIN_SCALE).item()  # as fp32
+    for M in (4, 0):
+        x = torch.empty(M, 0, device=DEV)
+        q, s = fd.silu_and_mul_fp8(x, backend=backend)
+        q_ref, s_ref = fd.silu_and_mul_fp8_ref(x)
+        assert q.shape == (M, 0) and s.shape == s_ref.shape == (M, 1)
+        assert torch.equal(s, torch.full((M, 1), floor, device=DEV)) and torch.equal(s, s_ref)
+        q, s = fd.quantize_fp8(x, per_token=True, backend=backend)
+        assert s.shape == (M, 1) and torch.equal(s, fd.quantize_fp8_ref(x, per_token=True)[1])
+        assert torch.all(s == floor)
+        q, s = fd.quantize_fp8(x, backend=backend)
+        assert s.shape == (1,) and s.item() == floor == fd.quantize_fp8_ref(x)[1].item()
+        q, s = fd.quantize_fp8(x, scale=0.5, backend=backend)
+        assert q.shape == (M, 0) and s.item() == 0.5
+    # M = 0 with a real width
+    x = torch.empty(0, 2 * 576, device=DEV)
+    for mode, kw in (("per_token", {"per_token": True}), ("static", {"scale": 0.5})):
+        q, s = fd.quantize_fp8(x[:, :576], backend=backend, **kw)
+        assert q.shape == (0, 576) and s.shape == ((0, 1) if mode == "per_token" else (1,))
+    q, s = fd.silu_and_mul_fp8(x, backend=backend)
+    assert q.shape == (0, 576) and s.shape == (0, 1)
+    y = fd.silu_and_mul(x, backend=backend)
+    assert y.shape == (0, 576) and y.dtype == x.dtype
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_silu_and_mul_fp8_strided_rows(static):
+    x = strided_rows(6, 2 * 700, ACT, DEV)
+    scale = 0.02 if static else None
+    q, s = fd.silu_and_mul_fp8(x, scale, backend="triton")
+    q_ref, s_ref = fd.silu_and_mul_fp8_ref(x, scale)
+    assert_fp8_close(q, q_ref, s, s_ref)
+
+
+def test_fp8_bf16_input():
+    """bf16 in, FP8 out: no bf16 rounding happens in these kernels (inputs are widened to fp32), so
+    the interpreter's truncating casts do not apply and the scales match to fp32 precision."""
+    x = (3 * torch.randn(7, 2 * 576, device=DEV)).bfloat16()
+    for scale in (None, 0.02):
+        q, s = fd.silu_and_mul_fp8(x, scale, backend="triton")
+        q_ref, s_ref = fd.silu_and_mul_fp8_ref(x, scale)
+        assert_fp8_close(q, q_ref, s, s_ref)
+    for kw in ({"per_token": True}, {}, {"scale": 0.05}):
+        q, s = fd.quantize_fp8(x, backend="triton", **kw)
+        q_ref, s_ref = fd.quantize_fp8_ref(x, **kw)
+        assert_fp8_close(q, q_ref, s, s_ref)
+
+
+@pytest.mark.parametrize("M,I", [(128, 576), (7, 4096), (1, 8192)])
+def test_silu_and_mul_fp8_m128_and_real_sizes(M, I):
+    x = (3 * torch.randn(M, 2 * I, device=DEV)).to(ACT)
+    for scale in (None, 0.02):
+        out = poison_(torch.empty(M, I, dtype=FP8, device=DEV))
+        q, s = fd.silu_and_mul_fp8(x, scale, out=out, backend="triton")
+        q_ref, s_ref = fd.silu_and_mul_fp8_ref(x, scale)
+        assert q is out
+        assert_fp8_close(q, q_ref, s, s_ref)
+
+
+@pytest.mark.parametrize("M,H", [(7, 4096), (1, 8192)])
+def test_quantize_fp8_real_sizes(M, H):
+    x = (4 * torch.randn(M, H, device=DEV)).to(ACT)
+    for kw in ({"per_token": True}, {}, {"scale": torch.tensor([0.05], device=DEV)}):
+        out = poison_(torch.empty(M, H, dtype=FP8, device=DEV))
+        q, s = fd.quantize_fp8(x, out=out, backend="triton", **kw)
+        q_ref, s_ref = fd.quantize_fp8_ref(x, **kw)
+        assert_fp8_close(q, q_ref, s, s_ref)

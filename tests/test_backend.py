@@ -1,4 +1,5 @@
-"""The backend switch, fallback logging, and torch.compile / custom-op integration on the CPU."""
+"""The backend switch, fallback logging, and torch.compile / custom-op integration on the CPU; the CLI's
+``selfcheck`` and the plumbing of the kernel benchmarks (rows, baselines, merging) without a GPU."""
 
 import logging
 
@@ -75,3 +76,140 @@ def test_torch_compile_fullgraph(backend):
     assert torch.equal(r_comp, r_eager), "the in-place residual update was lost under compile"
     for a, b in zip(got, expected):
         assert_close(a.float(), b.float(), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- selfcheck
+
+
+SELFCHECK_LINES = (
+    "rms_norm", "rms_norm_fp8 dynamic", "rms_norm_fp8 static", "fused_add_rms_norm",
+    "fused_add_rms_norm_fp8 dyn", "fused_add_rms_norm_fp8 stat", "silu_and_mul", "silu_and_mul_fp8 dynamic",
+    "silu_and_mul_fp8 static", "quantize_fp8 per-token", "quantize_fp8 per-tensor", "quantize_fp8 static",
+    "linear", "linear_fp8", "int4_linear",
+)
+
+
+def test_cli_selfcheck_covers_every_kernel(capsys, monkeypatch):
+    from fastdecode import cli
+
+    monkeypatch.delenv("FASTDECODE_BACKEND", raising=False)
+    assert cli.main(["selfcheck", "--quick"]) == 0
+    text = capsys.readouterr().out
+    lines = [line for line in text.splitlines() if line.startswith("  ")]
+    assert all(line.startswith("  ok  ") for line in lines), lines
+    names = [line[6:].split(" M=")[0].strip() for line in lines]
+    assert sorted(names) == sorted(SELFCHECK_LINES * 2), names  # every check, at each of two sizes
+    assert sum("residual exact" in line for line in lines) == 6  # 3 fused variants x 2 sizes
+    assert "all kernels match their references" in text
+    import os
+
+    assert "FASTDECODE_BACKEND" not in os.environ, "selfcheck leaked its backend choice"
+
+
+def test_selfcheck_reports_a_wrong_kernel(capsys, monkeypatch):
+    from fastdecode import selfcheck
+
+    monkeypatch.setattr(fd, "silu_and_mul", lambda x: fd.silu_and_mul_ref(x) * 1.1)
+    assert selfcheck.main(["--quick"]) == 1
+    text = capsys.readouterr().out
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("  FAIL")] == ["silu_and_mul"] * 2
+    assert "2 checks FAILED" in text
+
+
+# ----------------------------------------------------------------------------- kernel benchmarks
+
+
+def test_cli_bench_kernels_alias_and_merge_flag(monkeypatch, tmp_path):
+    from fastdecode import cli
+    from fastdecode.bench import norm_activation_quant as nav
+
+    calls = []
+    monkeypatch.setattr(nav, "run", lambda which, out, quick=False, merge=True: calls.append((which, out, merge)))
+    out = str(tmp_path / "r.json")
+    assert cli.main(["bench", "all", "--out", out]) == 0  # the old name of `kernels`
+    assert cli.main(["bench", "kernels", "--out", out, "--replace"]) == 0
+    assert cli.main(["bench", "norm"]) == 0
+    assert calls == [(["norm", "silu", "quant"], out, True), (["norm", "silu", "quant"], out, False),
+                     (["norm"], "benchmarks/results/norm_activation_quant.json", True)]
+
+
+def test_merge_rows_replaces_same_op_impl_shape(tmp_path):
+    import json
+
+    from fastdecode.bench.harness import merge_rows, write_rows
+
+    path = tmp_path / "r.json"
+    a = {"op": "add_rms_norm", "impl": "fastdecode", "shape": {"M": 1, "H": 8}, "median_us": 1.0}
+    b = {"op": "silu_and_mul", "impl": "fastdecode", "shape": {"M": 1, "I": 8}, "median_us": 2.0}
+    write_rows([a, b], path)
+    a2 = {**a, "shape": {"H": 8, "M": 1}, "median_us": 0.5}  # same shape, other key order
+    c = {**a, "shape": {"M": 2, "H": 8}}
+    merge_rows([a2, c], path)
+    assert json.loads(path.read_text()) == [a2, b, c]
+    merge_rows([b], tmp_path / "new.json")  # no file yet: just the rows
+    assert json.loads((tmp_path / "new.json").read_text()) == [b]
+    path.write_text('{"not": "rows"}')
+    with pytest.raises(ValueError, match="not a list of result rows"):
+        merge_rows([a], path)
+
+
+def test_bench_suites_rows_and_fp8_baselines_on_cpu():
+    """Every suite's rows, built on the CPU with a fake timer and no compilation: every FP8 variant has
+    our kernel, PyTorch eager and torch.compile; every row (an error row too) has the required fields."""
+    from fastdecode.bench import norm_activation_quant as nav
+    from fastdecode.bench.harness import ROW_FIELDS, Timing
+
+    n = {"timed": 0}
+
+    def timer(calls):
+        n["timed"] += 1
+        if n["timed"] == 2:  # the second row fails, as a baseline that does not compile would
+            raise RuntimeError("capture failed")
+        calls[0]()
+        return Timing(2.0, 1.0, 3.0, 1)
+
+    runner = nav.Runner(device="cpu", timer=timer, compile=lambda f: f)
+    rows = []
+    nav.bench_add_rms_norm(rows, Hs=(64,), Ms=(2,), dtype=torch.float16, runner=runner)
+    nav.bench_silu_and_mul(rows, Is=(32,), Ms=(2,), dtype=torch.float16, runner=runner)
+    nav.bench_quantize_fp8(rows, Hs=(64,), Ms=(2,), dtype=torch.float16, runner=runner)
+    for r in rows:
+        assert set(ROW_FIELDS) <= set(r), r
+    err = rows[1]
+    assert err["impl"] == "torch_eager" and err["error"] == "RuntimeError: capture failed"
+    assert err["median_us"] is None and err["tbps"] is None and err["bytes"] > 0
+    ok = [r for r in rows if "error" not in r]
+    assert len(ok) == len(rows) - 1
+    assert all(r["median_us"] == 2.0 and r["tbps"] == round(r["bytes"] / 2e-6 / 1e12, 3) for r in ok)
+    impls = {}
+    for r in rows:
+        impls.setdefault(r["op"], set()).add(r["impl"])
+    variants = {"add_rms_norm_fp8": ("dynamic", "static"), "silu_and_mul_fp8": ("dynamic", "static"),
+                "quantize_fp8": ("per_token", "per_tensor", "static")}
+    for op, modes in variants.items():
+        assert impls[op] == {f"{who}_{m}" for m in modes for who in ("fastdecode", "torch_eager", "torch_compile")}
+    for op in ("add_rms_norm", "silu_and_mul"):
+        assert impls[op] == {"fastdecode", "torch_eager", "torch_compile"}
+
+
+def test_fp8_baselines_compute_what_the_kernels_compute():
+    """The eager / compiled baselines do the same work as our kernels: checked against the references."""
+    from fastdecode.bench import norm_activation_quant as nav
+    from helpers import assert_fp8_close
+
+    x, r, w = torch.randn(5, 96), torch.randn(5, 96), 1 + 0.1 * torch.randn(96)
+    gu = 3 * torch.randn(5, 192)
+    s = torch.tensor([0.01])
+    for scale in (None, s):
+        r1 = r.clone()
+        q, qs = nav.add_rms_fp8_manual(x, r1, w, scale)
+        q_ref, s_ref, r_ref = fd.fused_add_rms_norm_fp8_ref(x, r, w, scale=scale)
+        assert torch.equal(r1, r_ref)
+        assert_fp8_close(q, q_ref, qs, s_ref)
+        q, qs = nav.silu_mul_fp8(gu, scale)
+        assert_fp8_close(q, *fd.silu_and_mul_fp8_ref(gu, scale)[:1], qs, fd.silu_and_mul_fp8_ref(gu, scale)[1])
+    for base, kw in ((nav.quant_per_token, {"per_token": True}), (nav.quant_per_tensor, {}),
+                     (lambda t: nav.quant_static(t, s), {"scale": s})):
+        q, qs = base(x)
+        q_ref, s_ref = fd.quantize_fp8_ref(x, **kw)
+        assert_fp8_close(q, q_ref, qs.reshape(s_ref.shape), s_ref)

@@ -117,6 +117,13 @@ def test_nd_and_strided_input():
 def test_empty_and_torch_backend():
     w = _weight(40, 64, torch.float16)
     assert L.linear(torch.empty(0, 64).half(), w, backend="triton").shape == (0, 40)
+    # linear_fp8 with M = 0 (per-token scales of shape (0, 1), as the fused norm returns them)
+    xq, xs, wq, ws = _fp8_operands(3, 40, 64, "channel", True)
+    for backend in ("triton", "torch"):
+        y = L.linear_fp8(xq[:0], xs[:0], wq, ws, backend=backend)
+        assert y.shape == (0, 40) and y.dtype == torch.bfloat16
+        y = L.linear_fp8(xq[:0].reshape(2, 0, 64), xs[0].reshape(1), wq, ws, backend=backend)  # per tensor
+        assert y.shape == (2, 0, 40)
     x = torch.randn(5, 64).half()
     torch.testing.assert_close(L.linear(x, w, backend="torch"), L.linear_ref(x, w), atol=0, rtol=0)
 
@@ -188,10 +195,13 @@ def test_linear_fp8_errors():
     xq, xs, wq, ws = _fp8_operands(4, 32, 64, "channel", True)
     with pytest.raises(ValueError, match="x_fp8 must have dtype"):
         L.linear_fp8(xq.float(), xs, wq, ws)
-    with pytest.raises(ValueError, match="weight must have dtype"):
+    with pytest.raises(ValueError, match="weight_fp8 must have dtype"):  # the argument's name
         L.linear_fp8(xq, xs, wq.float(), ws)
-    with pytest.raises(ValueError, match="mismatched K"):
+    with pytest.raises(ValueError, match=r"weight_fp8 must have shape \(N, 48\) to match the last dimension "
+                                         r"of x_fp8.*mismatched K"):
         L.linear_fp8(xq[:, :48], xs, wq, ws)
+    with pytest.raises(ValueError, match=r"bias must have shape \(32,\) \(N, the rows of weight_fp8\)"):
+        L.linear_fp8(xq, xs, wq, ws, torch.randn(31))
     with pytest.raises(ValueError, match=r"x_scale must be per-tensor .* or per-token"):
         L.linear_fp8(xq, torch.ones(3, 1), wq, ws)
     with pytest.raises(ValueError, match=r"weight_scale must be per-tensor .* or per-channel"):
@@ -200,7 +210,7 @@ def test_linear_fp8_errors():
         L.linear_fp8(xq, xs, wq, ws.double())
     with pytest.raises(ValueError, match="out_dtype must be one of"):
         L.linear_fp8(xq, xs, wq, ws, out_dtype=FP8)
-    with pytest.raises(ValueError, match="weight must be contiguous"):
+    with pytest.raises(ValueError, match="weight_fp8 must be contiguous"):
         L.linear_fp8(xq, xs, wq.t().contiguous().t(), ws)
 
 
@@ -248,6 +258,26 @@ def test_dispatcher_warns_once_without_a_file(tmp_path, caplog):
         for M in (1, 2, 3):
             assert L.get_linear_config(M, 64, 64, torch.bfloat16, "cpu", path=missing)[0] == "triton"
     assert sum("no tuned linear configs" in r.message for r in caplog.records) == 1
+
+
+def test_dispatcher_warns_once_per_missing_shape(tmp_path, caplog):
+    """A table without an entry for (dtype, N, K): the heuristic, with one warning per missing key
+    (not per M, not per call), and none for a shape the table has."""
+    fma = dict(kind="fma", BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=2)
+    path = _table(tmp_path, {"bf16": {"64,64": {"1": {"impl": "triton", "config": fma},
+                                                "8": {"impl": "triton", "config": fma}}}})
+    L.clear_config_cache()
+    L._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="fastdecode"):
+        for M in (1, 2, 4, 1):
+            assert L.get_linear_config(M, 64, 64, torch.bfloat16, "cpu", path=path) == ("triton", fma)
+        for M in (1, 2, 32):
+            L.get_linear_config(M, 96, 64, torch.bfloat16, "cpu", path=path)
+            L.get_linear_config(M, 64, 64, FP8, "cpu", path=path)
+    msgs = [r.getMessage() for r in caplog.records if "no tuned linear config" in r.getMessage()]
+    assert len(msgs) == 2, msgs
+    assert any("bf16 N=96, K=64" in m for m in msgs) and any("fp8 N=64, K=64" in m for m in msgs)
+    assert all("linear_test.json" in m for m in msgs)
 
 
 def test_heuristic_fills_the_gpu():
@@ -343,6 +373,10 @@ def test_bench_summary_checks_the_targets():
     rows = [row("linear", 1, 1.3, 4.0), row("linear", 16, 1.1, 3.9), row("linear", 64, 1.0, 3.0, 0.99),
             row("linear_fp8", 1, 1.5, 3.6), row("linear_fp8", 4, 1.2, 3.4)]
     s = {r["op"]: r for r in summarize(rows)}
+    from fastdecode.bench.harness import ROW_FIELDS
+
+    for r in s.values():  # summary rows carry every required field, None where it means nothing
+        assert set(ROW_FIELDS) <= set(r) and r["median_us"] is None and r["tbps"] is None
     assert s["linear"]["geomean_speedup_vs_cublas"] == pytest.approx((1.3 * 1.1) ** 0.5, abs=1e-3)
     assert s["linear"]["pass"] and s["linear"]["dispatch_min_vs_best"] == 0.99
     assert not s["linear_fp8"]["pass"]  # 3.4 TB/s on one shape is below the 3.5 TB/s target

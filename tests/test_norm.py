@@ -177,3 +177,114 @@ def test_fp8_needs_sm89(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Fake A100")
     with pytest.raises(RuntimeError, match="FP8 output needs a GPU with compute capability >= 8.9"):
         common.require_sm(torch.device("cuda", 0), 8, 9, "FP8 output")
+
+
+# ----------------------------------------------------------------------------- review follow-ups
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fp8_norm_hidden_size_0_returns_min_scales_not_garbage(backend):
+    """H = 0: nothing to launch, but the dynamic scales must still be written (the floor, as the
+    reference and the per-tensor quantiser give), not left uninitialised."""
+    w = torch.empty(0, device=DEV)
+    for M in (4, 0):
+        x = torch.empty(M, 0, device=DEV)
+        q, s = fd.rms_norm_fp8(x, w, backend=backend)
+        q_ref, s_ref = fd.rms_norm_fp8_ref(x, w)
+        assert q.shape == (M, 0) and s.shape == s_ref.shape == (M, 1)
+        assert torch.equal(s, torch.full((M, 1), fd.ops._common.FP8_MIN_SCALE, device=DEV))
+        assert torch.equal(s, s_ref)
+        q, s = fd.fused_add_rms_norm_fp8(x, x.clone(), w, backend=backend)
+        q_ref, s_ref, _ = fd.fused_add_rms_norm_fp8_ref(x, x.clone(), w)
+        assert torch.equal(s, s_ref) and s.shape == (M, 1)
+    # and for M = 0 with a real hidden size (a no-op that leaves residual alone)
+    x, r, w = _inputs(0, 576, torch.float16)
+    q, s = fd.fused_add_rms_norm_fp8(x, r, w, backend=backend)
+    assert q.shape == (0, 576) and s.shape == (0, 1)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_native_fused_add_rms_norm_m0_is_a_no_op(backend):
+    x, r, w = _inputs(0, 576, torch.float16)
+    y = fd.fused_add_rms_norm(x, r, w, backend=backend)
+    assert y.shape == (0, 576) and y.dtype == torch.float16
+    assert fd.rms_norm(x, w, backend=backend).shape == (0, 576)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_expanded_or_overlapping_residual_is_rejected(backend):
+    """Regression: a stride-0 (expanded) residual reached the kernel, which then wrote one memory row
+    from several rows (the torch backend failed inside copy_). Now a ValueError, nothing written."""
+    x, _, w = _inputs(4, 64, torch.float16)
+    base = torch.randn(1, 64, device=DEV).half()
+    before = base.clone()
+    with pytest.raises(ValueError, match=r"residual has rows that overlap in memory \(row stride 0 < 64"):
+        fd.fused_add_rms_norm(x, base.expand(4, 64), w, backend=backend)
+    with pytest.raises(ValueError, match="residual has rows that overlap"):
+        fd.fused_add_rms_norm_fp8(x, base.expand(4, 64), w, backend=backend)
+    assert torch.equal(base, before)
+    flat = torch.randn(4 * 32 + 32, device=DEV).half()
+    overlapping = flat.as_strided((4, 64), (32, 1))  # row i shares half its memory with row i + 1
+    flat0 = flat.clone()
+    with pytest.raises(ValueError, match=r"row stride 32 < 64"):
+        fd.fused_add_rms_norm(x, overlapping, w, backend=backend)
+    assert torch.equal(flat, flat0)
+    # one row: any row stride is fine, an expanded single row included
+    y_ref, r_ref = fd.fused_add_rms_norm_ref(x[:1], base, w)
+    r1 = base.clone().as_strided((1, 64), (0, 1))
+    assert_close(fd.fused_add_rms_norm(x[:1], r1, w, backend=backend), y_ref)
+    assert_rounding_equal(r1, r_ref)
+
+
+def test_fp8_norm_strided_rows():
+    """Strided x and a strided (in place) residual, FP8 output, dynamic and static."""
+    M, H = 5, 1000
+    x = strided_rows(M, H, ACT, DEV)
+    r_big = torch.randn(M, H + 24, device=DEV).to(ACT)
+    r = r_big[:, :H]
+    w = (1 + 0.1 * torch.randn(H, device=DEV)).to(ACT)
+    pad = r_big[:, H:].clone()
+    q_ref, s_ref, r_ref = fd.fused_add_rms_norm_fp8_ref(x, r, w)
+    q, s = fd.fused_add_rms_norm_fp8(x, r, w, backend="triton")
+    assert_rounding_equal(r, r_ref)
+    assert torch.equal(r_big[:, H:], pad), "the kernel wrote outside the residual view"
+    assert_fp8_close(q, q_ref, s, s_ref)
+    q, s = fd.rms_norm_fp8(x, w, scale=0.01, backend="triton")
+    q_ref, s_ref = fd.rms_norm_fp8_ref(x, w, scale=0.01)
+    assert_fp8_close(q, q_ref, s, s_ref)
+    q, s = fd.rms_norm_fp8(x, w, backend="triton")
+    q_ref, s_ref = fd.rms_norm_fp8_ref(x, w)
+    assert_fp8_close(q, q_ref, s, s_ref)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_norm_bf16_input(static):
+    """bf16 in, FP8 out. The residual is rounded to bf16 in the kernel, which the interpreter does by
+    truncation (helpers.py): so the FP8 output is compared with the reference of RMSNorm applied to
+    the residual the kernel wrote (exact in any case), and that residual with the reference's
+    within one bf16 ulp (assert_rounding_equal)."""
+    x, r, w = _inputs(7, 576, torch.bfloat16)
+    scale = 0.02 if static else None
+    _, _, r_ref = fd.fused_add_rms_norm_fp8_ref(x, r, w, scale=scale)
+    out = poison_(torch.empty(7, 576, dtype=FP8, device=DEV))
+    q, s = fd.fused_add_rms_norm_fp8(x, r, w, scale=scale, out=out, backend="triton")
+    assert_rounding_equal(r, r_ref)
+    q_ref, s_ref = fd.rms_norm_fp8_ref(r, w, scale=scale)
+    assert_fp8_close(q, q_ref, s, s_ref)
+    # no bf16 rounding inside rms_norm_fp8: compared with its reference directly, scales to 1e-5
+    q, s = fd.rms_norm_fp8(x, w, scale=scale, backend="triton")
+    q_ref, s_ref = fd.rms_norm_fp8_ref(x, w, scale=scale)
+    assert_fp8_close(q, q_ref, s, s_ref)
+
+
+@pytest.mark.parametrize("M,H", [(7, 576), (1, 16384)])
+def test_fp8_norm_real_sizes(M, H):
+    x, r, w = _inputs(M, H, ACT)
+    q_ref, s_ref, r_ref = fd.fused_add_rms_norm_fp8_ref(x, r, w)
+    out = poison_(torch.empty(M, H, dtype=FP8, device=DEV))
+    q, s = fd.fused_add_rms_norm_fp8(x, r, w, out=out, backend="triton")
+    assert_rounding_equal(r, r_ref)
+    assert_fp8_close(q, q_ref, s, s_ref)
+    q, s = fd.rms_norm_fp8(x, w, scale=0.01, backend="triton")
+    q_ref, s_ref = fd.rms_norm_fp8_ref(x, w, scale=0.01)
+    assert_fp8_close(q, q_ref, s, s_ref)

@@ -3,7 +3,7 @@
     fastdecode generate PROMPT          text from the embedded default model (or --model PATH)
     fastdecode chat | info
     fastdecode selfcheck                every kernel against its reference (CPU: Triton interpreter)
-    fastdecode bench norm|silu|quant|kernels|linear|int4|allreduce|decode
+    fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode
     fastdecode tune linear              measure GEMM launch configs on this GPU, write them as data
 """
 
@@ -17,14 +17,18 @@ import sys
 def _cmd_selfcheck(args) -> int:
     from fastdecode import selfcheck
 
-    return selfcheck.main([])
+    return selfcheck.main(["--quick"] if args.quick else [])
+
+
+KERNEL_SUITES = {"norm": ["norm"], "silu": ["silu"], "quant": ["quant"], "kernels": ["norm", "silu", "quant"],
+                 "all": ["norm", "silu", "quant"]}  # "all": the name of `kernels` in earlier versions
 
 
 def _cmd_bench_kernels(args) -> int:
     from fastdecode.bench import norm_activation_quant as nav
 
-    which = ["norm", "silu", "quant"] if args.bench_command == "kernels" else [args.bench_command]
-    nav.run(which, args.out or "benchmarks/results/norm_activation_quant.json", quick=args.quick)
+    nav.run(KERNEL_SUITES[args.bench_command], args.out or "benchmarks/results/norm_activation_quant.json",
+            quick=args.quick, merge=not args.replace)
     return 0
 
 
@@ -46,7 +50,8 @@ def _cmd_bench_int4(args) -> int:
 def _cmd_bench_allreduce(args) -> int:
     from fastdecode.bench import allreduce as bar
 
-    bar.run(args.world, args.out or "benchmarks/results/allreduce.json", quick=args.quick)
+    bar.run(args.world, args.out or "benchmarks/results/allreduce.json", quick=args.quick,
+            write_config=args.write_config)
     return 0
 
 
@@ -78,14 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("selfcheck", help="check every kernel against its reference (CPU: interpreter)")
+    s.add_argument("--quick", action="store_true", help="tiny sizes only (seconds on a CPU)")
     s.set_defaults(func=_cmd_selfcheck)
 
     b = sub.add_parser("bench", help="benchmarks, baselines side by side (GPU)")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     for name, what in (("norm", "fused add+RMSNorm (bf16 / FP8 out)"), ("silu", "SiLU-and-mul (bf16 / FP8 out)"),
                        ("quant", "FP8 quantisation"), ("kernels", "norm + silu + quant")):
-        k = bsub.add_parser(name, help=f"{what} vs PyTorch eager and torch.compile")
-        _add_common(k, "benchmarks/results/norm_activation_quant.json")
+        k = bsub.add_parser(name, help=f"{what} vs PyTorch eager and torch.compile",
+                            aliases=["all"] if name == "kernels" else [],
+                            description=f"Benchmark {what} against PyTorch eager and torch.compile (GPU). "
+                            "The rows are merged into the --out file: rows of the same op, impl and shape "
+                            "are replaced, the others (e.g. of the other suites) kept; --replace overwrites.")
+        p_out = "benchmarks/results/norm_activation_quant.json"
+        k.add_argument("--out", default=None,
+                       help=f"JSON result file (default {p_out}); new rows are merged into it")
+        k.add_argument("--replace", action="store_true",
+                       help="overwrite the --out file with this run's rows instead of merging")
+        k.add_argument("--quick", action="store_true", help="fewer sizes")
         k.set_defaults(func=_cmd_bench_kernels)
     lin = bsub.add_parser("linear", help="skinny BF16 / FP8 GEMMs vs cuBLAS")
     lin.add_argument("--shapes", default=None, help='e.g. "8b.o,4096x14336" (default: the Llama shapes)')
@@ -96,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     i4.set_defaults(func=_cmd_bench_int4)
     ar = bsub.add_parser("allreduce", help="all-reduce (+ add + RMSNorm) vs NCCL, one process per GPU")
     ar.add_argument("--world", type=int, default=2, help="number of GPUs")
+    ar.add_argument("--write-config", action="store_true",
+                    help="store the measured one-shot / two-shot / NCCL crossovers for this GPU and world "
+                         "size in configs/allreduce_<gpu>.json (what the dispatcher reads)")
     _add_common(ar, "benchmarks/results/allreduce.json")
     ar.set_defaults(func=_cmd_bench_allreduce)
 

@@ -132,24 +132,40 @@ def geomean(xs) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
+#: Fields of every result row (DESIGN.md, issue 2); ``None`` where a field does not apply (a row
+#: that failed, a summary row).
+ROW_FIELDS = ("op", "impl", "shape", "median_us", "tbps", "gpu", "torch", "triton", "git_sha")
+
+
 def make_row(
     op: str,
     impl: str,
     shape: dict,
-    t: Timing,
+    t: Optional[Timing],
     *,
     bytes_moved: Optional[int] = None,
     flops: Optional[int] = None,
+    error: Optional[BaseException | str] = None,
     **extra,
 ) -> dict:
-    row = {"op": op, "impl": impl, "shape": shape, "median_us": round(t.median_us, 3),
-           "p10_us": round(t.p10_us, 3), "p90_us": round(t.p90_us, 3)}
+    """The one builder of result rows: every row has ``ROW_FIELDS``.
+
+    ``t=None``: a row without a timing (``error`` given: a run that failed; or a summary row, whose
+    numbers come in ``extra``): ``median_us`` and ``tbps`` are None.
+    """
+    row = {"op": op, "impl": impl, "shape": shape, "median_us": None, "p10_us": None, "p90_us": None,
+           "tbps": None}
+    if t is not None:
+        row.update(median_us=round(t.median_us, 3), p10_us=round(t.p10_us, 3), p90_us=round(t.p90_us, 3))
     if bytes_moved is not None:
         row["bytes"] = int(bytes_moved)
-        row["tbps"] = round(bytes_moved / (t.median_us * 1e-6) / 1e12, 3)
+        if t is not None:
+            row["tbps"] = round(bytes_moved / (t.median_us * 1e-6) / 1e12, 3)
     if flops is not None:
         row["flops"] = int(flops)
-        row["tflops"] = round(flops / (t.median_us * 1e-6) / 1e12, 2)
+        row["tflops"] = round(flops / (t.median_us * 1e-6) / 1e12, 2) if t is not None else None
+    if error is not None:
+        row["error"] = error if isinstance(error, str) else f"{type(error).__name__}: {str(error)[:200]}"
     row.update(extra)
     row.update(env_info())
     return row
@@ -159,6 +175,30 @@ def write_rows(rows: list[dict], path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def row_key(row: dict) -> tuple:
+    """Identity of a result: (op, impl, shape)."""
+    return row.get("op"), row.get("impl"), json.dumps(row.get("shape"), sort_keys=True)
+
+
+def merge_rows(rows: list[dict], path: str | os.PathLike) -> list[dict]:
+    """Write ``rows`` into the JSON file at ``path``, keeping its other rows.
+
+    A row of the file with the key (op, impl, shape) of a new row is replaced (in place, so the
+    file keeps its order); new keys are appended. Returns what was written.
+    """
+    path = Path(path)
+    old = []
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if not isinstance(old, list) or not all(isinstance(r, dict) for r in old):
+            raise ValueError(f"{path} is not a list of result rows; cannot merge into it (write a new file)")
+    new = {row_key(r): r for r in rows}
+    merged = [new.pop(row_key(r), r) for r in old]
+    merged += list(new.values())
+    write_rows(merged, path)
+    return merged
 
 
 def print_table(rows: list[dict], keys: Sequence[str] = ("op", "impl", "shape", "median_us", "tbps")) -> None:

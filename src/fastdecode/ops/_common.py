@@ -144,7 +144,8 @@ def as_rows(name: str, t: torch.Tensor, *, inplace: bool = False) -> torch.Tenso
     """View ``t`` (..., H) as rows (M, H) with unit stride along H.
 
     A row stride is kept (no copy). A tensor whose last dimension is strided is copied, unless it is
-    written in place (``inplace``), which raises instead since a copy would lose the write.
+    written in place (``inplace``), which raises instead since a copy would lose the write; so do
+    in-place rows that overlap (row stride < H, e.g. stride 0 from ``expand``).
     """
     if t.dim() < 1:
         raise ValueError(f"{name} must have at least 1 dimension, got a scalar")
@@ -165,6 +166,14 @@ def as_rows(name: str, t: torch.Tensor, *, inplace: bool = False) -> torch.Tenso
         if inplace:
             raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
         t = t.contiguous()
+    if inplace and t.shape[0] > 1 and H > 0 and t.stride(0) < H:
+        # an expanded (stride 0) or overlapping view: several rows share memory, so the kernel would
+        # write one element from several rows (and torch's copy_ refuses it): refuse it here instead
+        raise ValueError(
+            f"{name} has rows that overlap in memory (row stride {t.stride(0)} < {H} elements per row, "
+            f"e.g. an expanded tensor); it is updated in place, so each row needs its own memory "
+            f"(pass {name}.clone())"
+        )
     return t
 
 

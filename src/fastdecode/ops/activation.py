@@ -14,7 +14,7 @@ import torch
 from fastdecode.ops._common import (
     OUT_FP8_DYNAMIC, out_mode,
     next_pow2,
-    FP8_DTYPE, as_rows, check_out, check_tensor, require_sm, resolve_backend, static_scale,
+    FP8_DTYPE, FP8_MIN_SCALE, as_rows, check_out, check_tensor, require_sm, resolve_backend, static_scale,
 )
 from fastdecode.ops.norm import quantize_rows_ref
 
@@ -84,6 +84,8 @@ def _silu(x, *, fp8: bool, scale, out, backend, op: str):
     scale_out = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device) if dynamic else None
     if x2.shape[0] > 0 and I > 0:
         _silu_and_mul_op(x2, out.view(-1, I), scale_t, scale_out.view(-1, 1) if dynamic else None, be)
+    elif dynamic:
+        scale_out.fill_(FP8_MIN_SCALE)  # I = 0: amax of an empty row is 0 (as quantize_rows_ref)
     if fp8:
         return out, (scale_out if dynamic else scale_t)
     return out

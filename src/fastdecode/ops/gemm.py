@@ -13,7 +13,8 @@ Triton kernel (``fastdecode.kernels.linear``) or cuBLAS (``torch.mm`` / ``torch.
 tuned data in ``fastdecode/configs/linear_<gpu>.json`` (written by ``fastdecode tune linear``):
 the exact (N, K) entry, the tuned M nearest on a log scale (above the largest tuned M: cuBLAS).
 Without a file for this GPU or an entry for the shape: a heuristic (Triton for M <= 16, else
-cuBLAS) with one log warning. Nothing is timed at call time, so calls are safe in graph capture.
+cuBLAS) with one log warning (one for the missing file; one per missing (GPU, dtype, N, K) entry).
+Nothing is timed at call time, so calls are safe in graph capture.
 The choice happens inside the registered op, so ``torch.compile`` sees one opaque call.
 """
 
@@ -144,7 +145,11 @@ def _lookup(gpu_name: str, num_sms: int, dkey: str, M: int, N: int, K: int,
                    f"({config_path(gpu_name).name}); using heuristics (run `fastdecode tune linear`)")
     else:
         shape = table.get("linear", {}).get(dkey, {}).get(f"{N},{K}")
-        if shape is not None:
+        if shape is None:
+            _warn_once(f"fastdecode: no tuned linear config for {dkey} N={N}, K={K} on {gpu_name!r} "
+                       f"({Path(path).name if path else config_path(gpu_name).name}); using heuristics "
+                       f"(run `fastdecode tune linear --shapes {N}x{K}`)")
+        else:
             entry = _nearest_m(shape, M)
             if entry is None:  # above the largest tuned M
                 return "cublas", heuristic
@@ -350,23 +355,23 @@ def _resolve_impl(impl, backend, device, op: str) -> str:
     return impl or "auto"
 
 
-def _check_weight(weight, K: int, dtypes) -> int:
-    check_tensor("weight", weight, dtypes=dtypes, ndim=2)
+def _check_weight(weight, K: int, dtypes, name: str = "weight", x_name: str = "x") -> int:
+    check_tensor(name, weight, dtypes=dtypes, ndim=2)
     if weight.shape[1] != K:
-        raise ValueError(f"weight must have shape (N, {K}) to match the last dimension of x, "
+        raise ValueError(f"{name} must have shape (N, {K}) to match the last dimension of {x_name}, "
                          f"got {tuple(weight.shape)} (mismatched K)")
     if not weight.is_contiguous():
-        raise ValueError(f"weight must be contiguous (N, K) row-major, got strides {weight.stride()}; "
+        raise ValueError(f"{name} must be contiguous (N, K) row-major, got strides {weight.stride()}; "
                          "call .contiguous() once when preparing weights")
     return weight.shape[0]
 
 
-def _check_bias(bias, N: int, dtypes) -> None:
+def _check_bias(bias, N: int, dtypes, weight_name: str = "weight") -> None:
     if bias is None:
         return
     check_tensor("bias", bias, dtypes=dtypes, ndim=1)
     if bias.shape[0] != N:
-        raise ValueError(f"bias must have shape ({N},) (N, the rows of weight), got {tuple(bias.shape)}")
+        raise ValueError(f"bias must have shape ({N},) (N, the rows of {weight_name}), got {tuple(bias.shape)}")
 
 
 def linear(x, weight, bias=None, *, out=None, backend: Optional[str] = None,
@@ -402,7 +407,7 @@ def linear(x, weight, bias=None, *, out=None, backend: Optional[str] = None,
 def _x_scale_rows(x_scale, lead: tuple, M: int, device) -> torch.Tensor:
     check_tensor("x_scale", x_scale, dtypes=(torch.float32,))
     if x_scale.device != device:
-        raise ValueError(f"x_scale is on {x_scale.device} but x is on {device}")
+        raise ValueError(f"x_scale is on {x_scale.device} but x_fp8 is on {device}")
     if x_scale.numel() == 1 and x_scale.dim() <= 1:
         return x_scale.reshape(1)
     if tuple(x_scale.shape) in ((M, 1), (*lead, 1)) and x_scale.numel() == M:
@@ -414,7 +419,7 @@ def _x_scale_rows(x_scale, lead: tuple, M: int, device) -> torch.Tensor:
 def _w_scale_vec(weight_scale, N: int, device) -> torch.Tensor:
     check_tensor("weight_scale", weight_scale, dtypes=(torch.float32,))
     if weight_scale.device != device:
-        raise ValueError(f"weight_scale is on {weight_scale.device} but x is on {device}")
+        raise ValueError(f"weight_scale is on {weight_scale.device} but x_fp8 is on {device}")
     if weight_scale.numel() == 1 and weight_scale.dim() <= 1:
         return weight_scale.reshape(1)
     if tuple(weight_scale.shape) in ((N,), (N, 1)):
@@ -446,8 +451,8 @@ def linear_fp8(x_fp8, x_scale, weight_fp8, weight_scale, bias=None, *, out_dtype
     sign (that would sync the host on every call). impl: None | "triton" | "cublas" (_scaled_mm).
     """
     K, lead, M = check_fp8_activation(x_fp8, out_dtype)
-    N = _check_weight(weight_fp8, K, (FP8_DTYPE,))
-    _check_bias(bias, N, (torch.bfloat16, torch.float16, torch.float32))
+    N = _check_weight(weight_fp8, K, (FP8_DTYPE,), "weight_fp8", "x_fp8")
+    _check_bias(bias, N, (torch.bfloat16, torch.float16, torch.float32), "weight_fp8")
     check_same_device(x_fp8=x_fp8, weight_fp8=weight_fp8, bias=bias)
     xs = _x_scale_rows(x_scale, lead, M, x_fp8.device)
     ws = _w_scale_vec(weight_scale, N, x_fp8.device)

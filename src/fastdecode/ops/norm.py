@@ -122,6 +122,8 @@ def _norm(x, residual, weight, eps, *, fp8: bool, scale, out, backend, op: str):
             x2, r2, weight, out.view(-1, H), scale_t,
             scale_out.view(-1, 1) if dynamic else None, eps, be,
         )
+    elif dynamic:
+        scale_out.fill_(FP8_MIN_SCALE)  # H = 0: amax of an empty row is 0 (as quantize_rows_ref)
     if fp8:
         return out, (scale_out if dynamic else scale_t)
     return out
@@ -174,7 +176,10 @@ def fused_add_rms_norm_fp8(
 def quantize_rows_ref(y: torch.Tensor, scale: Optional[torch.Tensor]):
     """fp32 rows -> (fp8, scale) exactly as the kernels round: static scale, or per-row dynamic."""
     if scale is None:
-        amax = y.abs().amax(dim=-1, keepdim=True)
+        if y.shape[-1] == 0:  # amax of an empty row is 0: the scale is the floor
+            amax = y.new_zeros((*y.shape[:-1], 1))
+        else:
+            amax = y.abs().amax(dim=-1, keepdim=True)
         scale = torch.clamp(amax / FP8_MAX, min=FP8_MIN_SCALE)
     q = torch.clamp(y / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale.to(torch.float32)

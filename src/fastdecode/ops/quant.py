@@ -75,8 +75,8 @@ def quantize_fp8(x, scale=None, per_token: bool = False, *, out=None, backend: O
     if x2.shape[0] > 0 and H > 0:
         _quantize_fp8_op(x2, out.view(-1, H), scale_t,
                          scale_out.view(-1, 1) if per_token else scale_out, per_token, be)
-    elif scale_out is not None and not per_token:
-        scale_out.fill_(FP8_MIN_SCALE)  # amax of an empty tensor is 0
+    elif scale_out is not None:
+        scale_out.fill_(FP8_MIN_SCALE)  # amax of an empty tensor (or empty rows) is 0
     return out, (scale_t if scale_t is not None else scale_out)
 
 
