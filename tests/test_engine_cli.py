@@ -37,6 +37,8 @@ def test_info_json(capsys):
 
     assert d["torch"] == torch.__version__
     assert d["backend"].startswith(("torch on", "triton on"))
+    if not torch.cuda.is_available():  # the engine's CPU path: the torch reference of every op
+        assert d["engine_backends"] == cli.engine_backends(None, False)
 
 
 def test_bench_decode_tiny_cpu(tmp_path, capsys):
@@ -51,7 +53,10 @@ def test_bench_decode_tiny_cpu(tmp_path, capsys):
     for r in eager:
         # tokens/s of the whole run cannot exceed the decode-step rate times output_len / (output_len - 1)
         assert 0 < r["tokens_per_s"] <= r["decode_tokens_per_s"] * 6 / 5 * 1.001
-        assert r["weight_bytes"] == 4 * (256 * 64 * 2 + 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64)
+        # fp32; a step reads the lm head whole but only B rows of the (untied) embedding
+        B = r["shape"]["batch"]
+        assert r["step_weight_bytes"] == 4 * (256 * 64 + B * 64 + 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128 + 2 * 64)
+                                              + 64)
         assert r["median_us"] > 0 and r["gpu"]
     assert (tmp_path / "d.b1.png").stat().st_size > 1000
 
@@ -84,3 +89,59 @@ def test_every_graph_row_of_the_decode_bench_replays_a_graph(impl):
     cache = KVCache(model.config, 1, 16, dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         _Runner(impl, model, cache, 1)
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--model", "/nonexistent/m.gguf"],
+                                  ["chat", "--model", "/nonexistent/m.gguf"],
+                                  ["quantize", "/nonexistent/m.gguf", "/tmp/never-written", "--method", "fp8"],
+                                  ["eval-accuracy", "--model", "/nonexistent/m.gguf"]])
+def test_load_errors_print_error_and_exit_2(argv, capsys):
+    """Regression: a bad model path in generate / chat / quantize printed a traceback (exit 1)."""
+    assert cli.main(argv + (["--device", "cpu"] if argv[0] != "quantize" else [])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model path '/nonexistent/m.gguf' does not exist") and "Traceback" not in err
+
+
+def test_info_lists_the_backends_each_op_runs_on():
+    """Regression: info said "GEMMs: F.linear" also on CUDA, where Linear goes through the GEMM dispatcher."""
+    from fastdecode.engine.cli import engine_backends
+
+    cpu = engine_backends(None, False)
+    assert "GEMM bf16/fp16: F.linear (torch reference)" in cpu
+    assert any(line.startswith("all-reduce (TP): torch.distributed.all_reduce (gloo)") for line in cpu)
+    h200 = "\n".join(engine_backends(("NVIDIA H200", (9, 0)), True))
+    assert "GEMM bf16/fp16: dispatcher, skinny Triton kernel or cuBLAS per shape (tuned table " \
+           "linear_nvidia_h200.json)" in h200
+    assert "cuBLASLt _scaled_mm" in h200 and "int4_linear_nvidia_h200.json" in h200 and "F.linear" not in h200
+    assert "one-shot / two-shot" in h200
+    a100 = "\n".join(engine_backends(("NVIDIA A100-SXM4-80GB", (8, 0)), True))
+    assert "GEMM fp8 (W8A8): unavailable (needs sm_89+, this GPU is sm_80)" in a100
+    assert "heuristic: no tuned table for this GPU" in a100
+
+
+def test_bench_decode_out_merges_rows_instead_of_clobbering(tmp_path, capsys):
+    """Regression: bench decode replaced the committed benchmarks/results/decode.json with the rows of one run."""
+    from fastdecode.engine.bench_decode import merge_rows
+
+    out = tmp_path / "decode.json"
+    committed = {"op": "decode", "impl": "fastdecode-graph", "median_us": 4000.0, "gpu": "NVIDIA H200",
+                 "shape": {"model": "llama-3.1-8b", "batch": 1, "input_len": 1, "output_len": 128,
+                           "dtype": "bfloat16"}}
+    out.write_text(json.dumps([committed]))
+    argv = ["bench", "decode", "--preset", "tiny", "--output-len", "3", "--iters", "1", "--warmup", "0",
+            "--dtype", "float32", "--impl", "torch-eager", "--out", str(out)]
+    assert cli.main(argv + ["--batch", "1", "2"]) == 0
+    rows = json.loads(out.read_text())
+    assert rows[0] == committed and [r["shape"]["batch"] for r in rows[1:]] == [1, 2]
+    rows[2]["median_us"] = -1.0  # mark the batch-2 row: the next run must replace it, and only it
+    out.write_text(json.dumps(rows))
+    assert cli.main(argv + ["--batch", "2"]) == 0
+    again = json.loads(out.read_text())
+    assert len(again) == 3 and again[:2] == rows[:2] and again[2]["median_us"] > 0
+    # a row the key says is the same measurement, but skipped, does not replace a measured one;
+    # rows from before quant / tp were recorded count as quant none, tp 1
+    skipped = {**committed, "shape": {**committed["shape"], "quant": "none", "tp": 1}, "skipped": "needs CUDA"}
+    del skipped["median_us"]
+    assert merge_rows([committed], [skipped]) == [committed]
+    faster = {**skipped, "median_us": 3500.0}
+    assert merge_rows([committed], [faster]) == [faster]

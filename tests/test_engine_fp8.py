@@ -169,6 +169,39 @@ def test_fp8_checkpoint_with_wrong_dtype_is_named(tmp_path):
         load(src, dtype=torch.float32, progress=False)
 
 
+def test_fp8_tensor_without_scale_is_named(tmp_path):
+    """Regression: an FP8 weight without weight_scale (and no quantization_config) was cast to the model dtype,
+    i.e. loaded without its scale: a silently wrong model."""
+    src = _hf_dir(tmp_path)
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    sd[name] = (sd[name] / 0.01).to(torch.float8_e4m3fn)
+    save_file(sd, os.path.join(src, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' is stored as torch.float8_e4m3fn without a scale "
+                                              rf"\('{name}_scale' is missing\)"):
+        load(src, dtype=torch.float32, progress=False)
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_compressed_tensors_int4_checkpoint_is_refused_by_name(tmp_path, with_config):
+    """Regression: weight_packed + weight_scale (compressed-tensors pack-quantized int4) was taken for FP8."""
+    src = _hf_dir(tmp_path)
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    for k in [k for k in sd if k.endswith("_proj.weight")]:
+        w = sd.pop(k)
+        base = k[: -len(".weight")]
+        sd[base + ".weight_packed"] = torch.zeros(w.shape[0], w.shape[1] // 8, dtype=torch.int32)
+        sd[base + ".weight_scale"] = torch.ones(w.shape[0], w.shape[1] // 32, dtype=torch.bfloat16)
+        sd[base + ".weight_shape"] = torch.tensor(list(w.shape))
+    save_file(sd, os.path.join(src, "model.safetensors"))
+    if with_config:
+        edit_json(os.path.join(src, "config.json"), lambda c: c.update(quantization_config={
+            "quant_method": "compressed-tensors", "format": "pack-quantized"}))
+    with pytest.raises(CheckpointError, match=r"compressed-tensors 'pack-quantized' checkpoint \(int4/int8 weights "
+                                              r"packed into int32 \(weight_packed\).*is not supported"):
+        load(src, dtype=torch.float32, progress=False)
+
+
 def test_quantize_command_round_trip_and_refusals(tmp_path):
     from fastdecode.engine.cli import main
 
@@ -276,6 +309,26 @@ def test_eval_accuracy_command_on_tiny_model(tmp_path):
     assert ref["perplexity"] == pytest.approx(float(torch.tensor(nll / 38).exp()), rel=1e-4)
 
 
+def test_eval_accuracy_reference_is_not_loaded_as_native_int4(monkeypatch):
+    """Regression: on CUDA a GGUF loads its Q4_0 / Q4_1 tensors as int4 by default (gguf_native=None), so the
+    reference of eval-accuracy was the int4 model; it must ask for the dequantised weights explicitly."""
+    from fastdecode.engine import accuracy, loader
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(path, **kw):
+        calls.append(kw)
+        raise Stop
+
+    monkeypatch.setattr(loader, "load", fake_load)
+    with pytest.raises(Stop):
+        accuracy.eval_accuracy("model.gguf", ["int4"], device="cpu")
+    assert calls[0].get("quant") is None and calls[0].get("gguf_native") is False
+
+
 def test_bench_decode_quant_fp8_ablation_rows_cpu(tmp_path, capsys):
     from fastdecode.engine.cli import main
 
@@ -287,7 +340,8 @@ def test_bench_decode_quant_fp8_ablation_rows_cpu(tmp_path, capsys):
     assert rows["torch-eager"]["shape"]["quant"] == "fp8" and rows["torch-eager"]["tokens_per_s"] > 0
     # embedding + lm head + norms in fp32; per layer 1-byte projections + one fp32 scale per output channel
     per_layer = (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) + 4 * (128 + 64 + 256 + 64) + 2 * 64 * 4
-    assert rows["torch-eager"]["weight_bytes"] == 2 * 256 * 64 * 4 + 64 * 4 + 2 * per_layer
+    # batch 1: the lm head whole, one row of the embedding
+    assert rows["torch-eager"]["step_weight_bytes"] == (256 + 1) * 64 * 4 + 64 * 4 + 2 * per_layer
     for k in ("fused_norm", "fused_act", "skinny_gemm"):
         assert rows[f"fastdecode-graph-no-{k}"]["skipped"] == "needs CUDA"
     assert rows["fastdecode-graph-no-fused_allreduce"]["skipped"] == "needs CUDA"

@@ -34,9 +34,9 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write(path, hf, arch, freq_factors=None, quant_ffn=False, qtype=None):
+def _write(path, hf, arch, freq_factors=None, quant_ffn=False, qtype=None, vocab=True):
     """``qtype(gguf tensor name)``: a GGMLQuantizationType to store that tensor in (None: F32); quant_ffn: Q8_0
-    for the MLP."""
+    for the MLP; ``vocab=False``: no tokenizer metadata and no vocab_size key."""
     c = hf.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
@@ -48,19 +48,20 @@ def _write(path, hf, arch, freq_factors=None, quant_ffn=False, qtype=None):
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     theta = getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]
     w.add_rope_freq_base(theta)
-    w.add_vocab_size(c.vocab_size)
-    alpha = _byte_alphabet()
-    tokens = [alpha[b] for b in range(256)] + ["<s>", "</s>"]
-    tokens += [f"<unused{i}>" for i in range(c.vocab_size - len(tokens))]
-    types = [1] * 256 + [3] * (len(tokens) - 256)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges([])
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(257)
-    w.add_add_bos_token(True)
+    if vocab:
+        w.add_vocab_size(c.vocab_size)
+        alpha = _byte_alphabet()
+        tokens = [alpha[b] for b in range(256)] + ["<s>", "</s>"]
+        tokens += [f"<unused{i}>" for i in range(c.vocab_size - len(tokens))]
+        types = [1] * 256 + [3] * (len(tokens) - 256)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges([])
+        w.add_bos_token_id(256)
+        w.add_eos_token_id(257)
+        w.add_add_bos_token(True)
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
     permute = arch == "llama"
 
@@ -196,3 +197,30 @@ def test_sentencepiece_vocab_from_metadata():
     ids = tok.encode("hé")
     assert [tokens[i] for i in ids] == ["<s>", "\u2581h", "<0xC3>", "<0xA9>"]
     assert tok.decode(ids) == "hé"
+
+
+def test_gguf_without_vocabulary_loads_and_generate_takes_tokenizer(tmp_path, capsys):
+    """A GGUF without tokenizer metadata still loads (bench decode needs no tokenizer); generate refuses it
+    with a message naming --tokenizer, and with --tokenizer (here another GGUF's vocabulary) generates the
+    same text as the file that carries the vocabulary."""
+    from fastdecode.engine.cli import main
+
+    hf = _llama()
+    full, bare = str(tmp_path / "m.gguf"), str(tmp_path / "bare.gguf")
+    _write(full, hf, "llama")
+    _write(bare, hf, "llama", vocab=False)
+    loaded = load(bare, dtype=torch.float32, progress=False, max_seq_len=64)
+    assert loaded.tokenizer is None and "no tokenizer.ggml.tokens" in loaded.tokenizer_error
+    assert loaded.config.vocab_size == 272  # from token_embd's shape
+    cmd = ["generate", "ab", "--raw", "--max-new-tokens", "4", "--device", "cpu", "--max-seq-len", "32"]
+    assert main(cmd + ["--model", bare]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {bare}: no usable tokenizer") and "--tokenizer PATH" in err
+    assert "Traceback" not in err
+    assert main(cmd + ["--model", full]) == 0
+    want = capsys.readouterr().out
+    assert main(cmd + ["--model", bare, "--tokenizer", full]) == 0
+    assert capsys.readouterr().out == want
+    out = str(tmp_path / "d.json")
+    assert main(["bench", "decode", "--preset", bare, "--impl", "torch-eager", "--output-len", "3", "--iters", "1",
+                 "--warmup", "0", "--dtype", "float32", "--out", out]) == 0

@@ -271,6 +271,59 @@ def test_gptq_awq_checkpoints_equal_their_dense_weights(tmp_path, fmt):
         load(qdir, dtype=torch.float32, progress=False)
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "fastdecode"])
+def test_tp_shard_of_int4_checkpoint_reads_only_its_shard(tmp_path, fmt, monkeypatch):
+    """Regression: under TP every rank read whole GPTQ / AWQ / fastdecode-int4 tensors, then sharded them. Each
+    rank's weights must be the bits the whole model's sharding gives, from about half the bytes. Hidden 512:
+    the row-parallel shards of 256 columns are whole tiles of the kernel layout (fastdecode) and groups."""
+    from fastdecode.engine import loader
+    from fastdecode.engine.export import quantize_checkpoint
+    from fastdecode.engine.tp import apply_tp_structure
+
+    src = _hf_dir(tmp_path, hidden_size=512, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    if fmt == "fastdecode":
+        d = str(tmp_path / "fd")
+        quantize_checkpoint(src, d, "int4", dtype=torch.float32)
+    else:
+        d, _ = _quantised_checkpoints(src, tmp_path, fmt)
+    if fmt == "gptq":  # act-order cannot be row-parallel (refused below); contiguous groups can
+        sd = load_file(os.path.join(d, "model.safetensors"))
+        with pytest.raises(CheckpointError, match=r"act-order \(g_idx\) int4 weight cannot be split along K"):
+            load(d, dtype=torch.float32, progress=False, max_seq_len=64, tp=(0, 2))
+        for k in [k for k in sd if k.endswith(".g_idx")]:
+            sd[k] = (torch.arange(sd[k].numel()) // 32).to(torch.int32)
+        save_file(sd, os.path.join(d, "model.safetensors"))
+    read = []
+    orig = loader._SafetensorsReader.get
+
+    class Spy:
+        def __init__(self, sl):
+            self.sl = sl
+
+        def __getattr__(self, k):
+            return getattr(self.sl, k)
+
+        def __getitem__(self, idx):
+            t = self.sl[idx]
+            read.append(t.numel() * t.element_size())
+            return t
+
+    monkeypatch.setattr(loader._SafetensorsReader, "get", lambda self, files, name: Spy(orig(self, files, name)))
+    full = load(d, dtype=torch.float32, progress=False, max_seq_len=64).model
+    whole_bytes = sum(read)
+    assert full.quant == "int4"
+    for rank in range(2):
+        read.clear()
+        part = load(d, dtype=torch.float32, progress=False, max_seq_len=64, tp=(rank, 2)).model
+        assert sum(read) < 0.55 * whole_bytes, (sum(read), whole_bytes)
+        want = copy.deepcopy(full)
+        apply_tp_structure(want, rank, 2)
+        got, ref = dict(part.named_parameters()), dict(want.named_parameters())
+        assert got.keys() == ref.keys()
+        for name, p in got.items():
+            assert p.dtype == ref[name].dtype and torch.equal(p, ref[name]), name
+
+
 def test_gguf_q4_native_equals_dequantised(tmp_path):
     """GGUF Q4_0 / Q4_1 projections as int4 weights, q/k rows un-permuted like the dense path; a fused
     projection whose parts mix Q4_0 and Q4_1 (layer 1's q | k | v) is dequantised, or RTN under quant=int4."""
@@ -320,7 +373,8 @@ def test_bench_decode_quant_int4_rows_cpu(tmp_path):
     # fp32 embedding + lm head + norms; per layer N * K / 2 bytes of nibbles + a bf16 scale and a uint8 zero
     # per group (one group per row here)
     per_layer = (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) // 2 + 3 * (128 + 64 + 256 + 64) + 2 * 64 * 4
-    assert rows["torch-eager"]["weight_bytes"] == 2 * 256 * 64 * 4 + 64 * 4 + 2 * per_layer
+    # batch 1: the lm head whole, one row of the embedding
+    assert rows["torch-eager"]["step_weight_bytes"] == (256 + 1) * 64 * 4 + 64 * 4 + 2 * per_layer
     assert rows["fastdecode-graph-no-int4_gemm"]["skipped"] == "needs CUDA"
 
 

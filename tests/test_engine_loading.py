@@ -3,6 +3,7 @@ transformers on tiny random models saved here; clear errors for broken checkpoin
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -194,3 +195,24 @@ def test_truncated_gguf_is_named(tmp_path):
 def test_unknown_path_message():
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load("/nonexistent/model.gguf")
+
+
+def test_truncated_single_file_checkpoint_names_the_tensor(tmp_path):
+    """Regression: without an index the header was opened with safe_open before the size check, whose
+    error named neither the tensor nor the cut; a file cut inside its header names the file."""
+    d = _save(tmp_path, transformers.LlamaForCausalLM(_llama_cfg()))
+    f = os.path.join(d, "model.safetensors")
+    assert not os.path.exists(os.path.join(d, "model.safetensors.index.json"))
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    size = os.path.getsize(f)
+    with open(f, "r+b") as fh:
+        fh.truncate(size - 100)
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: file is truncated: tensor '{re.escape(last)}'"):
+        load(d, dtype=torch.float32, progress=False)
+    with open(f, "r+b") as fh:
+        fh.truncate(8 + n // 2)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: file is truncated inside its header"):
+        load(d, dtype=torch.float32, progress=False)

@@ -250,9 +250,9 @@ def test_shard_loading_reads_only_the_shard(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_gguf_shards_equal_slices_of_the_whole_model(tmp_path, native):
-    """Regression: llama GGUF q/k rows must be un-permuted on the whole tensor, then sharded; native Q4_0
-    int4 weights too (rows permuted and sharded on the packed tensors)."""
+def test_gguf_shards_equal_slices_of_the_whole_model(tmp_path, native, monkeypatch):
+    """Regression: llama GGUF q/k rows must be un-permuted per head (a shard holds whole heads); native Q4_0
+    int4 weights too (rows permuted and sharded on the packed tensors); each rank reads only its shard."""
     gguf = pytest.importorskip("gguf")
     from test_engine_gguf_synthetic import _llama, _write
 
@@ -267,8 +267,21 @@ def test_gguf_shards_equal_slices_of_the_whole_model(tmp_path, native):
     full = load(path, dtype=torch.float32, progress=False, max_seq_len=64, gguf_native=native).model
     assert isinstance(full.layers[0].attention.wqkv, Int4Linear) == native
     whole = dict(full.named_parameters())
+    # what each rank reads: dequantised values and Q4_0 bytes (18 per 32 values) turned into int4 weights
+    from fastdecode.quant import int4 as int4_mod
+
+    read = []
+    deq, q4_0 = gguf.quants.dequantize, int4_mod.from_gguf_q4_0
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda d, t: read.append(deq(d, t).size) or deq(d, t))
+    monkeypatch.setattr(int4_mod, "from_gguf_q4_0",
+                        lambda d, shape: read.append(d.numel() // 18 * 32) or q4_0(d, shape))
     for rank in range(2):
+        read.clear()
         part = load(path, dtype=torch.float32, progress=False, max_seq_len=64, tp=(rank, 2), gguf_native=native).model
+        # regression: every rank dequantised (or unpacked) every tensor whole, then sharded it
+        held = sum(m.out_features * m.in_features for m in part.modules() if isinstance(m, Int4Linear))
+        held += sum(p.numel() for n, p in part.named_parameters() if not n.endswith(("qweight", "scales")))
+        assert sum(read) == held
         if native:  # the whole model's packed tensors sharded in place (engine.tp), the same bits
             sharded = copy.deepcopy(full)
             apply_tp_structure(sharded, rank, 2)

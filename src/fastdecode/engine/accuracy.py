@@ -9,8 +9,8 @@ non-overlapping windows of ``window`` tokens, each window a fresh context). Repo
 * ``mean_kl``: mean ``KL(reference || format)`` of the next-token distributions, in nats.
 
 The reference is the model in the load dtype (bf16 on GPUs, fp32 on the CPU) with ``quant=None`` (GGUF
-files dequantised). ``int4`` measures the RTN method (``int4-w4a16-g128-zero``) on the reference's weights,
-so for a GGUF source it quantises the dequantised weights a second time; the GGUF's own Q4_0 / Q4_1
+files dequantised, also on CUDA, where their Q4_0 / Q4_1 tensors would otherwise load as int4). ``int4``
+measures the RTN method (``int4-w4a16-g128-zero``) on the reference's weights, so for a GGUF source it quantises the dequantised weights a second time; the GGUF's own Q4_0 / Q4_1
 tensors loaded natively as int4 weights are reported as one more row (``int4-w4a16-gguf``), which should
 match the reference up to summation order: the same weights, through the int4 path.
 """
@@ -76,7 +76,8 @@ def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), 
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
-    ref = load(path, device=device, dtype=dtype, max_seq_len=window, progress=False)
+    # gguf_native=False: on CUDA a GGUF's Q4_0 / Q4_1 tensors load as int4 by default; the reference is dense
+    ref = load(path, device=device, dtype=dtype, max_seq_len=window, progress=False, gguf_native=False)
     if ref.tokenizer is None:
         raise ValueError(f"{ref.source} has no tokenizer; eval-accuracy needs one to tokenise the text")
     ids = ref.tokenizer.encode(text if text is not None else accuracy_text())

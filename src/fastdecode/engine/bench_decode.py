@@ -12,8 +12,10 @@ times after a warm-up; we report the median. Rows (one per implementation):
 
 ``median_us`` is the median per-token decode step (prefill excluded); ``tokens_per_s`` is
 ``batch * output_len / (prefill + decode time)`` (the standard figure); ``tbps`` is the bytes one step
-must read (all weights, once, plus the live KV cache) over the step time, and ``roofline_tokens_per_s``
-what the GPU's peak bandwidth would allow for the weights alone.
+must read over the step time: ``step_weight_bytes`` (``model.decode_step_bytes(batch)``: every block weight,
+the final norm and the lm head once, but only ``batch`` rows of the embedding table; tied embeddings: the
+table once) plus the live KV cache; ``roofline_tokens_per_s`` is what the GPU's peak bandwidth would allow
+for ``step_weight_bytes`` alone.
 
 Ablation (``--ablate``): ``fastdecode-graph`` with one switch off at a time (``model.set_kernels``):
 ``-no-fused_norm`` (plain PyTorch add + RMSNorm, and a separate FP8 quantisation under ``--quant fp8``),
@@ -23,9 +25,13 @@ cuBLAS; int4 models only), and ``fastdecode-eager`` (no CUDA graph).
 
 ``--quant fp8`` quantises the random-weight model (W8A8), ``--quant int4`` to W4A16 (RTN, group 128; a
 checkpoint path loads as stored when it is int4 already: GPTQ, AWQ, GGUF Q4_0 / Q4_1); ``--tp N`` runs under
-torchrun with N ranks (rank 0 reports; ``weight_bytes`` are per rank, the packed int4 bytes for int4).
+torchrun with N ranks (rank 0 reports; ``step_weight_bytes`` are per rank, the packed int4 bytes for int4).
 
 On a CPU only ``torch-eager`` runs (wall-clock timing); the others are reported as skipped.
+
+``--out`` (default ``benchmarks/results/decode.json``) merges the rows into the file (``merge_rows``): a run
+replaces the rows of the same measurement (``row_key``) and keeps the others, so a partial or CPU run does
+not wipe committed results.
 """
 
 from __future__ import annotations
@@ -181,7 +187,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         loaded = load(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant)
         model, cfg = loaded.model, loaded.config
     cache = KVCache(model.config, batch, max_seq, dtype=dtype, device=device)
-    wbytes = model.weight_bytes()
+    wbytes = model.decode_step_bytes(batch)  # weights one step reads (B embedding rows, not the table)
     has_int4 = any(isinstance(m, Int4Linear) for m in model.modules())
     # KV bytes read per step, averaged over the decode steps (positions input_len+1 .. max_seq-1)
     kv_avg = cache.bytes_read([batch * (input_len + output_len / 2)])
@@ -232,7 +238,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
             "tokens_per_s": round(batch * output_len / statistics.median(total), 2),
             "decode_tokens_per_s": round(batch * 1e6 / t.median_us, 2),
             "prefill_ms": round(statistics.median(pre) * 1e3, 3),
-            "weight_bytes": wbytes, "bytes": int(step_bytes),
+            "step_weight_bytes": wbytes, "bytes": int(step_bytes),
             "tbps": round(step_bytes / (t.median_us * 1e-6) / 1e12, 3),
         }
         if peak:
@@ -297,11 +303,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (big presets)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None)
-    p.add_argument("--out", default="benchmarks/results/decode.json", help="JSON result file")
+    p.add_argument("--out", default="benchmarks/results/decode.json",
+                   help="JSON result file; rows are merged into an existing one: a row with the same model, impl "
+                        "(ablations included), dtype, quant, tp, batch, input/output length and GPU is replaced, "
+                        "the others are kept (a skipped or failed row never replaces a measured one); '' writes "
+                        "nothing")
     p.add_argument("--plot", default=None, nargs="?", const="", help="write a PNG (default: next to --out)")
 
 
+def row_key(row: dict) -> tuple:
+    """What one decode row measures: rows with equal keys replace each other in a results file.
+    (Older rows have no quant / tp in their shape: none and 1.)"""
+    s = row.get("shape", {})
+    return (row.get("op"), s.get("model"), row.get("impl"), s.get("dtype"), s.get("quant") or "none",
+            s.get("tp") or 1, s.get("batch"), s.get("input_len"), s.get("output_len"), row.get("gpu"))
+
+
+def merge_rows(old: list, new: list[dict]) -> list[dict]:
+    """``old`` with each row of ``new`` in place of the old row of the same ``row_key`` (new keys appended),
+    except that a row without a measurement (skipped, failed) does not replace one with."""
+    if not isinstance(old, list) or not all(isinstance(r, dict) for r in old):
+        raise ValueError("the --out file is not a list of result rows; cannot merge into it (give another --out)")
+    fresh = {row_key(r): r for r in new}
+    out = []
+    for r in old:
+        n = fresh.get(row_key(r))
+        if n is not None and ("median_us" in n or "median_us" not in r):
+            out.append(fresh.pop(row_key(r)))
+        else:
+            if n is not None:
+                fresh.pop(row_key(r))  # unmeasured: the measured row stays
+            out.append(r)
+    return out + list(fresh.values())
+
+
 def run(args) -> int:
+    import json
     import os
 
     import torch.distributed as dist
@@ -332,8 +369,13 @@ def run(args) -> int:
         return 0
     print_table(rows, ("impl", "shape", "median_us", "tokens_per_s", "tbps", "roofline_tokens_per_s"))
     if args.out:
-        write_rows(rows, args.out)
-        print(f"wrote {args.out}", file=sys.stderr)
+        old = []
+        if os.path.exists(args.out):
+            with open(args.out) as f:
+                old = json.load(f)
+        merged = merge_rows(old, rows)
+        write_rows(merged, args.out)
+        print(f"wrote {args.out} ({len(rows)} rows, {len(merged)} in the file)", file=sys.stderr)
     if args.plot is not None:
         path = args.plot or (args.out.rsplit(".", 1)[0] + ".png" if args.out else "decode.png")
         for b in args.batch:

@@ -33,6 +33,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, choices=["auto", "triton", "torch"],
                    help="op backend (default: torch on CPU, auto on GPU)")
     p.add_argument("--no-cuda-graph", action="store_true", help="launch the decode step eagerly")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json, a HF directory holding one, or a .gguf whose vocabulary to use "
+                        "(default: the model's own; needed for a GGUF without a vocabulary)")
     _add_quant_tp_args(p)
 
 
@@ -71,11 +74,11 @@ def _maybe_relaunch(args) -> Optional[int]:
     """``--tp N`` outside torchrun: relaunch (returns the exit code); inside: None (carry on)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp is not None and world > 1 and args.tp != world:
-        raise SystemExit(f"error: --tp {args.tp} under torchrun with {world} processes; drop --tp or make them equal")
+        raise ValueError(f"--tp {args.tp} under torchrun with {world} processes; drop --tp or make them equal")
     if args.tp is None or args.tp == 1 or world > 1:
         return None
     if args.tp < 1:
-        raise SystemExit(f"error: --tp must be >= 1, got {args.tp}")
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
     return relaunch_tp(args.tp, getattr(args, "argv", None))
 
 
@@ -94,9 +97,21 @@ def _dtype(args, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+# what a bad path, checkpoint or option raises while loading: reported as ``error: ...`` (exit 2), no traceback
+_USER_ERRORS = (OSError, ValueError, ImportError)
+
+
+def _fail(e) -> int:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
 def _engine(args, max_batch: int = 1):
+    """Load the model and its tokenizer (``--tokenizer`` overrides the checkpoint's); raises one of
+    ``_USER_ERRORS`` with a message for the user."""
     from fastdecode.engine.generate import Engine
     from fastdecode.engine.loader import load
+    from fastdecode.engine.tokenizer import Tokenizer
 
     kw = dict(backend=args.backend, max_seq_len=args.max_seq_len, quant=args.quant)
     t = time.perf_counter()
@@ -110,9 +125,17 @@ def _engine(args, max_batch: int = 1):
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = _dtype(args, device)
         loaded = load(args.model, device=device, dtype=dtype, progress=sys.stderr.isatty(), **kw)
-    if loaded.tokenizer is None:
-        raise SystemExit(f"{loaded.source} has no tokenizer; generate needs one")
-    eng = Engine(loaded.model, loaded.tokenizer, max_batch=max_batch,
+    tok = loaded.tokenizer
+    if args.tokenizer:
+        tok = Tokenizer.from_path(args.tokenizer)
+        if tok.vocab_size > loaded.config.vocab_size:  # its ids would index past the embedding
+            raise ValueError(f"--tokenizer {args.tokenizer}: {tok.vocab_size} tokens, but the model's vocabulary "
+                             f"has {loaded.config.vocab_size}")
+    if tok is None:
+        why = loaded.tokenizer_error or f"{loaded.source} has no tokenizer"
+        raise ValueError(f"{why}; generate and chat need one: pass --tokenizer PATH (a tokenizer.json, a HF "
+                         "directory or a .gguf with a vocabulary)")
+    eng = Engine(loaded.model, tok, max_batch=max_batch,
                  max_seq_len=min(args.max_seq_len, loaded.model.rope_len),
                  cuda_graph=False if args.no_cuda_graph else None)
     tp = loaded.model.tp
@@ -152,10 +175,7 @@ def _sampling(args):
     seed = args.seed
     if seed is None and args.temperature > 0 and _under_torchrun():  # every rank must draw the same tokens
         seed = _broadcast(int(torch.randint(0, 2**31 - 1, ()).item()))
-    try:
-        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)  # ValueError
 
 
 def _stats(n_tokens: int, seconds: float) -> str:
@@ -166,11 +186,14 @@ def _stats(n_tokens: int, seconds: float) -> str:
 
 
 def cmd_generate(args) -> int:
-    code = _maybe_relaunch(args)
-    if code is not None:
-        return code
-    eng = _engine(args)
-    sampling = _sampling(args)
+    try:
+        code = _maybe_relaunch(args)
+        if code is not None:
+            return code
+        eng = _engine(args)
+        sampling = _sampling(args)
+    except _USER_ERRORS as e:
+        return _fail(e)
     use_chat = not args.raw and bool(eng.tokenizer.chat_template)
     main = _is_main(eng)
     out = sys.stdout if main else open(os.devnull, "w")
@@ -179,8 +202,7 @@ def cmd_generate(args) -> int:
         [r] = eng.generate(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
                            chat=use_chat, stream=lambda _, s: (out.write(s), out.flush()))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(e)
     dt = time.perf_counter() - t
     out.write("\n")
     if main:
@@ -190,14 +212,17 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    code = _maybe_relaunch(args)
-    if code is not None:
-        return code
-    eng = _engine(args)
-    sampling = _sampling(args)
+    try:
+        code = _maybe_relaunch(args)
+        if code is not None:
+            return code
+        eng = _engine(args)
+        sampling = _sampling(args)
+    except _USER_ERRORS as e:
+        return _fail(e)
     tok = eng.tokenizer
     if not tok.chat_template:
-        raise SystemExit("this model has no chat template; use `generate --raw`")
+        return _fail("this model has no chat template; use `generate --raw`")
     main = _is_main(eng)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if main:
@@ -240,7 +265,10 @@ def cmd_quantize(args) -> int:
     from fastdecode.engine.export import quantize_checkpoint
 
     t = time.perf_counter()
-    fmt = quantize_checkpoint(args.src, args.dst, args.method, dtype=getattr(torch, args.dtype))
+    try:
+        fmt = quantize_checkpoint(args.src, args.dst, args.method, dtype=getattr(torch, args.dtype))
+    except _USER_ERRORS as e:
+        return _fail(e)
     print(f"[wrote {args.dst} ({fmt}) in {time.perf_counter() - t:.1f} s]", file=sys.stderr)
     return 0
 
@@ -248,9 +276,12 @@ def cmd_quantize(args) -> int:
 def cmd_eval_accuracy(args) -> int:
     from fastdecode.engine.accuracy import eval_accuracy
 
-    rows = eval_accuracy(args.model, args.quant, device=args.device,
-                         dtype=getattr(torch, args.dtype) if args.dtype else None, window=args.window,
-                         max_tokens=args.max_tokens, log=lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        rows = eval_accuracy(args.model, args.quant, device=args.device,
+                             dtype=getattr(torch, args.dtype) if args.dtype else None, window=args.window,
+                             max_tokens=args.max_tokens, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except _USER_ERRORS as e:
+        return _fail(e)
     if args.out:
         from fastdecode.bench.harness import write_rows
 
@@ -264,6 +295,45 @@ def _version(dist: str) -> str:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def engine_backends(gpu: Optional[tuple[str, tuple[int, int]]], triton: bool) -> list[str]:
+    """What the engine's model runs each kind of op on (the model's default backend: "torch" on the CPU,
+    "auto" on CUDA). ``gpu``: (name, (major, minor)) of the CUDA device, None on the CPU; ``triton``: the
+    "auto" backend resolves to Triton there."""
+    from fastdecode.ops import gemm, int4
+
+    if gpu is None or not triton:
+        why = "CPU" if gpu is None else "Triton unavailable"
+        lines = [f"norm, activation, RoPE + KV write, attention: torch reference ops ({why})",
+                 "GEMM bf16/fp16: F.linear" + (" (cuBLAS)" if gpu else " (torch reference)"),
+                 "GEMM fp8 (W8A8): linear_fp8_ref (torch reference)",
+                 "GEMM int4 (W4A16): int4_linear_ref (dequantise + matmul, torch reference)",
+                 "all-reduce (TP): torch.distributed.all_reduce" + (" (NCCL)" if gpu else " (gloo)")
+                 + " + the reference add + RMSNorm"]
+        return lines
+    name, sm = gpu
+
+    def table(path) -> str:
+        return f"tuned table {path.name}" if path.is_file() else "heuristic: no tuned table for this GPU"
+
+    fp8 = (f"dispatcher, skinny Triton kernel or cuBLASLt _scaled_mm per shape ({table(gemm.config_path(name))})"
+           if sm >= (8, 9) else f"unavailable (needs sm_89+, this GPU is sm_{sm[0]}{sm[1]})")
+    try:
+        from fastdecode.ops import allreduce
+
+        ar_table = table(allreduce.config_path(name))
+    except (ImportError, AttributeError):
+        ar_table = "built-in thresholds"
+    return [
+        "norm, activation, RoPE + KV write, attention: Triton kernels (fused)",
+        f"GEMM bf16/fp16: dispatcher, skinny Triton kernel or cuBLAS per shape ({table(gemm.config_path(name))})",
+        f"GEMM fp8 (W8A8): {fp8}",
+        ("GEMM int4 (W4A16): dispatcher, Triton fma / tensor-core dot, or dequantise + cuBLAS at large M "
+         f"({table(int4.config_path(name))})"),
+        ("all-reduce (TP): symmetric-memory one-shot / two-shot fused with add + RMSNorm, NCCL above the "
+         f"crossover or without peer access ({ar_table})"),
+    ]
 
 
 def info_dict() -> dict:
@@ -287,7 +357,11 @@ def info_dict() -> dict:
     d["backend"] = f"{resolve_backend(None, dev, 'info')} on {dev.type}" + (
         " (TRITON_INTERPRET=1)" if interpreter_on() else "")
     d["FASTDECODE_BACKEND"] = os.environ.get("FASTDECODE_BACKEND", "(unset: auto)")
-    d["engine_ops"] = "rms_norm, fused_add_rms_norm, silu_and_mul, rope_kv_write, decode_attention; GEMMs: F.linear"
+    gpu = None
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        gpu = (p.name, (p.major, p.minor))
+    d["engine_backends"] = engine_backends(gpu, resolve_backend(None, dev, "info") == "triton")
     try:
         from fastdecode.engine.loader import default_model_path
 

@@ -8,9 +8,11 @@ FP8); FP8 checkpoints that carry ``weight_scale`` tensors (compressed-tensors / 
 ``quantization_config``), ``fastdecode quantize --method int4`` (the kernel layout itself), and GGUF Q4_0 /
 Q4_1 tensors (natively, when int4 is asked for, or by default on a CUDA device; on the CPU the default
 dequantises them). Fused projections (q | k | v, gate | up) concatenate their parts' int4 weights along N.
-``tp=(rank, world)`` reads only the rank's shard (safetensors slices; see ``fastdecode.engine.tp``). Every
-tensor the model needs is checked by name and shape; a missing, truncated, extra or mis-shaped tensor raises
-``CheckpointError`` naming it, never a silently wrong model.
+``tp=(rank, world)`` reads only the rank's shard (safetensors slices, GPTQ / AWQ / fastdecode int4 tensors
+included; GGUF byte ranges of the memory-mapped file: rows, or K ranges on whole blocks; see
+``fastdecode.engine.tp``). Every tensor the model needs is checked by name and shape; a missing, truncated,
+extra or mis-shaped tensor, or an FP8 tensor without its scale, raises ``CheckpointError`` naming it, never a
+silently wrong model.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Loaded:
     tokenizer: Optional[object]  # fastdecode.engine.tokenizer.Tokenizer, None for random-weight presets
     config: ModelConfig
     source: str
+    tokenizer_error: Optional[str] = None  # why ``tokenizer`` is None for a checkpoint (e.g. a GGUF without vocabulary)
 
 
 def default_model_path() -> str:
@@ -188,6 +191,10 @@ class Int4Source:
     ``tensors(name, available)``: the stored tensors of the projection whose dense name is ``name``
     (e.g. ``...q_proj.weight``), first the one to name in errors; None when that projection is stored dense.
     ``read(name, (N, K))``: the whole weight as an ``Int4Weight`` (sharding happens afterwards).
+    ``read_shard(name, (N, K), rule, rank, world)``: only rank's shard ("col": rows, "row": columns), reading
+    only its bytes, as ``engine.tp.shard_int4`` would cut it from the whole weight (the same bits), after
+    checking the stored tensors against (N, K); None where it cannot cut those bytes (then: ``read``, and
+    ``shard_int4``).
     ``dequantise_unfusable``: parts of one fused projection that cannot be concatenated (different formats)
     are dequantised (GGUF files mix types) rather than refused.
     """
@@ -196,6 +203,7 @@ class Int4Source:
     tensors: Callable[[str, set], Optional[list[str]]]
     read: Callable[[str, tuple], Int4Weight]
     dequantise_unfusable: bool = False
+    read_shard: Optional[Callable[[str, tuple, str, int, int], Optional[Int4Weight]]] = None
 
 
 _BLOCK_LINEARS = ("attention.wqkv.weight", "attention.wo.weight", "feed_forward.w13.weight",
@@ -227,7 +235,9 @@ def _assemble(cfg: ModelConfig, spec: Spec, get: Callable, available: set[str], 
     ``fp8_ckpt``: block projections are stored as FP8 with ``<name>_scale`` tensors; ``quant="fp8"``:
     quantise them here as they are read; ``int4``: block projections stored as int4 (loaded as they are);
     ``quant="int4"``: quantise the dense ones here (RTN); ``tp``: keep only ``(rank, world)``'s shard of each
-    tensor. ``qkv_transform(name, t)`` gets a tensor or an ``Int4Weight`` (the whole q / k / v part).
+    tensor, reading only its bytes where ``get``'s lazy tensors (and ``int4.read_shard``) allow.
+    ``qkv_transform(name, t)`` gets a tensor or an ``Int4Weight`` of q / k / v rows: the whole part, or rank's
+    shard of it (whole heads); it must act within each head (a row permutation per head, say).
     """
     from fastdecode.engine.tp import apply_tp_structure, shard_int4, shard_part, shard_rule
 
@@ -283,27 +293,43 @@ def _assemble(cfg: ModelConfig, spec: Spec, get: Callable, available: set[str], 
             raise CheckpointError(f"{source}: tensor {name!r} has shape {full}, expected {shape} "
                                   f"for {our} from the config")
         try:
-            if transform is not None:  # on the whole tensor (GGUF q/k un-permutation works per full head set)
-                t = transform(name, t if isinstance(t, torch.Tensor) else t[...])
-            return shard_part(t, shard_rule(our), rank, world, full)
+            t = shard_part(t, shard_rule(our), rank, world, full)  # reads only the shard of a lazy tensor
+            if transform is not None:  # per head: the same on a shard of whole heads as on the whole tensor
+                t = transform(name, t)
         except Exception as e:
             raise CheckpointError(f"{source}: cannot read tensor {name!r}: {e}") from e
+        if t.dtype in _FP8_DTYPES and not (fp8_ckpt and our.endswith(_BLOCK_LINEARS)
+                                           and _scale_name(name) in available):
+            # a cast to the model dtype would drop the scale: values off by it, silently
+            raise CheckpointError(f"{source}: tensor {name!r} is stored as {t.dtype} without a scale "
+                                  f"({_scale_name(name)!r} is missing); an FP8 weight cannot be loaded without "
+                                  "its dequantisation scale")
+        return t
 
     def fetch4(name, shape, our, transform=None) -> Int4Weight:
         label = _int4_label(stored4[name])
+        rule, shape, w = shard_rule(our), tuple(shape), None
+        want = shape
         try:
-            w = int4.read(name, tuple(shape))
+            if world > 1 and rule in ("col", "row") and int4.read_shard is not None:
+                w = int4.read_shard(name, shape, rule, rank, world)  # None: it cannot cut this one
+                if w is not None:
+                    want = (shape[0] // world, shape[1]) if rule == "col" else (shape[0], shape[1] // world)
+            if w is None:
+                w = int4.read(name, shape)
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"{source}: cannot read int4 weight {label}: {e}") from e
-        if tuple(w.shape) != tuple(shape):
-            raise CheckpointError(f"{source}: int4 weight {label} has shape {tuple(w.shape)}, expected {shape} "
+        if tuple(w.shape) != want:
+            raise CheckpointError(f"{source}: int4 weight {label} has shape {tuple(w.shape)}, expected {want} "
                                   f"for {our} from the config")
         try:
+            if want != shape:  # rank's shard already: whole heads of q / k for the transform
+                return transform(name, w) if transform is not None else w
             if transform is not None:
                 w = transform(name, w)
-            return shard_int4(w, shard_rule(our), rank, world)
+            return shard_int4(w, rule, rank, world)
         except Exception as e:
             raise CheckpointError(f"{source}: int4 weight {label}: {e}") from e
 
@@ -446,6 +472,7 @@ def safetensors_files(path: str) -> dict[str, str]:
     out = {}
     for fname in files:
         full = os.path.join(path, fname)
+        _check_safetensors_size(full)  # first: safe_open's own error on a truncated file names no tensor
         try:
             with safe_open(full, framework="pt") as f:
                 for k in f.keys():
@@ -483,18 +510,31 @@ def _check_safetensors_size(fname: str) -> None:
     with open(fname, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{fname}: file is truncated ({size} bytes)")
+            raise CheckpointError(f"{fname}: file is truncated inside its header ({size} bytes, not even the "
+                                  "8-byte header length)")
         n = int.from_bytes(head, "little")
         if 8 + n > size:
-            raise CheckpointError(f"{fname}: file is truncated (header of {n} bytes, file of {size})")
-        header = json.loads(f.read(n))
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        end = 8 + n + info["data_offsets"][1]
+            raise CheckpointError(f"{fname}: file is truncated inside its header (the header says {n} bytes, "
+                                  f"the file has {size}); no tensor can be read from it")
+        try:
+            header = json.loads(f.read(n))
+            ends = [(8 + n + int(info["data_offsets"][1]), name) for name, info in header.items()
+                    if name != "__metadata__"]
+        except Exception as e:
+            raise CheckpointError(f"{fname}: the safetensors header is not readable ({type(e).__name__}: {e}); "
+                                  "corrupt?") from e
+    for end, name in sorted(ends):
         if end > size:
             raise CheckpointError(f"{fname}: file is truncated: tensor {name!r} ends at byte {end}, file has {size}")
 
+
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                    if hasattr(torch, n))
+
+# compressed-tensors formats other than FP8 (quantization_config "format"): refused by name
+_CT_UNSUPPORTED = {"pack-quantized": "int4/int8 weights packed into int32 (weight_packed)",
+                   "int-quantized": "int8 weights", "marlin-24": "2:4-sparse int4 (Marlin)",
+                   "nvfp4-pack-quantized": "NVFP4 weights", "mixed-precision": "mixed formats"}
 
 # static activation scales of FP8 checkpoints: unused (activations are quantised per token at run time)
 _HF_FP8_IGNORE = (r"\.input_scale$", r"\.input_scale_ub$", r"\.k_scale$", r"\.v_scale$")
@@ -509,7 +549,8 @@ def checkpoint_format(path: str, files: Optional[dict] = None) -> Optional[str]:
     """The quantisation format of a HF directory: None (plain); ``fp8-w8a8-channel`` or ``int4-w4a16-*``
     (``fastdecode quantize``); ``fp8`` (a public FP8 checkpoint with ``weight_scale`` tensors); ``gptq`` or
     ``awq`` (4-bit). Raises ``CheckpointError`` for formats this version cannot run (recorded by a newer
-    fastdecode or packed for other int4 kernels, block-wise FP8, GPTQ / AWQ other than 4-bit GEMM)."""
+    fastdecode or packed for other int4 kernels, block-wise FP8, GPTQ / AWQ other than 4-bit GEMM,
+    compressed-tensors other than FP8: ``weight_packed`` int4, int8, NVFP4)."""
     from fastdecode.models.quantize import FP8_FORMAT, INT4_FAMILY
     from fastdecode.quant.int4 import LAYOUT
 
@@ -537,6 +578,14 @@ def checkpoint_format(path: str, files: Optional[dict] = None) -> Optional[str]:
             raise CheckpointError(f"{path}: AWQ without zero points is not supported")
         return method
     files = files if files is not None else safetensors_files(path)
+    ct_fmt = qc.get("format") if method == "compressed-tensors" else None
+    packed = next((k for k in files if k.endswith(".weight_packed")), None)
+    if ct_fmt in _CT_UNSUPPORTED or packed is not None:
+        fmt = ct_fmt or "pack-quantized"
+        raise CheckpointError(f"{path}: compressed-tensors {fmt!r} checkpoint ({_CT_UNSUPPORTED.get(fmt, fmt)}"
+                              f"{f', e.g. {packed!r}' if packed else ''}) is not supported; int4 checkpoints load as "
+                              "GPTQ, AWQ (GEMM), fastdecode quantize --method int4 or GGUF Q4_0 / Q4_1, and "
+                              "compressed-tensors only as FP8 (float-quantized)")
     if any(k.endswith(".weight_scale_inv") for k in files) or qc.get("weight_block_size"):
         raise CheckpointError(f"{path}: block-wise FP8 scales (weight_scale_inv / weight_block_size) are not "
                               "supported; use a per-channel or per-tensor FP8 checkpoint")
@@ -545,10 +594,13 @@ def checkpoint_format(path: str, files: Optional[dict] = None) -> Optional[str]:
     return None
 
 
-def _hf_int4_source(fmt: str, qc: dict, get: Callable, available: set[str]) -> Int4Source:
+def _hf_int4_source(fmt: str, qc: dict, get: Callable, available: set[str], lazy: Optional[Callable] = None
+                    ) -> Int4Source:
     """Readers of GPTQ (``qweight`` (K/8, N), ``qzeros``, ``scales`` (G, N), ``g_idx``), AWQ (``qweight`` (K, N/8),
     ``qzeros``, ``scales``) and ``fastdecode quantize`` (``qweight`` in the kernel layout, ``scales`` (N, G),
-    ``zeros`` | ``mins``, ``perm``) projections; ``get(name)`` reads a whole tensor of ``available``."""
+    ``zeros`` | ``mins``, ``perm``) projections; ``get(name)`` reads a whole tensor of ``available``;
+    ``lazy(name)``, a safetensors slice of it (for reading only a TP shard)."""
+    from fastdecode.engine.tp import ACT_ORDER_ROW_ERROR, int4_row_shard
     from fastdecode.models.quantize import INT4_FAMILY
     from fastdecode.quant.int4 import LAYOUT, SCALE_DTYPES, from_awq, from_gptq
 
@@ -565,20 +617,10 @@ def _hf_int4_source(fmt: str, qc: dict, get: Callable, available: set[str]) -> I
 
     group = qc.get("group_size")
     group = None if group in (None, -1) else int(group)
+    zero_offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
+    sym = None if qc.get("sym") is None else bool(qc["sym"])
 
-    def read(name, shape):
-        base = name[: -len(".weight")]
-        opt = lambda k: get(f"{base}.{k}") if f"{base}.{k}" in available else None  # noqa: E731
-        if fmt == "gptq":
-            zero_offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
-            sym = qc.get("sym")
-            return from_gptq(get(f"{base}.qweight"), get(f"{base}.qzeros"), get(f"{base}.scales"), opt("g_idx"),
-                             group_size=group, zero_offset=zero_offset, symmetric=None if sym is None else bool(sym))
-        if fmt == "awq":
-            return from_awq(get(f"{base}.qweight"), get(f"{base}.qzeros"), get(f"{base}.scales"), group_size=group)
-        N, K = shape
-        qweight, scales, zeros, mins, perm = (get(f"{base}.qweight"), get(f"{base}.scales"), opt("zeros"),
-                                              opt("mins"), opt("perm"))
+    def fastdecode_weight(base, N, K, qweight, scales, zeros, mins, perm) -> Int4Weight:
         kw = -(-K // 256) * 32
         if qweight.dtype != torch.int32 or tuple(qweight.shape) != (N, kw):
             raise ValueError(f"{base}.qweight must be int32 of shape {(N, kw)} (the kernel layout for K={K}), got "
@@ -600,8 +642,85 @@ def _hf_int4_source(fmt: str, qc: dict, get: Callable, available: set[str]) -> I
         mode = "zero" if zeros is not None else ("min" if mins is not None else "sym")
         return Int4Weight(qweight.contiguous(), scales.contiguous(), zeros, mins, K // G, mode, perm, K, LAYOUT)
 
+    def read(name, shape):
+        base = name[: -len(".weight")]
+        opt = lambda k: get(f"{base}.{k}") if f"{base}.{k}" in available else None  # noqa: E731
+        if fmt == "gptq":
+            return from_gptq(get(f"{base}.qweight"), get(f"{base}.qzeros"), get(f"{base}.scales"), opt("g_idx"),
+                             group_size=group, zero_offset=zero_offset, symmetric=sym)
+        if fmt == "awq":
+            return from_awq(get(f"{base}.qweight"), get(f"{base}.qzeros"), get(f"{base}.scales"), group_size=group)
+        return fastdecode_weight(base, *shape, get(f"{base}.qweight"), get(f"{base}.scales"), opt("zeros"),
+                                 opt("mins"), opt("perm"))
+
+    def read_shard(name, shape, rule, rank, world) -> Optional[Int4Weight]:
+        """Rank's rows (col) or columns (row) through safetensors slices; None to read it whole instead: an N
+        range off whole int32 words of 8 nibbles, unknown GPTQ symmetry (decided on all zeros), fp32 scales
+        (their fp16 / bf16 rounding is decided on the whole tensor), a K range off whole 256-column tiles of the
+        kernel layout."""
+        base = name[: -len(".weight")]
+        sl = {k: lazy(f"{base}.{k}") for k in ("qweight", *required, *optional) if f"{base}.{k}" in available}
+        shapes = {k: tuple(v.get_shape()) for k, v in sl.items()}
+        N, K = shape
+        if sl["scales"].get_dtype() not in ("F16", "BF16") or (fmt == "gptq" and sym is None):
+            return None
+        if kind in ("gptq", "awq"):
+            want = (K // 8, N) if fmt == "gptq" else (K, N // 8)
+            if shapes["qweight"] != want or len(shapes["scales"]) != 2 or shapes["scales"][1] != N:
+                raise ValueError(f"{base}.qweight / scales have shapes {shapes['qweight']} / {shapes['scales']}; "
+                                 f"expected {want} / (G, {N}) for a weight of shape {(N, K)}")
+            G = shapes["scales"][0]
+            if shapes["qzeros"] != (G, -(-N // 8)):
+                raise ValueError(f"{base}.qzeros has shape {shapes['qzeros']}, expected {(G, -(-N // 8))}")
+            gs = group or (K // G if G and K % G == 0 else K)
+            g_idx = get(f"{base}.g_idx") if "g_idx" in sl else None  # (K,): small, read whole
+            if rule == "col":
+                n = N // world
+                a, b = rank * n, (rank + 1) * n
+                if a % 8 or b % 8:
+                    return None
+                if fmt == "gptq":
+                    return from_gptq(sl["qweight"][:, a:b], sl["qzeros"][:, a // 8:b // 8], sl["scales"][:, a:b],
+                                     g_idx, group_size=group, zero_offset=zero_offset, symmetric=sym)
+                return from_awq(sl["qweight"][:, a // 8:b // 8], sl["qzeros"][:, a // 8:b // 8], sl["scales"][:, a:b],
+                                group_size=group)
+            if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(K) // gs):
+                raise ValueError(ACT_ORDER_ROW_ERROR)
+            k0, k1 = int4_row_shard(K, K if G == 1 else gs, rank, world)
+            g0, g1 = (0, 1) if G == 1 else (k0 // gs, k1 // gs)
+            qw = sl["qweight"][k0 // 8:k1 // 8] if fmt == "gptq" else sl["qweight"][k0:k1]
+            conv = from_gptq if fmt == "gptq" else from_awq
+            kw = {"zero_offset": zero_offset, "symmetric": sym} if fmt == "gptq" else {}
+            return conv(qw, sl["qzeros"][g0:g1], sl["scales"][g0:g1], group_size=None if G == 1 else gs, **kw)
+        kw_full = -(-K // 256) * 32
+        if shapes["qweight"] != (N, kw_full) or len(shapes["scales"]) != 2 or shapes["scales"][0] != N:
+            raise ValueError(f"{base}.qweight / scales have shapes {shapes['qweight']} / {shapes['scales']}; "
+                             f"expected {(N, kw_full)} / ({N}, G) (the kernel layout for K={K})")
+        perm = get(f"{base}.perm") if "perm" in sl else None
+        extra = {k: sl[k] for k in ("zeros", "mins") if k in sl}
+        for k in extra:
+            if shapes[k] != shapes["scales"]:
+                raise ValueError(f"{base}.{k} has shape {shapes[k]}, expected {shapes['scales']} (as the scales)")
+        if rule == "col":
+            n = N // world
+            rows = slice(rank * n, (rank + 1) * n)
+            parts = {k: v[rows] for k, v in extra.items()}
+            return fastdecode_weight(base, n, K, sl["qweight"][rows], sl["scales"][rows], parts.get("zeros"),
+                                     parts.get("mins"), perm)
+        if perm is not None:
+            raise ValueError(ACT_ORDER_ROW_ERROR)
+        G = shapes["scales"][1]
+        gs = K // G if G and K % G == 0 else K
+        k0, k1 = int4_row_shard(K, gs, rank, world)
+        if k0 % 256 or k1 % 256:
+            return None
+        g0, g1 = (0, 1) if G == 1 else (k0 // gs, k1 // gs)
+        parts = {k: v[:, g0:g1] for k, v in extra.items()}
+        return fastdecode_weight(base, N, k1 - k0, sl["qweight"][:, k0 // 8:k1 // 8], sl["scales"][:, g0:g1],
+                                 parts.get("zeros"), parts.get("mins"), None)
+
     label = fmt if fmt.startswith(INT4_FAMILY) else f"{INT4_FAMILY}-{fmt}"
-    return Int4Source(label, tensors, read)
+    return Int4Source(label, tensors, read, read_shard=read_shard if lazy is not None else None)
 
 
 def load_hf(path: str, *, device="cpu", dtype=torch.bfloat16, backend="auto", max_seq_len=None,
@@ -626,13 +745,15 @@ def load_hf(path: str, *, device="cpu", dtype=torch.bfloat16, backend="auto", ma
         files = {k: v for k, v in files.items() if k != "lm_head.weight"}  # some tied checkpoints store a copy
     int4 = None
     if kind == "int4":
-        int4 = _hf_int4_source(fmt, _quant_config(path), lambda n: reader.get(files, n)[...], set(files))
+        int4 = _hf_int4_source(fmt, _quant_config(path), lambda n: reader.get(files, n)[...], set(files),
+                               lazy=lambda n: reader.get(files, n))
     model = _assemble(cfg, spec, lambda n: reader.get(files, n), set(files), path, device=device, dtype=dtype,
                       backend=backend, max_seq_len=max_seq_len, progress=progress,
                       ignore=_HF_IGNORE + (_HF_FP8_IGNORE if kind == "fp8" else ()), quant=quant,
                       fp8_ckpt=kind == "fp8", tp=tp, int4=int4)
-    tok = Tokenizer.from_hf_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
-    return Loaded(model, tok, cfg, path)
+    has_tok = os.path.exists(os.path.join(path, "tokenizer.json"))
+    tok = Tokenizer.from_hf_dir(path) if has_tok else None
+    return Loaded(model, tok, cfg, path, None if has_tok else f"{path} has no tokenizer.json")
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -701,6 +822,44 @@ def _checked_gguf_reader(gguf):
     return _Reader
 
 
+class _GGUFTensor:
+    """A GGUF tensor read lazily, like a safetensors slice: ``[a:b]`` (rows) and ``[:, a:b]`` (columns)
+    dequantise only those bytes of the memory-mapped file (quantised types: blocks run along K within a row,
+    so a column range on block boundaries is a byte range; otherwise whole rows, then the columns);
+    ``[...]`` the whole tensor. Values as float32 tensors (copies: the mapping is read-only)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def get_shape(self) -> tuple:
+        return tuple(int(v) for v in reversed(self.t.shape))  # GGUF lists dims innermost first
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        import gguf
+        import numpy as np
+
+        rows, cols = (idx, slice(None)) if isinstance(idx, slice) else (slice(None), slice(None))
+        if isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(i, slice) for i in idx):
+            rows, cols = idx
+        elif idx is not Ellipsis and not isinstance(idx, slice):
+            raise TypeError(f"a GGUF tensor takes [...], [a:b] or [:, a:b], got {idx!r}")
+        data, after = self.t.data[rows], slice(None)
+        if cols != slice(None):
+            K = self.get_shape()[-1]
+            k0, k1, step = cols.indices(K)
+            block, nbytes = gguf.GGML_QUANT_SIZES[self.t.tensor_type]
+            if step != 1:
+                raise TypeError("a GGUF tensor takes column ranges with step 1")
+            if data.dtype != np.uint8:  # F32 / F16: elements
+                data = data[:, k0:k1]
+            elif k0 % block == 0 and (k1 % block == 0 or k1 == K):  # whole blocks: a byte range
+                data = data[:, k0 // block * nbytes:-(-k1 // block) * nbytes]
+            else:
+                after = slice(k0, k1)
+        arr = gguf.quants.dequantize(data, self.t.tensor_type)
+        return torch.from_numpy(np.array(arr[..., after] if after != slice(None) else arr, dtype=np.float32))
+
+
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (interleaved-pair RoPE) back to HF's half-split order.
 
@@ -731,20 +890,21 @@ def load_gguf(path: str, *, device="cpu", dtype=torch.bfloat16, backend="auto", 
         raise ValueError("gguf_native=True loads int4 weights; it cannot be combined with quant='fp8'")
     meta, reader = read_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
+    arch = meta.get("general.architecture")
+    if (f"{arch}.vocab_size" not in meta and not meta.get("tokenizer.ggml.tokens")
+            and "token_embd.weight" in tensors):  # no vocabulary: the embedding's rows say how many tokens
+        meta[f"{arch}.vocab_size"] = int(tensors["token_embd.weight"].shape[-1])  # dims innermost first
     cfg = ModelConfig.from_gguf(meta, set(tensors))
     arch = meta["general.architecture"]
 
     def get(name):
-        t = tensors[name]
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        return torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: the file is memory-mapped read-only
+        return _GGUFTensor(tensors[name])  # lazy: a shard dequantises only its own bytes
 
     def qkv_transform(name, t):
-        if arch != "llama" or ".bias" in name:  # qwen2 GGUFs keep HF order (NeoX RoPE in llama.cpp)
-            return t
-        heads = cfg.n_heads if ".attn_q." in name else (cfg.n_kv_heads if ".attn_k." in name else None)
-        if heads is None:
-            return t
+        if arch != "llama" or ".bias" in name or not (".attn_q." in name or ".attn_k." in name):
+            return t  # qwen2 GGUFs keep HF order (NeoX RoPE in llama.cpp)
+        rows = t.N if isinstance(t, Int4Weight) else t.shape[0]
+        heads = rows // cfg.head_dim  # all of q's / k's heads, or a TP shard's (whole heads)
         if isinstance(t, Int4Weight):  # the same row permutation; groups run along K, so rows move whole
             return take_rows(t, _unpermute_rope(torch.arange(t.N), heads))
         return _unpermute_rope(t, heads)
@@ -756,13 +916,34 @@ def load_gguf(path: str, *, device="cpu", dtype=torch.bfloat16, backend="auto", 
         K, N = (int(v) for v in t.shape)  # GGUF lists dims innermost first
         return q4[t.tensor_type](torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(-1)), (N, K))
 
+    def read4_shard(name, shape, rule, rank, world):
+        """Rows (col) or a K range on whole 32-value blocks (row) of the raw blocks, read from the mapped file."""
+        from fastdecode.engine.tp import int4_row_shard
+
+        t = tensors[name]
+        K, N = (int(v) for v in t.shape)
+        if (N, K) != tuple(shape):
+            raise ValueError(f"has shape {(N, K)}, expected {tuple(shape)}")
+        block, nbytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        if rule == "col":
+            n = N // world
+            raw, shard = t.data[rank * n:(rank + 1) * n], (n, K)
+        else:
+            k0, k1 = int4_row_shard(K, block, rank, world)  # the group size is the block: 32
+            raw, shard = t.data[:, k0 // block * nbytes:k1 // block * nbytes], (N, k1 - k0)
+        return q4[t.tensor_type](torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1)), shard)
+
     int4 = None
     if native:
         int4 = Int4Source(f"{INT4_FAMILY}-gguf", lambda name, _: [name] if tensors[name].tensor_type in q4 else None,
-                          read4, dequantise_unfusable=True)
-    freq = get("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
+                          read4, dequantise_unfusable=True, read_shard=read4_shard)
+    freq = get("rope_freqs.weight")[...] if "rope_freqs.weight" in tensors else None
     model = _assemble(cfg, _model_spec(cfg, _GGUF_NAMES), get, set(tensors), path, device=device, dtype=dtype,
                       backend=backend, max_seq_len=max_seq_len, progress=progress, qkv_transform=qkv_transform,
                       ignore=(r"^rope_freqs\.weight$",), rope_freq_factors=freq, quant=quant, tp=tp, int4=int4)
-    tok = Tokenizer.from_gguf_metadata(meta)
-    return Loaded(model, tok, cfg, path)
+    tok, tok_error = None, None
+    try:  # a GGUF without a usable vocabulary still runs (bench decode); generate asks for --tokenizer
+        tok = Tokenizer.from_gguf_metadata(meta)
+    except (ValueError, KeyError, IndexError) as e:
+        tok_error = f"{path}: no usable tokenizer ({type(e).__name__}: {e})"
+    return Loaded(model, tok, cfg, path, tok_error)

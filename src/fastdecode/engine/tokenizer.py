@@ -72,11 +72,29 @@ class Tokenizer:
     # ------------------------------------------------------------------ constructors
 
     @classmethod
-    def from_hf_dir(cls, path: str) -> "Tokenizer":
-        """From a directory holding ``tokenizer.json`` (+ ``tokenizer_config.json``, ``generation_config.json``)."""
+    def from_path(cls, path: str) -> "Tokenizer":
+        """From a HF directory, a ``tokenizer.json`` file (its directory's configs read too) or a GGUF file's
+        vocabulary (``generate --tokenizer PATH``)."""
+        if os.path.isdir(path):
+            return cls.from_hf_dir(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"tokenizer path {path!r} does not exist (a tokenizer.json, a directory "
+                                    "holding one, or a .gguf file)")
+        if path.endswith(".gguf"):
+            from fastdecode.engine.loader import read_gguf
+
+            return cls.from_gguf_metadata(read_gguf(path)[0])
+        if path.endswith(".json"):
+            return cls.from_hf_dir(os.path.dirname(os.path.abspath(path)), tokenizer_json=path)
+        raise ValueError(f"tokenizer path {path!r}: expected a tokenizer.json, a directory holding one, or a .gguf")
+
+    @classmethod
+    def from_hf_dir(cls, path: str, tokenizer_json: Optional[str] = None) -> "Tokenizer":
+        """From a directory holding ``tokenizer.json`` (+ ``tokenizer_config.json``, ``generation_config.json``);
+        ``tokenizer_json``: that file under another name."""
         from tokenizers import Tokenizer as _Tk
 
-        tj = os.path.join(path, "tokenizer.json")
+        tj = tokenizer_json or os.path.join(path, "tokenizer.json")
         if not os.path.exists(tj):
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         tk = _Tk.from_file(tj)
@@ -114,7 +132,8 @@ class Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
         tokens = list(meta.get("tokenizer.ggml.tokens") or ())
         if not tokens:
-            raise ValueError("GGUF file has no tokenizer.ggml.tokens: give a tokenizer.json with --tokenizer")
+            raise ValueError("GGUF file has no tokenizer.ggml.tokens (no vocabulary); generate and chat take "
+                             "one from --tokenizer PATH (a tokenizer.json, a HF directory or another .gguf)")
         types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         if kind == "gpt2":
             tk = _byte_level_bpe(tokens, list(meta.get("tokenizer.ggml.merges") or ()), meta.get("tokenizer.ggml.pre"))

@@ -14,7 +14,7 @@ row-parallel). Quantised at load (``quant="int4"``), each rank quantises its own
 Every rank sees the same logits (identical bits), so greedy and seeded sampling agree across ranks.
 
 Life cycle (``load_tp``): each rank loads only its shard (``loader.load(..., tp=(rank, world))`` slices
-safetensors lazily); then all ranks agree that loading succeeded (a rank that failed makes every rank
+safetensors and GGUF tensors lazily, int4 ones included); then all ranks agree that loading succeeded (a rank that failed makes every rank
 raise, instead of leaving the others blocked in a collective); then the ``CommWorkspace`` is created.
 """
 
@@ -38,6 +38,9 @@ _COL = ("attention.wqkv.weight", "attention.wqkv.bias", "attention.wqkv.weight_s
         "feed_forward.w13.weight", "feed_forward.w13.weight_scale")
 _ROW = ("attention.wo.weight", "feed_forward.w2.weight")
 _VOCAB = ("tok_embeddings.weight", "output.weight")
+
+
+ACT_ORDER_ROW_ERROR = "an act-order (g_idx) int4 weight cannot be split along K for a row-parallel layer"
 
 
 class TPLoadError(RuntimeError):
@@ -120,6 +123,15 @@ def shard_part(t, rule: Optional[str], rank: int, world: int, full_shape: tuple)
     raise ValueError(f"unknown shard rule {rule!r}")
 
 
+def int4_row_shard(K: int, group_size: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank's column range [k0, k1) of a row-parallel int4 weight: whole groups, or ValueError."""
+    n = K // world
+    if group_size != K and n % group_size:
+        raise ValueError(f"int4 with tensor parallelism over {world} ranks: a row-parallel shard of K={K} has "
+                         f"{n} columns, not a multiple of the group size {group_size}; use fewer ranks")
+    return rank * n, (rank + 1) * n
+
+
 def shard_int4(w, rule: Optional[str], rank: int, world: int):
     """An ``Int4Weight`` -> rank's shard: 'col' takes rows, 'row' cuts K (on group boundaries)."""
     from fastdecode.quant.int4 import slice_k, take_rows
@@ -130,13 +142,9 @@ def shard_int4(w, rule: Optional[str], rank: int, world: int):
         n = w.N // world
         return take_rows(w, slice(rank * n, (rank + 1) * n))
     if rule == "row":
-        n = w.K // world
         if w.perm is not None:
-            raise ValueError("an act-order (g_idx) int4 weight cannot be split along K for a row-parallel layer")
-        if w.group_size != w.K and n % w.group_size:
-            raise ValueError(f"int4 with tensor parallelism over {world} ranks: a row-parallel shard of K={w.K} has "
-                             f"{n} columns, not a multiple of the group size {w.group_size}; use fewer ranks")
-        return slice_k(w, rank * n, (rank + 1) * n)
+            raise ValueError(ACT_ORDER_ROW_ERROR)
+        return slice_k(w, *int4_row_shard(w.K, w.group_size, rank, world))
     raise ValueError(f"int4 weights have no shard rule {rule!r}")
 
 

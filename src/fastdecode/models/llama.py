@@ -540,3 +540,15 @@ class Transformer(nn.Module):
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
         return total
+
+    def decode_step_bytes(self, batch: int) -> int:
+        """Weight bytes one decode step of ``batch`` sequences reads: every block weight, the final norm and
+        the lm head whole, but only ``batch`` rows of the embedding table (tied: the table once, read whole
+        by the head). Under TP: this rank's shard (its rows of the vocab-parallel embedding and head)."""
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        emb = self.tok_embeddings.weight
+        if getattr(self.output, "weight", None) is emb:  # tied: the head reads the table whole; lookups add nothing
+            return self.weight_bytes()
+        rows = min(batch, emb.shape[0])  # under TP a token outside this rank's range reads row 0
+        return self.weight_bytes() - emb.numel() * emb.element_size() + rows * emb.shape[1] * emb.element_size()
