@@ -271,7 +271,7 @@ def plot_rows(rows: list[dict], path: str) -> None:
     roof = next((r.get("roofline_tokens_per_s") for r in ok if r.get("roofline_tokens_per_s")), None)
     if roof:
         ax.axvline(roof, ls="--", color="k", lw=1)
-        ax.text(roof, len(ok) - 0.5, " weight-bytes roofline", va="bottom", ha="right", fontsize=8)
+        ax.text(roof, -0.45, "weight-bytes roofline ", va="bottom", ha="right", fontsize=8)
     s = ok[0]["shape"] if ok else {}
     ax.set_xlabel("tokens/s")
     ax.set_title(f"decode {s.get('model', '')} batch {s.get('batch', '')} "
