@@ -183,10 +183,15 @@ def test_path_choice_and_its_log_line(caplog):
 
 
 def test_ranks_on_several_nodes_use_nccl(monkeypatch):
+    """torchrun's LOCAL_WORLD_SIZE < world size: no peer memory (every rank agrees before any setup)."""
+    ws = _symm_workspace(world=16)
+    ws.device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert ar._spans_nodes(16) and not ar._spans_nodes(8)
+    assert "16 ranks span several nodes (LOCAL_WORLD_SIZE=8)" in ws._peer_problem()
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert not ar._spans_nodes(16)
+    assert not ar._spans_nodes(16) and ws._peer_problem() == ""
 
 
 # ----------------------------------------------------------------------------- GPU (NCCL + peers)

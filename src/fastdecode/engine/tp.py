@@ -271,9 +271,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cuda", local)
         if not dist.is_initialized():
             dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-        nodes = world // max(int(os.environ.get("LOCAL_WORLD_SIZE", world)), 1)
-        if nodes > 1 and rank == 0:
-            log.warning("fastdecode: %d nodes: the all-reduce falls back to NCCL across nodes", nodes)
+        # ranks on several nodes: the CommWorkspace says so once and takes NCCL (ops/allreduce.py)
     else:
         device = torch.device("cpu")
         if not dist.is_initialized():

@@ -164,16 +164,20 @@ class CommWorkspace:
         self.path_bytes = dict(path_bytes) if path_bytes else self._measured_paths()
         self._logged_paths: set = set()
         self._buf = self._hdl = None
-        if self.mode == "symm" and _spans_nodes(self.world):
-            self.mode = "nccl"
-            self.reason = (f"the {self.world} ranks span several nodes (LOCAL_WORLD_SIZE="
-                           f"{os.environ['LOCAL_WORLD_SIZE']}): no peer memory across nodes")
+        if self.mode == "symm":
+            # every rank must take the same path, or the first call hangs: agree before any setup
+            self.reason = self._peer_problem()
+            agree = torch.tensor([0 if self.reason else 1], dtype=torch.int32, device=self.device)
+            dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=self.group)
+            if not int(agree):
+                self.mode = "nccl"
+                self.reason = self.reason or "another rank cannot reach its peers' memory"
         if self.mode == "symm":
             try:
                 self._setup_symm()
-            except Exception as e:  # no P2P, no symmetric memory: NCCL for everything
+            except Exception as e:  # no symmetric memory: NCCL for everything
                 self.mode, self.reason = "nccl", f"peer memory unavailable ({type(e).__name__}: {e})"
-        if self.mode == "nccl":
+        if self.mode == "nccl" and self.rank == 0:
             _warn_once(f"fastdecode: all-reduce on {self.world} ranks falls back to NCCL: {self.reason}")
         elif self.mode == "torch":
             log.info("fastdecode: all-reduce on %d ranks uses torch.distributed (%s)", self.world, self.reason)
@@ -192,12 +196,19 @@ class CommWorkspace:
             return dict(DEFAULT_PATH_BYTES)
         return measured
 
+    def _peer_problem(self) -> str:
+        """Why this rank cannot use peer memory ('' when it can)."""
+        if _spans_nodes(self.world):
+            return (f"the {self.world} ranks span several nodes (LOCAL_WORLD_SIZE="
+                    f"{os.environ['LOCAL_WORLD_SIZE']}): no peer memory across nodes")
+        for peer in range(torch.cuda.device_count()):
+            if peer != self.device.index and not torch.cuda.can_device_access_peer(self.device.index, peer):
+                return f"GPU {self.device.index} cannot access GPU {peer} directly (no P2P)"
+        return ""
+
     def _setup_symm(self):
         import torch.distributed._symmetric_memory as symm_mem
 
-        for peer in range(torch.cuda.device_count()):
-            if peer != self.device.index and not torch.cuda.can_device_access_peer(self.device.index, peer):
-                raise RuntimeError(f"GPU {self.device.index} cannot access GPU {peer} directly")
         def align(b):
             return (b + 255) // 256 * 256
 
