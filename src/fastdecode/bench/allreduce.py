@@ -3,9 +3,10 @@
 Run on a machine with >= 2 GPUs: ``fastdecode bench allreduce --world N`` (spawns one process per GPU,
 N = 2, 4, 8, ...). Each timing is CUDA-graph replays of 20 back-to-back calls, after a ``dist.barrier``
 so that ranks start together; rank 0 reports the median of 30 replays (the slowest rank's). Rows also
-record which path ``auto`` took. ``--write-config`` stores the crossovers measured here (one-shot /
-two-shot / NCCL, ``ops.allreduce.crossovers_from_rows``) for this GPU and world size in
-``configs/allreduce_<gpu>.json``, the table the dispatcher reads.
+record which path ``auto`` took; they are merged into ``--out`` (a row of the same op, impl and
+shape, world size included, is replaced; the others are kept). ``--write-config`` stores the
+crossovers measured here (one-shot / two-shot / NCCL, ``ops.allreduce.crossovers_from_rows``) for this
+GPU and world size in ``configs/allreduce_<gpu>.json``, the table the dispatcher reads.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from fastdecode.bench.harness import Timing, _stats, env_info, print_table, write_rows
+from fastdecode.bench.harness import Timing, _stats, env_info, merge_rows, print_table
 
 CALLS = 20
 
@@ -129,8 +130,8 @@ def _worker(rank, world, port, out, quick, write_config):
         del x
     ws.destroy()
     if rank == 0:
-        if out:
-            write_rows(rows, out)
+        if out:  # rows of other world sizes (and sizes not run now) in the file are kept
+            merge_rows(rows, out)
         print_table(rows, ("op", "impl", "shape", "median_us", "path"))
         if write_config:
             from fastdecode.ops.allreduce import crossovers_from_rows, write_config as store
