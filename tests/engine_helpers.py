@@ -1,6 +1,31 @@
-"""Shared by the engine tests: our model as a Hugging Face transformers model (an independent reference)."""
+"""Shared by the engine tests: small Hugging Face checkpoints written by transformers, greedy decoding
+through our engine, and our model as a transformers model (an independent reference)."""
 
 import torch
+
+HF_LLAMA_DEFAULTS = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.08)
+
+
+def save_hf_llama(path, seed=None, **config) -> str:
+    """A random transformers LlamaForCausalLM (``HF_LLAMA_DEFAULTS`` updated by ``config``) saved as
+    safetensors in ``path``; ``seed`` None draws one from the test's (printed) seed."""
+    import transformers
+
+    torch.manual_seed(int(torch.randint(0, 1000, ())) if seed is None else seed)
+    cfg = transformers.LlamaConfig(**{**HF_LLAMA_DEFAULTS, **config})
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+def greedy(model, prompt, n, max_seq_len=64):
+    """(greedy tokens of every prompt, prefill logits) from our engine."""
+    from fastdecode.engine.generate import Engine
+
+    eng = Engine(model, None, max_batch=2, max_seq_len=max_seq_len)
+    logits = eng.prefill(prompt)
+    return [r.tokens for r in eng.generate(prompt, max_new_tokens=n, ignore_eos=True)], logits
 
 
 def to_hf(model, device=None, dtype=torch.float32):

@@ -14,6 +14,7 @@ from fastdecode.engine.loader import CheckpointError, load, random_model
 from fastdecode.models.config import ModelConfig
 from fastdecode.models.llama import Fp8Linear
 from fastdecode.models.quantize import FP8_FORMAT, INT4_FORMAT, quantize_model, quantize_model_fp8
+from engine_helpers import save_hf_llama
 from helpers import edit_json
 
 CFG = ModelConfig.from_preset("tiny")
@@ -83,16 +84,8 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 
-def _hf_dir(tmp_path, name="src"):
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                                   initializer_range=0.08)
-    torch.manual_seed(int(torch.randint(0, 1000, ())))
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    d = str(tmp_path / name)
-    hf.save_pretrained(d, safe_serialization=True)
-    return d
+def _hf_dir(tmp_path, name="src", **config):
+    return save_hf_llama(tmp_path / name, **config)
 
 
 def _fp8_public_layout(src, dst):

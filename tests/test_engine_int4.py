@@ -19,6 +19,7 @@ from fastdecode.models.config import ModelConfig
 from fastdecode.models.llama import Int4Linear, Linear
 from fastdecode.models.quantize import INT4_FORMAT, quantize_model, quantize_model_int4
 from fastdecode.quant.int4 import dequantize_int4
+from engine_helpers import save_hf_llama
 from helpers import edit_json, gptq_qweight, pack_words_along
 
 CFG = ModelConfig.from_preset("tiny")
@@ -126,15 +127,8 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 
-def _hf_dir(tmp_path, name="src", **kw):
-    args = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-                tie_word_embeddings=False, initializer_range=0.08)
-    args.update(kw)
-    torch.manual_seed(int(torch.randint(0, 1000, ())))
-    d = str(tmp_path / name)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**args)).eval().save_pretrained(d, safe_serialization=True)
-    return d
+def _hf_dir(tmp_path, name="src", **config):
+    return save_hf_llama(tmp_path / name, **config)
 
 
 def test_load_quant_int4_equals_quantize_model_and_export_round_trip(tmp_path):

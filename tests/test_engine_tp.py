@@ -10,6 +10,7 @@ import torch
 
 from fastdecode.engine.tp import TPLoadError, check_tp, local_config, vocab_range
 from fastdecode.models.config import ModelConfig
+from engine_helpers import greedy, save_hf_llama
 from helpers import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -25,22 +26,11 @@ FP8_REL = 0.2
 
 
 def _hf_dir(path, vocab=301, tie=True, seed=0, hidden=64, inter=96):
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
-                                   initializer_range=0.1)
-    torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
-    return path
+    return save_hf_llama(path, seed, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                         max_position_embeddings=256, tie_word_embeddings=tie, initializer_range=0.1)
 
 
-def _greedy(model, prompt, n):
-    from fastdecode.engine.generate import Engine
-
-    eng = Engine(model, None, max_batch=2, max_seq_len=64)
-    logits = eng.prefill(prompt)
-    res = eng.generate(prompt, max_new_tokens=n, ignore_eos=True)
-    return [r.tokens for r in res], logits
+_greedy = greedy
 
 
 # ----------------------------------------------------------------------------- ranks

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fastdecode.engine.tp import vocab_range
+from engine_helpers import greedy, save_hf_llama
 from helpers import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -21,21 +22,13 @@ ATOL = 1e-4  # fp32, 2 layers: TP changes only the summation order (as in test_e
 
 
 def _hf_dir(path, seed):
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
-                                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                                   initializer_range=0.05)
-    torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
-    return path
+    return save_hf_llama(path, seed, vocab_size=VOCAB, hidden_size=512, intermediate_size=512,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
+                         initializer_range=0.05)
 
 
 def _greedy(model, prompt, n):
-    from fastdecode.engine.generate import Engine
-
-    eng = Engine(model, None, max_batch=2, max_seq_len=48)
-    logits = eng.prefill(prompt)
-    return [r.tokens for r in eng.generate(prompt, max_new_tokens=n, ignore_eos=True)], logits
+    return greedy(model, prompt, n, max_seq_len=48)
 
 
 def _tp4_equals_tp1(rank, world, path, prompt):
