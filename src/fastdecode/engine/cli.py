@@ -185,15 +185,23 @@ def _stats(n_tokens: int, seconds: float) -> str:
 # ----------------------------------------------------------------------------- commands
 
 
-def cmd_generate(args) -> int:
+def _start(args):
+    """(engine, sampling) for generate / chat, or the exit code when the command ends here: a --tp
+    relaunch under torchrun returned, or a user error (bad path, option, checkpoint) was printed."""
     try:
         code = _maybe_relaunch(args)
         if code is not None:
             return code
-        eng = _engine(args)
-        sampling = _sampling(args)
+        return _engine(args), _sampling(args)
     except _USER_ERRORS as e:
         return _fail(e)
+
+
+def cmd_generate(args) -> int:
+    started = _start(args)
+    if isinstance(started, int):
+        return started
+    eng, sampling = started
     use_chat = not args.raw and bool(eng.tokenizer.chat_template)
     main = _is_main(eng)
     out = sys.stdout if main else open(os.devnull, "w")
@@ -212,14 +220,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    try:
-        code = _maybe_relaunch(args)
-        if code is not None:
-            return code
-        eng = _engine(args)
-        sampling = _sampling(args)
-    except _USER_ERRORS as e:
-        return _fail(e)
+    started = _start(args)
+    if isinstance(started, int):
+        return started
+    eng, sampling = started
     tok = eng.tokenizer
     if not tok.chat_template:
         return _fail("this model has no chat template; use `generate --raw`")
