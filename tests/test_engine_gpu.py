@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 LAYERS = 2
-# bf16 weights and activations against the same weights in fp32: each bf16 rounding is 2^-9 relative;
+# bf16 weights and activations against the same weights in fp32: each bf16 rounding is up to 2^-8 relative;
 # over 2 layers of 4096-wide sums the logits (rms ~1.3 with std-0.02 weights) drift by about 1%.
 # We check the cosine similarity per row and the worst error relative to the row's rms.
 MIN_COS = 0.999

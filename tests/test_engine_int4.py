@@ -59,12 +59,13 @@ def test_int4_model_close_to_fp32_and_ops_equal_ref():
         assert lin.group_size == (128 if lin.in_features == 128 else 64)  # 128 where it divides K
         # RTN with a zero point: 16 levels over [min(w, 0), max(w, 0)] of each group, step s = (max - min) / 15
         # rounded to bf16. Inside the range every weight is within s / 2; at the top edge the rounded zero
-        # point and the bf16 step can leave max(w) up to 0.5 + 15 * 2^-9 = 0.53 steps from the last level
+        # point and the bf16 step (rounded down by up to half a bf16 ulp, 2^-8 relative) can leave max(w)
+        # up to 0.5 + 15 * 2^-8 = 0.559 steps from the last level (0.54 failed once in CI: seed-dependent)
         w = dense.weight.view(lin.out_features, -1, lin.group_size)
         step = ((w.amax(-1, keepdim=True).clamp(min=0) - w.amin(-1, keepdim=True).clamp(max=0)) / 15)
         step = step.to(torch.bfloat16).float()
         err = (dequantize_int4(lin.packed, torch.float32).view_as(w) - w).abs()
-        assert torch.all(err <= step * 0.54 + 1e-7), (i, name)
+        assert torch.all(err <= step * 0.56 + 1e-7), (i, name)
         assert (err > step * 0.5 + 1e-7).float().mean() < 0.02, (i, name)  # only at the edges
     ids = torch.randint(0, CFG.vocab_size, (2, 13))
     ref, _ = _prefill(m, ids)
