@@ -51,12 +51,15 @@ def test_fp8_model_close_to_fp32_and_ops_equal_ref():
     q.backend = "ref"
     got_ref, cache_ref = _prefill(q, ids)
     torch.testing.assert_close(got, got_ref, atol=1e-5, rtol=0)
-    # decode == prefill of the longer sequence, FP8 on both
+    # decode == prefill of the longer sequence, FP8 on both. The two reach each per-token FP8 rounding
+    # through different fp32 sums (decode attention vs SDPA), so an activation on a rounding boundary can
+    # land one e4m3 step apart: 2 of 300 seeds, relative RMS error up to 2.3e-3 (an absolute 1e-4 bound
+    # failed 1 seed in 300). Decoding one position off gives 0.15 to 0.32 (5 seeds).
     nxt = torch.randint(0, CFG.vocab_size, (2,))
     q.backend = "torch"
     step = q.decode(nxt, torch.tensor([13, 13]), cache)
     full, _ = _prefill(q, torch.cat([ids, nxt[:, None]], 1))
-    torch.testing.assert_close(step, full[:, -1], atol=1e-4, rtol=0)
+    assert _rel(step, full[:, -1]) < 2e-2
 
 
 def test_fp8_kernel_switches_change_only_where_quantisation_happens():
