@@ -28,7 +28,7 @@ def test_env_var_selects_backend(monkeypatch):
 def test_auto_falls_back_with_one_log_line(monkeypatch, caplog):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv("FASTDECODE_BACKEND", raising=False)
-    _common._logged_fallbacks.clear()
+    _common._logged_once.clear()
     with caplog.at_level(logging.INFO, logger="fastdecode"):
         for _ in range(3):
             assert _common.resolve_backend("auto", torch.device("cpu"), "rms_norm") == "torch"

@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import fastdecode.ops.gemm as L  # noqa: E402
+from fastdecode.ops import _common  # noqa: E402
 from fastdecode.quant import dequantize_fp8, quantize_activation_fp8, quantize_weight_fp8  # noqa: E402
 from helpers import FP8, assert_close, e4m3_step, k_loop, poison_, sm90_ptx, strided_rows  # noqa: E402
 
@@ -252,7 +253,7 @@ def test_dispatcher_fallback_heuristic(tmp_path):
 
 def test_dispatcher_warns_once_without_a_file(tmp_path, caplog):
     L.clear_config_cache()
-    L._warned.clear()
+    _common._logged_once.clear()
     missing = str(tmp_path / "linear_none.json")
     with caplog.at_level(logging.WARNING, logger="fastdecode"):
         for M in (1, 2, 3):
@@ -267,7 +268,7 @@ def test_dispatcher_warns_once_per_missing_shape(tmp_path, caplog):
     path = _table(tmp_path, {"bf16": {"64,64": {"1": {"impl": "triton", "config": fma},
                                                 "8": {"impl": "triton", "config": fma}}}})
     L.clear_config_cache()
-    L._warned.clear()
+    _common._logged_once.clear()
     with caplog.at_level(logging.WARNING, logger="fastdecode"):
         for M in (1, 2, 4, 1):
             assert L.get_linear_config(M, 64, 64, torch.bfloat16, "cpu", path=path) == ("triton", fma)

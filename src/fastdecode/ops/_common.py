@@ -16,9 +16,14 @@ explicit request that cannot be met raises ``RuntimeError``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 import logging
 import os
+import re
+import threading
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -78,13 +83,43 @@ def require_sm(device: torch.device, major: int, minor: int, what: str) -> None:
         )
 
 
-_logged_fallbacks: set[str] = set()
+_logged_once: set[str] = set()
+_log_lock = threading.Lock()
 
 
-def _log_once(msg: str) -> None:
-    if msg not in _logged_fallbacks:
-        _logged_fallbacks.add(msg)
-        log.info(msg)
+def log_once(msg: str, level: int = logging.INFO) -> None:
+    """Log ``msg`` the first time it comes in this process (fallbacks, missing tuned data)."""
+    with _log_lock:
+        if msg in _logged_once:
+            return
+        _logged_once.add(msg)
+    log.log(level, msg)
+
+
+def warn_once(msg: str) -> None:
+    log_once(msg, logging.WARNING)
+
+
+# ----------------------------------------------------------------------------- tuned data (configs/*.json)
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def gpu_key(name: str) -> str:
+    """File-name form of a GPU name: 'NVIDIA H200' -> 'nvidia_h200'."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def config_path(kind: str, gpu_name: str) -> Path:
+    """``configs/<kind>_<gpu>.json``: the tuned or measured table of one op family on one GPU."""
+    return CONFIG_DIR / f"{kind}_{gpu_key(gpu_name)}.json"
+
+
+@functools.cache
+def load_config_table(path: str) -> Optional[dict]:
+    """The JSON table at ``path``, or None when there is none (cached; ``cache_clear()`` after writing)."""
+    p = Path(path)
+    return json.loads(p.read_text()) if p.is_file() else None
 
 
 def resolve_backend(backend: Optional[str], device: torch.device, op: str) -> str:
@@ -108,7 +143,7 @@ def resolve_backend(backend: Optional[str], device: torch.device, op: str) -> st
         return "triton"
     if requested == "triton":
         raise RuntimeError(f"{op}: backend='triton' was requested but {reason}")
-    _log_once(f"fastdecode: {op} uses the torch backend because {reason}")
+    log_once(f"fastdecode: {op} uses the torch backend because {reason}")
     return "torch"
 
 

@@ -30,7 +30,6 @@ calls first compare shapes across ranks and raise on a mismatch instead of hangi
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import logging
@@ -43,48 +42,33 @@ import torch.distributed as dist
 
 from fastdecode.ops._common import (
     out_mode,
-    FP8_DTYPE, as_rows, check_eps, check_out, check_same_device, check_tensor, is_tracing, next_pow2,
-    require_sm, resolve_backend, static_scale,
+    FP8_DTYPE, as_rows, check_eps, check_out, check_same_device, check_tensor, is_tracing, load_config_table,
+    next_pow2, require_sm, resolve_backend, static_scale, warn_once,
 )
+from fastdecode.ops import _common
 
 log = logging.getLogger("fastdecode")
 
 # Largest message (bytes) for each symmetric-memory path when the GPU / world size has no measured
 # crossovers in configs/allreduce_<gpu>.json (two-shot above one-shot's limit, NCCL above both).
 DEFAULT_PATH_BYTES = {"one_shot": 512 << 10, "two_shot": 8 << 20}
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 ONE_SHOT_BLOCK = 2048  # elements per chunk of the flat one-shot / two-shot kernels
 MAX_FUSED_H = 32768  # the fused kernel keeps a row in registers
 
 _WORKSPACES: dict[int, "CommWorkspace"] = {}
 _ids = itertools.count(1)
-_warned: set = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        log.warning(msg)
 
 
 # ----------------------------------------------------------------------------- crossover data
 
 
 def config_path(gpu_name: str) -> Path:
-    from fastdecode.ops.gemm import gpu_key
-
-    return CONFIG_DIR / f"allreduce_{gpu_key(gpu_name)}.json"
-
-
-@functools.cache
-def _load_table(path: str) -> Optional[dict]:
-    p = Path(path)
-    return json.loads(p.read_text()) if p.is_file() else None
+    return _common.config_path("allreduce", gpu_name)
 
 
 def measured_path_bytes(gpu_name: str, world: int) -> Optional[dict]:
     """The measured ``{"one_shot": bytes, "two_shot": bytes}`` limits for ``world`` ranks, or None."""
-    table = _load_table(str(config_path(gpu_name)))
+    table = load_config_table(str(config_path(gpu_name)))
     entry = (table or {}).get("world", {}).get(str(world))
     return {"one_shot": int(entry["one_shot"]), "two_shot": int(entry["two_shot"])} if entry else None
 
@@ -130,7 +114,7 @@ def write_config(gpu_name: str, world: int, path_bytes: dict, source: str, path:
     table.setdefault("world", {})[str(world)] = {
         "one_shot": int(path_bytes["one_shot"]), "two_shot": int(path_bytes["two_shot"]), "source": source}
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    _load_table.cache_clear()
+    load_config_table.cache_clear()
     return path
 
 
@@ -178,7 +162,7 @@ class CommWorkspace:
             except Exception as e:  # no symmetric memory: NCCL for everything
                 self.mode, self.reason = "nccl", f"peer memory unavailable ({type(e).__name__}: {e})"
         if self.mode == "nccl" and self.rank == 0:
-            _warn_once(f"fastdecode: all-reduce on {self.world} ranks falls back to NCCL: {self.reason}")
+            warn_once(f"fastdecode: all-reduce on {self.world} ranks falls back to NCCL: {self.reason}")
         elif self.mode == "torch":
             log.info("fastdecode: all-reduce on %d ranks uses torch.distributed (%s)", self.world, self.reason)
         self.handle = next(_ids)
@@ -190,7 +174,7 @@ class CommWorkspace:
         name = torch.cuda.get_device_name(self.device)
         measured = measured_path_bytes(name, self.world)
         if measured is None:
-            _warn_once(f"fastdecode: no measured all-reduce crossovers for {self.world} ranks of {name} "
+            warn_once(f"fastdecode: no measured all-reduce crossovers for {self.world} ranks of {name} "
                        f"({config_path(name).name}); using defaults {DEFAULT_PATH_BYTES} (measure them with "
                        f"`fastdecode bench allreduce --world {self.world} --write-config`)")
             return dict(DEFAULT_PATH_BYTES)

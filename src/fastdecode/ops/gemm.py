@@ -21,10 +21,7 @@ The choice happens inside the registered op, so ``torch.compile`` sees one opaqu
 from __future__ import annotations
 
 import functools
-import json
 import math
-import re
-import threading
 from pathlib import Path
 from typing import Optional
 
@@ -33,27 +30,22 @@ import torch
 from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
 from fastdecode.ops._common import (
     cdiv, next_pow2,
-    FP8_DTYPE, as_rows, check_out, check_same_device, check_tensor, log, require_sm,
-    resolve_backend,
+    FP8_DTYPE, as_rows, check_out, check_same_device, check_tensor, load_config_table,
+    require_sm, resolve_backend, warn_once,
 )
+from fastdecode.ops import _common
 
 IMPLS = (None, "triton", "cublas")
 LINEAR_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: CPU interpreter tests
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEURISTIC_MAX_TRITON_M = 16  # without tuned data: Triton up to here, cuBLAS above
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_NUM_SMS = 132  # H100 SXM / H200; the CPU interpreter has no SM count
 
 # ----------------------------------------------------------------------------- configs
 
 
-def gpu_key(name: str) -> str:
-    """File-name form of a GPU name: 'NVIDIA H200' -> 'nvidia_h200'."""
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-
-
 def config_path(gpu_name: str) -> Path:
-    return CONFIG_DIR / f"linear_{gpu_key(gpu_name)}.json"
+    return _common.config_path("linear", gpu_name)
 
 
 def dtype_key(dtype: torch.dtype) -> str:
@@ -61,17 +53,9 @@ def dtype_key(dtype: torch.dtype) -> str:
     return {torch.float8_e4m3fn: "fp8", torch.float32: "fp32"}.get(dtype, "bf16")
 
 
-@functools.cache
-def _load_table(path: str) -> Optional[dict]:
-    p = Path(path)
-    if not p.is_file():
-        return None
-    return json.loads(p.read_text())
-
-
 def clear_config_cache() -> None:
     """Forget loaded tables and lookups (after ``tune`` wrote a new file)."""
-    _load_table.cache_clear()
+    load_config_table.cache_clear()
     _lookup.cache_clear()
 
 
@@ -117,18 +101,6 @@ def _nearest_m(entries: dict, M: int) -> Optional[dict]:
     return entries[str(best)]
 
 
-_warned: set = set()
-_warn_lock = threading.Lock()
-
-
-def _warn_once(msg: str) -> None:
-    with _warn_lock:
-        if msg in _warned:
-            return
-        _warned.add(msg)
-    log.warning(msg)
-
-
 @functools.lru_cache(maxsize=4096)
 def _lookup(gpu_name: str, num_sms: int, dkey: str, M: int, N: int, K: int,
             path: Optional[str] = None) -> tuple[str, dict]:
@@ -137,16 +109,16 @@ def _lookup(gpu_name: str, num_sms: int, dkey: str, M: int, N: int, K: int,
     The config is returned even where cuBLAS wins (the tuned best Triton config, or the heuristic)
     so that an explicit ``impl="triton"`` runs the best known one. Treat it as read-only.
     """
-    table = _load_table(path or str(config_path(gpu_name)))
+    table = load_config_table(path or str(config_path(gpu_name)))
     entry = None
     heuristic = heuristic_config(M, N, K, dkey, num_sms)
     if table is None:
-        _warn_once(f"fastdecode: no tuned linear configs for {gpu_name!r} "
+        warn_once(f"fastdecode: no tuned linear configs for {gpu_name!r} "
                    f"({config_path(gpu_name).name}); using heuristics (run `fastdecode tune linear`)")
     else:
         shape = table.get("linear", {}).get(dkey, {}).get(f"{N},{K}")
         if shape is None:
-            _warn_once(f"fastdecode: no tuned linear config for {dkey} N={N}, K={K} on {gpu_name!r} "
+            warn_once(f"fastdecode: no tuned linear config for {dkey} N={N}, K={K} on {gpu_name!r} "
                        f"({Path(path).name if path else config_path(gpu_name).name}); using heuristics "
                        f"(run `fastdecode tune linear --shapes {N}x{K}`)")
         else:
@@ -225,7 +197,7 @@ def _triton_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, confi
         tiles = cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"])
         locks = _split_k_locks(x.device, tiles)
         if locks is None:
-            _warn_once("fastdecode: linear split-K counters were not allocated before CUDA-graph "
+            warn_once("fastdecode: linear split-K counters were not allocated before CUDA-graph "
                        "capture; this capture runs without split-K (call linear once before capturing)")
             config = {**config, "SPLIT_K": 1}
             split = 1

@@ -20,7 +20,6 @@ at call time (safe under CUDA-graph capture).
 from __future__ import annotations
 
 import functools
-import json
 import math
 from pathlib import Path
 from typing import Optional
@@ -28,13 +27,14 @@ from typing import Optional
 import torch
 
 from fastdecode.ops._common import (
-    as_rows, cdiv, check_out, check_same_device, check_tensor, log, next_pow2, resolve_backend,
+    as_rows, cdiv, check_out, check_same_device, check_tensor, load_config_table, next_pow2, resolve_backend,
+    warn_once,
 )
+from fastdecode.ops import _common
 from fastdecode.ops.int4_format import LAYOUT, Int4Weight, dequantize_int4
 
 IMPLS = (None, "triton", "dequant")
 X_DTYPES = (torch.bfloat16, torch.float16)
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_NUM_SMS = 132
 HEURISTIC_MAX_FMA_M = 4
 HEURISTIC_MAX_DOT_M = 1024  # dequant + cuBLAS above: its N*K*2-byte write is amortised there
@@ -44,19 +44,11 @@ HEURISTIC_MAX_DOT_M = 1024  # dequant + cuBLAS above: its N*K*2-byte write is am
 
 
 def config_path(gpu_name: str) -> Path:
-    from fastdecode.ops.gemm import gpu_key
-
-    return CONFIG_DIR / f"int4_linear_{gpu_key(gpu_name)}.json"
-
-
-@functools.cache
-def _load_table(path: str) -> Optional[dict]:
-    p = Path(path)
-    return json.loads(p.read_text()) if p.is_file() else None
+    return _common.config_path("int4_linear", gpu_name)
 
 
 def clear_config_cache() -> None:
-    _load_table.cache_clear()
+    load_config_table.cache_clear()
     _lookup.cache_clear()
 
 
@@ -93,15 +85,6 @@ def _nearest_m(entries: dict, M: int) -> Optional[dict]:
     return entries[str(best)]
 
 
-_warned: set = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        log.warning(msg)
-
-
 def table_key(N: int, K: int, group_size: int) -> str:
     return f"{N},{K},{'K' if group_size == K else group_size}"
 
@@ -112,10 +95,10 @@ def _lookup(gpu_name: str, num_sms: int, M: int, N: int, K: int, group_size: int
     impl, heuristic = heuristic_config(M, N, K, group_size, num_sms, cuda=gpu_name != "cpu")
     if op != "int4_linear":
         impl = "triton"  # W4A8 has no dequant + cuBLAS path
-    table = _load_table(path or str(config_path(gpu_name)))
+    table = load_config_table(path or str(config_path(gpu_name)))
     if table is None:
         if gpu_name != "cpu":
-            _warn_once(f"fastdecode: no tuned int4_linear configs for {gpu_name!r} "
+            warn_once(f"fastdecode: no tuned int4_linear configs for {gpu_name!r} "
                        f"({config_path(gpu_name).name}); using heuristics")
         return impl, heuristic
     entry = table.get(op, {}).get(table_key(N, K, group_size))
@@ -170,7 +153,7 @@ def _triton_int4_linear(x, w: Int4Weight, bias, out, config: dict, x_scale=None)
     if split > 1:
         locks = _split_k_locks(x.device, cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]))
         if locks is None:
-            _warn_once("fastdecode: int4_linear split-K counters were not allocated before CUDA-graph "
+            warn_once("fastdecode: int4_linear split-K counters were not allocated before CUDA-graph "
                        "capture; this capture runs without split-K (call int4_linear once before capturing)")
             config, split = {**config, "SPLIT_K": 1}, 1
         else:
