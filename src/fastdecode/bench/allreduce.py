@@ -5,7 +5,7 @@ N = 2, 4, 8, ...). Each timing is CUDA-graph replays of 20 back-to-back calls, a
 so that ranks start together; rank 0 reports the median of 30 replays (the slowest rank's). Rows also
 record which path ``auto`` took; they are merged into ``--out`` (a row of the same op, impl and
 shape, world size included, is replaced; the others are kept). ``--write-config`` stores the
-crossovers measured here (one-shot / two-shot / NCCL, ``ops.allreduce.crossovers_from_rows``) for this
+crossovers measured here (one-shot / two-shot / NCCL, ``crossovers_from_rows``) for this
 GPU and world size in ``configs/allreduce_<gpu>.json``, the table the dispatcher reads.
 """
 
@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 import socket
+from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from fastdecode.bench.harness import Timing, _stats, env_info, merge_rows, print_table
+from fastdecode.ops._common import load_config_table
+from fastdecode.ops.allreduce import config_path
 
 CALLS = 20
 
@@ -67,6 +71,57 @@ def _row(rows, rank, op, impl, shape, t, nbytes, **extra):
 
 
 HIDDEN = (4096, 8192, 16384)
+
+
+# ----------------------------------------------------------------------------- crossovers as data
+
+
+def crossovers_from_rows(rows: list[dict], world: int) -> dict:
+    """Path limits from the plain all-reduce rows of ``fastdecode bench allreduce`` at ``world`` ranks.
+
+    One-shot keeps every size up to the largest one from which on, going up from the smallest, it
+    was measured and no slower than both two-shot and NCCL; two-shot then keeps the sizes above that
+    while it is no slower than NCCL; NCCL takes the rest. Sizes are those measured (no interpolation).
+    """
+    times: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r.get("op") != "all_reduce" or r.get("shape", {}).get("world") != world or r.get("median_us") is None:
+            continue
+        impl = {"nccl": "nccl", "fastdecode_one_shot": "one_shot", "fastdecode_two_shot": "two_shot"}.get(r["impl"])
+        if impl:
+            times.setdefault(int(r["shape"]["bytes"]), {})[impl] = float(r["median_us"])
+    sizes = sorted(b for b, t in times.items() if "nccl" in t)
+    if not sizes:
+        raise ValueError(f"no plain all-reduce rows with an NCCL baseline at world size {world}")
+    inf = float("inf")
+    one = 0
+    for b in sizes:
+        t = times[b]
+        if t.get("one_shot", inf) <= min(t["nccl"], t.get("two_shot", inf)):
+            one = b
+        else:
+            break
+    two = one
+    for b in (b for b in sizes if b > one):
+        if times[b].get("two_shot", inf) <= times[b]["nccl"]:
+            two = b
+        else:
+            break
+    return {"one_shot": one, "two_shot": two}
+
+
+def store_crossovers(gpu_name: str, world: int, path_bytes: dict, source: str, path: Optional[Path] = None) -> Path:
+    """Store ``path_bytes`` for ``world`` ranks in the GPU's table (other world sizes are kept)."""
+    path = Path(path) if path is not None else config_path(gpu_name)
+    table = json.loads(path.read_text()) if path.is_file() else {"gpu": gpu_name, "world": {}}
+    table.setdefault("world", {})[str(world)] = {
+        "one_shot": int(path_bytes["one_shot"]), "two_shot": int(path_bytes["two_shot"]), "source": source}
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    load_config_table.cache_clear()  # the dispatcher reads the new limits
+    return path
+
+
+# ----------------------------------------------------------------------------- the benchmark
 
 
 def _worker(rank, world, port, out, quick, write_config):
@@ -134,10 +189,8 @@ def _worker(rank, world, port, out, quick, write_config):
             merge_rows(rows, out)
         print_table(rows, ("op", "impl", "shape", "median_us", "path"))
         if write_config:
-            from fastdecode.ops.allreduce import crossovers_from_rows, write_config as store
-
             limits = crossovers_from_rows(rows, world)
-            path = store(torch.cuda.get_device_name(dev), world, limits,
+            path = store_crossovers(torch.cuda.get_device_name(dev), world, limits,
                          f"fastdecode bench allreduce --world {world} (git {env_info()['git_sha']})")
             print(f"crossovers for {world} ranks: {limits} -> {path}")
     dist.destroy_process_group()

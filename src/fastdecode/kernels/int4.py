@@ -486,7 +486,9 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     grid = (triton.cdiv(M, bm), split, triton.cdiv(N, bn))
     uniform = _uniform(group_size, bk)
     spg = slices_per_group(group_size, K, bk)
-    fast_cvt = bool(config.get("fast_cvt", True)) and fast_cvt_ok(x, spg > 0, x_scale_mode)
+    # only the dot path reads FAST_CVT: skip the device checks on the decode (fma) launches
+    fast_cvt = (config["kind"] == "dot" and bool(config.get("fast_cvt", True))
+                and fast_cvt_ok(x, spg > 0, x_scale_mode))
     _int4_linear_kernel[grid](
         x, qweight, scales, zm if zm is not None else scales, bias if bias is not None else out,
         x_scale if x_scale is not None else out, out, part if split > 1 else out, locks if split > 1 else out,

@@ -8,7 +8,7 @@ CUDA-graph capture, and ``destroy()`` it when done (or use it as a context manag
 
 Paths, chosen per call by message size. The thresholds are data, per GPU and world size, in
 ``configs/allreduce_<gpu>.json``, written by ``fastdecode bench allreduce --world N --write-config``
-from its own measurements (``crossovers_from_rows``); a world size not in the table starts from
+from its own measurements (``bench.allreduce.crossovers_from_rows``); a world size not in the table starts from
 ``DEFAULT_PATH_BYTES`` with one warning:
 
 * ``one_shot``: each rank pushes its partial into every peer's buffer and raises a flag there; each
@@ -31,7 +31,6 @@ calls first compare shapes across ranks and raise on a mismatch instead of hangi
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 from pathlib import Path
@@ -71,51 +70,6 @@ def measured_path_bytes(gpu_name: str, world: int) -> Optional[dict]:
     table = load_config_table(str(config_path(gpu_name)))
     entry = (table or {}).get("world", {}).get(str(world))
     return {"one_shot": int(entry["one_shot"]), "two_shot": int(entry["two_shot"])} if entry else None
-
-
-def crossovers_from_rows(rows: list[dict], world: int) -> dict:
-    """Path limits from the plain all-reduce rows of ``fastdecode bench allreduce`` at ``world`` ranks.
-
-    One-shot keeps every size up to the largest one from which on, going up from the smallest, it
-    was measured and no slower than both two-shot and NCCL; two-shot then keeps the sizes above that
-    while it is no slower than NCCL; NCCL takes the rest. Sizes are those measured (no interpolation).
-    """
-    times: dict[int, dict[str, float]] = {}
-    for r in rows:
-        if r.get("op") != "all_reduce" or r.get("shape", {}).get("world") != world or r.get("median_us") is None:
-            continue
-        impl = {"nccl": "nccl", "fastdecode_one_shot": "one_shot", "fastdecode_two_shot": "two_shot"}.get(r["impl"])
-        if impl:
-            times.setdefault(int(r["shape"]["bytes"]), {})[impl] = float(r["median_us"])
-    sizes = sorted(b for b, t in times.items() if "nccl" in t)
-    if not sizes:
-        raise ValueError(f"no plain all-reduce rows with an NCCL baseline at world size {world}")
-    inf = float("inf")
-    one = 0
-    for b in sizes:
-        t = times[b]
-        if t.get("one_shot", inf) <= min(t["nccl"], t.get("two_shot", inf)):
-            one = b
-        else:
-            break
-    two = one
-    for b in (b for b in sizes if b > one):
-        if times[b].get("two_shot", inf) <= times[b]["nccl"]:
-            two = b
-        else:
-            break
-    return {"one_shot": one, "two_shot": two}
-
-
-def write_config(gpu_name: str, world: int, path_bytes: dict, source: str, path: Optional[Path] = None) -> Path:
-    """Store ``path_bytes`` for ``world`` ranks in the GPU's table (other world sizes are kept)."""
-    path = Path(path) if path is not None else config_path(gpu_name)
-    table = json.loads(path.read_text()) if path.is_file() else {"gpu": gpu_name, "world": {}}
-    table.setdefault("world", {})[str(world)] = {
-        "one_shot": int(path_bytes["one_shot"]), "two_shot": int(path_bytes["two_shot"]), "source": source}
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    load_config_table.cache_clear()
-    return path
 
 
 def _spans_nodes(world: int) -> bool:
@@ -254,20 +208,34 @@ class CommWorkspace:
 
     def path_for(self, numel: int, element_size: int = 2, rows: Optional[int] = None) -> str:
         """Which path an all-reduce of ``numel`` elements takes (``rows``: the fused kernel's rows)."""
-        path, why = self._choose(numel, element_size, rows)
-        return path
+        return self._choose(numel, element_size, rows, explain=False)[0]
 
-    def _choose(self, numel: int, element_size: int, rows: Optional[int]) -> tuple[str, str]:
+    def _choose(self, numel: int, element_size: int, rows: Optional[int],
+                explain: bool = True) -> tuple[str, Optional[str]]:
+        """(path, the rule that chose it); the rule's text only with ``explain`` (it is logged once)."""
         if self.mode != "symm":
             return self.mode, self.reason
         nbytes = numel * element_size
         one, two = self.path_bytes["one_shot"], min(self.path_bytes["two_shot"], self.max_bytes)
         if nbytes <= one and self._one_shot_fits(numel, element_size, rows):
-            return "one_shot", f"<= {one} bytes (one-shot limit)"
-        if nbytes <= two:
-            why = f"<= {two} bytes (two-shot limit)"
-            return "two_shot", why + (" and too large for one program's slab" if nbytes <= one else "")
-        return "nccl", f"> {two} bytes (NCCL above the two-shot limit)"
+            path = "one_shot"
+        else:
+            path = "two_shot" if nbytes <= two else "nccl"
+        if not explain:
+            return path, None
+        if path == "one_shot":
+            return path, f"<= {one} bytes (one-shot limit)"
+        if path == "two_shot":
+            return path, f"<= {two} bytes (two-shot limit)" + (
+                " and too large for one program's slab" if nbytes <= one else "")
+        return path, f"> {two} bytes (NCCL above the two-shot limit)"
+
+    def _path_logged_once(self, numel: int, element_size: int, rows: Optional[int]) -> str:
+        """The path of a call (``rows``: fused), logged with its rule the first time it is taken."""
+        path = self.path_for(numel, element_size, rows)
+        if (path, rows is not None) not in self._logged_paths:
+            self._log_path(path, self._choose(numel, element_size, rows)[1], numel * element_size, rows is not None)
+        return path
 
     def _log_path(self, path: str, why: str, nbytes: int, fused: bool) -> None:
         key = (path, fused)
@@ -378,8 +346,7 @@ def all_reduce(x: torch.Tensor, workspace: CommWorkspace, *, out: Optional[torch
     if inplace:
         out = x
     check_out("out", out, x.shape, x.dtype, x.device)
-    path, why = ws._choose(x.numel(), x.element_size(), None)
-    ws._log_path(path, why, x.numel() * x.element_size(), fused=False)
+    path = ws._path_logged_once(x.numel(), x.element_size(), None)
     src = x if x.is_contiguous() or path in ("nccl", "torch") else x.contiguous()
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -422,8 +389,7 @@ def all_reduce_add_rms_norm(x, residual, weight, eps: float, workspace: CommWork
         require_sm(x.device, 8, 9, "FP8 output")
     x2 = as_rows("x", x)
     r2 = as_rows("residual", residual, inplace=True)
-    path, why = ws._choose(x.numel(), x.element_size(), x2.shape[0])
-    ws._log_path(path, why, x.numel() * x.element_size(), fused=True)
+    path = ws._path_logged_once(x.numel(), x.element_size(), x2.shape[0])
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device) if out is None else out
     dynamic = fp8 and scale_t is None
     scale_out = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device) if dynamic else None
