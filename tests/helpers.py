@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fastdecode.quant.fp8 import e4m3_step, fp8_mismatches  # noqa: F401  (e4m3_step: re-exported to the tests)
+
 FP8 = torch.float8_e4m3fn
 
 # Absolute/relative tolerances of a kernel output against its fp32-math reference, per output dtype.
@@ -40,34 +42,21 @@ def assert_close(actual, expected, dtype=None, ulps=1):
     torch.testing.assert_close(actual.float(), expected.float(), **{k: v * ulps for k, v in tol.items()})
 
 
-def e4m3_step(v: torch.Tensor) -> torch.Tensor:
-    """Spacing of float8_e4m3fn values around |v| (3 mantissa bits; subnormal spacing 2^-9)."""
-    a = v.abs().clamp(min=2.0**-6)
-    return torch.exp2(torch.floor(torch.log2(a)) - 3)
-
-
 def assert_fp8_close(q, q_ref, scale=None, scale_ref=None, *, max_mismatch=0.05):
     """FP8 outputs agree within one e4m3 step, elementwise, after dequantisation.
 
     Under the Triton interpreter (triton 3.6-3.9) the fp32 -> float8e4nv cast drops the carry when a
     value rounds up to the next power of two (e.g. 125.3 -> 64 instead of 128), on ~2% of elements:
-    those, and only those, are accepted there: the kernel's value is a power of two ``p`` whose double
-    ``2p`` is within one step of the reference. ``2p`` may be the reference itself, or the reference
-    may be one step below it when the two fp32 values before the cast differ by an ulp and straddle
-    the rounding boundary (seen about once per 20 million elements: kernel -4 for -7.5, 16 for 30).
+    those, and only those, are accepted there (``fastdecode.quant.fp8.fp8_mismatches`` states the
+    rule; the reference may also sit one step below ``2p`` when the fp32 values before the cast
+    straddle the rounding boundary: seen once per ~20 million elements, kernel -4 for -7.5).
     """
     assert q.dtype == FP8 and q_ref.dtype == FP8, (q.dtype, q_ref.dtype)
     a, b = q.float(), q_ref.float()
     assert not torch.isnan(a).any(), "NaN in FP8 output (unwritten or overflowed)"
     if scale is not None:
         torch.testing.assert_close(scale.float(), scale_ref.float(), atol=0, rtol=1e-5)
-    ok = (a - b).abs() <= e4m3_step(b) * 1.0001
-    if interpreter_on():
-        log2a = torch.log2(a.abs())
-        power_of_two = (a != 0) & (log2a == log2a.round())
-        lost_carry = power_of_two & ((2 * a - b).abs() <= e4m3_step(b) * 1.0001)
-        ok |= lost_carry
-    bad = (~ok).sum().item()
+    bad, _ = fp8_mismatches(q, q_ref, lost_carry_ok=interpreter_on())
     assert bad == 0, f"{bad} of {a.numel()} FP8 values differ by more than one e4m3 step"
     mismatch = (a != b).float().mean().item()
     if interpreter_on() and a.numel() < 2000:
