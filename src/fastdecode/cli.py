@@ -20,15 +20,14 @@ def _cmd_selfcheck(args) -> int:
     return selfcheck.main(["--quick"] if args.quick else [])
 
 
-KERNEL_SUITES = {"norm": ["norm"], "silu": ["silu"], "quant": ["quant"], "kernels": ["norm", "silu", "quant"],
-                 "all": ["norm", "silu", "quant"]}  # "all": the name of `kernels` in earlier versions
+KERNELS_OUT = "benchmarks/results/norm_activation_quant.json"
 
 
 def _cmd_bench_kernels(args) -> int:
     from fastdecode.bench import norm_activation_quant as nav
 
-    nav.run(KERNEL_SUITES[args.bench_command], args.out or "benchmarks/results/norm_activation_quant.json",
-            quick=args.quick, merge=not args.replace)
+    # `kernels` (alias `all`, its name in earlier versions) runs every suite
+    nav.run(args.suites or list(nav.SUITES), args.out or KERNELS_OUT, quick=args.quick, merge=not args.replace)
     return 0
 
 
@@ -95,13 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                             description=f"Benchmark {what} against PyTorch eager and torch.compile (GPU). "
                             "The rows are merged into the --out file: rows of the same op, impl and shape "
                             "are replaced, the others (e.g. of the other suites) kept; --replace overwrites.")
-        p_out = "benchmarks/results/norm_activation_quant.json"
-        k.add_argument("--out", default=None,
-                       help=f"JSON result file (default {p_out}); new rows are merged into it")
+        _add_common(k, f"{KERNELS_OUT}; new rows are merged into it")
         k.add_argument("--replace", action="store_true",
                        help="overwrite the --out file with this run's rows instead of merging")
-        k.add_argument("--quick", action="store_true", help="fewer sizes")
-        k.set_defaults(func=_cmd_bench_kernels)
+        k.set_defaults(func=_cmd_bench_kernels, suites=None if name == "kernels" else [name])
     lin = bsub.add_parser("linear", help="skinny BF16 / FP8 GEMMs vs cuBLAS")
     lin.add_argument("--shapes", default=None, help='e.g. "8b.o,4096x14336" (default: the Llama shapes)')
     _add_common(lin, "benchmarks/results/linear.json")

@@ -182,21 +182,30 @@ def row_key(row: dict) -> tuple:
     return row.get("op"), row.get("impl"), json.dumps(row.get("shape"), sort_keys=True)
 
 
-def merge_rows(rows: list[dict], path: str | os.PathLike) -> list[dict]:
-    """Write ``rows`` into the JSON file at ``path``, keeping its other rows.
+def merged_rows(old: list, new: list[dict], key=row_key, keep_measured: bool = False) -> list[dict]:
+    """``old`` with each row of ``new`` in place of the old row of the same ``key`` (so the file keeps
+    its order), new keys appended. ``keep_measured``: a new row without a measurement (skipped,
+    failed: no ``median_us``) does not replace an old one with."""
+    if not isinstance(old, list) or not all(isinstance(r, dict) for r in old):
+        raise ValueError("not a list of result rows")
+    fresh = {key(r): r for r in new}
+    out = []
+    for r in old:
+        n = fresh.pop(key(r), None)
+        keep_old = n is None or (keep_measured and "median_us" not in n and "median_us" in r)
+        out.append(r if keep_old else n)
+    return out + list(fresh.values())
 
-    A row of the file with the key (op, impl, shape) of a new row is replaced (in place, so the
-    file keeps its order); new keys are appended. Returns what was written.
-    """
+
+def merge_rows(rows: list[dict], path: str | os.PathLike, *, key=row_key, keep_measured: bool = False) -> list[dict]:
+    """Write ``rows`` into the JSON file at ``path``, keeping its other rows (``merged_rows``; by default
+    the key is (op, impl, shape)). Returns what was written."""
     path = Path(path)
-    old = []
-    if path.is_file():
-        old = json.loads(path.read_text())
-        if not isinstance(old, list) or not all(isinstance(r, dict) for r in old):
-            raise ValueError(f"{path} is not a list of result rows; cannot merge into it (write a new file)")
-    new = {row_key(r): r for r in rows}
-    merged = [new.pop(row_key(r), r) for r in old]
-    merged += list(new.values())
+    old = json.loads(path.read_text()) if path.is_file() else []
+    try:
+        merged = merged_rows(old, rows, key, keep_measured)
+    except ValueError:
+        raise ValueError(f"{path} is not a list of result rows; cannot merge into it (write a new file)") from None
     write_rows(merged, path)
     return merged
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import fastdecode as fd
 from fastdecode.bench.harness import make_row, merge_rows, print_table, rotation_count, time_cuda, write_rows
-from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
+from fastdecode.ops.quant import quantize_fp8_ref
 
 FP8 = torch.float8_e4m3fn
 
@@ -33,11 +33,9 @@ FP8 = torch.float8_e4m3fn
 
 
 def to_fp8(y, scale=None, per_token: bool = True):
-    """fp32 y -> (fp8, scale), ``real = fp8 * scale``: static scale, or dynamic per row / per tensor."""
-    if scale is None:
-        amax = y.abs().amax(-1, keepdim=True) if per_token else y.abs().amax().reshape(1)
-        scale = (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
-    return (y / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    """fp32 y -> (fp8, scale), ``real = fp8 * scale``: static scale, or dynamic per row / per tensor
+    (the ops' own plain-PyTorch quantisation, so the baselines round as the kernels do)."""
+    return quantize_fp8_ref(y, scale, per_token=per_token)
 
 
 def add_rms_eager(x, r, w, eps=1e-6):
