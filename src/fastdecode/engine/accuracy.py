@@ -88,8 +88,9 @@ def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), 
         if q not in FORMATS:
             raise ValueError(f"quant {q!r} cannot be evaluated yet (available: {', '.join(FORMATS)})")
         # RTN on the reference's weights (GGUF: dequantised first), not the file's own int4 tensors
+        # (gguf_native=False is the default for fp8 anyway; other formats ignore it)
         m = load(path, device=device, dtype=dtype, max_seq_len=window, progress=False, quant=q,
-                 **({"gguf_native": False} if q == "int4" else {})).model
+                 gguf_native=False).model
         models[m.quant_format or FORMATS[q]] = m
         if q == "int4" and str(ref.source).endswith(".gguf"):
             native = load(path, device=device, dtype=dtype, max_seq_len=window, progress=False, quant=q,

@@ -44,11 +44,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from fastdecode.models.llama import KERNELS
+
 IMPLS = ("torch-eager", "torch-graph", "torch-compile", "fastdecode-graph-cublas", "fastdecode-graph")
 # not in the default list: every GEMM through the skinny Triton kernels (the table's best Triton config)
 EXTRA_IMPLS = ("fastdecode-graph-triton",)
-ABLATION_KERNELS = ("fused_norm", "fused_act", "skinny_gemm", "fused_allreduce", "int4_gemm")
-ABLATIONS = ("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in ABLATION_KERNELS)
+ABLATIONS = ("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in KERNELS)
 # Peak HBM bandwidth by GPU name fragment, bytes/s (vendor figures); the copy anchor is 4.24 TB/s on H200
 PEAK_BW = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
            "A100": 2.0e12}
@@ -72,11 +73,10 @@ class _Runner:
         self.graphs = None
         self.compiled = None
         dev = cache.device
-        model.set_kernels(**dict.fromkeys(ABLATION_KERNELS, True))
-        model.set_gemm_impl(None)
+        model.set_kernels(**dict.fromkeys(KERNELS, True))  # also resets the GEMM impl (skinny_gemm on)
         if impl.startswith("fastdecode-graph-no-"):
             k = impl[len("fastdecode-graph-no-"):]
-            if k not in ABLATION_KERNELS:
+            if k not in KERNELS:
                 raise ValueError(f"unknown ablation {impl!r}")
             model.backend = "triton"
             model.set_kernels(**{k: False})
@@ -322,35 +322,21 @@ def row_key(row: dict) -> tuple:
 def merge_rows(old: list, new: list[dict]) -> list[dict]:
     """``old`` with each row of ``new`` in place of the old row of the same ``row_key`` (new keys appended),
     except that a row without a measurement (skipped, failed) does not replace one with."""
-    if not isinstance(old, list) or not all(isinstance(r, dict) for r in old):
-        raise ValueError("the --out file is not a list of result rows; cannot merge into it (give another --out)")
-    fresh = {row_key(r): r for r in new}
-    out = []
-    for r in old:
-        n = fresh.get(row_key(r))
-        if n is not None and ("median_us" in n or "median_us" not in r):
-            out.append(fresh.pop(row_key(r)))
-        else:
-            if n is not None:
-                fresh.pop(row_key(r))  # unmeasured: the measured row stays
-            out.append(r)
-    return out + list(fresh.values())
+    from fastdecode.bench.harness import merged_rows
+
+    return merged_rows(old, new, key=row_key, keep_measured=True)
 
 
 def run(args) -> int:
-    import json
-    import os
-
     import torch.distributed as dist
 
-    from fastdecode.bench.harness import print_table, write_rows
+    from fastdecode.bench.harness import merge_rows as harness_merge, print_table
+    from fastdecode.engine.cli import _finish_tp, _maybe_relaunch, _under_torchrun
 
-    tp = getattr(args, "tp", None)
-    if tp and tp > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        from fastdecode.engine.cli import relaunch_tp
-
-        return relaunch_tp(tp, getattr(args, "argv", None))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    code = _maybe_relaunch(args)  # --tp N outside torchrun: the same command under torchrun
+    if code is not None:
+        return code
+    if _under_torchrun():
         from fastdecode.engine.tp import init_distributed
 
         init_distributed()
@@ -362,19 +348,12 @@ def run(args) -> int:
                              iters=args.iters, warmup=args.warmup, impls=impls, device=args.device,
                              dtype=getattr(torch, args.dtype), layers=args.layers, quant=getattr(args, "quant", None),
                              log=(lambda m: print(m, file=sys.stderr, flush=True)) if main else (lambda m: None))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    _finish_tp()
     if not main:
         return 0
     print_table(rows, ("impl", "shape", "median_us", "tokens_per_s", "tbps", "roofline_tokens_per_s"))
     if args.out:
-        old = []
-        if os.path.exists(args.out):
-            with open(args.out) as f:
-                old = json.load(f)
-        merged = merge_rows(old, rows)
-        write_rows(merged, args.out)
+        merged = harness_merge(rows, args.out, key=row_key, keep_measured=True)
         print(f"wrote {args.out} ({len(rows)} rows, {len(merged)} in the file)", file=sys.stderr)
     if args.plot is not None:
         path = args.plot or (args.out.rsplit(".", 1)[0] + ".png" if args.out else "decode.png")

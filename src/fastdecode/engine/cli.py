@@ -118,7 +118,7 @@ def _engine(args, max_batch: int = 1):
     if _under_torchrun():
         from fastdecode.engine.tp import init_distributed, load_tp
 
-        rank, world, device = init_distributed()
+        _, _, device = init_distributed()
         dtype = _dtype(args, device)
         loaded = load_tp(args.model, device=device, dtype=dtype, progress=False, **kw)
     else:
@@ -239,8 +239,6 @@ def cmd_chat(args) -> int:
             except EOFError:
                 user = ""
         user = _broadcast(user)  # under TP every rank runs the same turn
-        if not user.strip():
-            break
         if not user.strip():
             break
         if user.strip() == "/reset":

@@ -418,7 +418,7 @@ def _assemble(cfg: ModelConfig, spec: Spec, get: Callable, available: set[str], 
     model.tie_weights()
     model.setup_rope(rope_len, device)
     if packed:
-        model.quant, model.quant_format = "int4", "+".join(sorted(formats))
+        model.quant_format = "+".join(sorted(formats))  # every one int4-w4a16-*: quant "int4"
         model.set_kernels()  # the int4_gemm switch on the new modules
     return model
 
@@ -894,8 +894,7 @@ def load_gguf(path: str, *, device="cpu", dtype=torch.bfloat16, backend="auto", 
     if (f"{arch}.vocab_size" not in meta and not meta.get("tokenizer.ggml.tokens")
             and "token_embd.weight" in tensors):  # no vocabulary: the embedding's rows say how many tokens
         meta[f"{arch}.vocab_size"] = int(tensors["token_embd.weight"].shape[-1])  # dims innermost first
-    cfg = ModelConfig.from_gguf(meta, set(tensors))
-    arch = meta["general.architecture"]
+    cfg = ModelConfig.from_gguf(meta, set(tensors))  # raises unless arch is llama / qwen2
 
     def get(name):
         return _GGUFTensor(tensors[name])  # lazy: a shard dequantises only its own bytes
@@ -911,10 +910,14 @@ def load_gguf(path: str, *, device="cpu", dtype=torch.bfloat16, backend="auto", 
 
     q4 = {gguf.GGMLQuantizationType.Q4_0: from_gguf_q4_0, gguf.GGMLQuantizationType.Q4_1: from_gguf_q4_1}
 
+    def q4_weight(t, raw, shape):
+        """Raw Q4_0 / Q4_1 blocks of ``t`` (all of them, or a shard's) -> an ``Int4Weight`` of ``shape``."""
+        return q4[t.tensor_type](torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1)), shape)
+
     def read4(name, shape):
         t = tensors[name]
         K, N = (int(v) for v in t.shape)  # GGUF lists dims innermost first
-        return q4[t.tensor_type](torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(-1)), (N, K))
+        return q4_weight(t, t.data, (N, K))
 
     def read4_shard(name, shape, rule, rank, world):
         """Rows (col) or a K range on whole 32-value blocks (row) of the raw blocks, read from the mapped file."""
@@ -931,7 +934,7 @@ def load_gguf(path: str, *, device="cpu", dtype=torch.bfloat16, backend="auto", 
         else:
             k0, k1 = int4_row_shard(K, block, rank, world)  # the group size is the block: 32
             raw, shard = t.data[:, k0 // block * nbytes:k1 // block * nbytes], (N, k1 - k0)
-        return q4[t.tensor_type](torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1)), shard)
+        return q4_weight(t, raw, shard)
 
     int4 = None
     if native:

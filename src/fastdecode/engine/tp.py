@@ -197,9 +197,7 @@ def apply_tp_structure(model, rank: int, world: int) -> None:
         layer.attention.n_heads, layer.attention.n_kv_heads = local.n_heads, local.n_kv_heads
     for m in model.modules():
         if isinstance(m, (Linear, Fp8Linear)):
-            m.out_features, m.in_features = m.weight.shape
-        elif isinstance(m, Int4Linear):
-            m.out_features = m.qweight.shape[0]
+            m.out_features, m.in_features = m.weight.shape  # (Int4Linear: set by from_weight above)
     start, rows, s = vocab_range(cfg.vocab_size, rank, world)
     model.tok_embeddings.num_embeddings = s
     model.tie_weights()

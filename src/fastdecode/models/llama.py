@@ -394,13 +394,19 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.rope_freq_factors = rope_freq_factors
-        self.quant: Optional[str] = None  # "fp8" / "int4" after quantize_model or a quantised load
-        self.quant_format: Optional[str] = None  # the format recorded on export (models.quantize)
+        self.quant_format: Optional[str] = None  # the format recorded on export (models.quantize); sets ``quant``
         self.tp = None  # fastdecode.engine.tp.TPState after apply_tp
         self.kernels = dict.fromkeys(KERNELS, True)
         self.rope_len = rope_len or cfg.max_seq_len
         rope_dev = None if device is None or torch.device(device).type == "meta" else device
         self.register_buffer("rope", rope_cache(cfg, self.rope_len, rope_freq_factors, rope_dev), persistent=False)
+
+    @property
+    def quant(self) -> Optional[str]:
+        """"fp8" / "int4" after quantize_model or a quantised load (the method of ``quant_format``), else None."""
+        from fastdecode.models.quantize import method_of
+
+        return method_of(self.quant_format)
 
     @property
     def backend(self) -> str:
@@ -431,11 +437,12 @@ class Transformer(nn.Module):
         return all_reduce(e * valid.unsqueeze(-1).to(e.dtype), self.tp.comm)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        """Normed hidden states [..., dim] -> fp32 logits [..., V] (under TP: local rows, all-gathered)."""
-        logits = self.output(x, self.backend).float()
-        if self.tp is None:
-            return logits
-        return self.tp.gather_vocab(logits, self.config.vocab_size)
+        """Normed hidden states [..., dim] -> fp32 logits [..., V] (under TP: local rows, all-gathered in the
+        model dtype, then widened to fp32: half the bytes of gathering fp32, the same values)."""
+        logits = self.output(x, self.backend)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits.float()
 
     def _logits(self, h):
         return self._head(self.norm(h, self.backend))
@@ -461,13 +468,13 @@ class Transformer(nn.Module):
             x = layer.feed_forward(x, be)
         if self.norm.comm is not None:  # x is this rank's partial sum: all-reduce + add + norm together
             h, _ = self.norm.add_forward(x, residual, be)
-            if last_idx is not None:
-                h = h[torch.arange(B, device=h.device), last_idx]  # [B, dim]
-            return self._head(h)
-        h = x + residual
+            head = self._head
+        else:  # the norm after the row selection (fewer rows)
+            h = x + residual
+            head = self._logits
         if last_idx is not None:
             h = h[torch.arange(B, device=h.device), last_idx]  # [B, dim]
-        return self._logits(h)
+        return head(h)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache) -> torch.Tensor:

@@ -118,7 +118,7 @@ def quantize_model_fp8(model: Transformer) -> Transformer:
         raise ValueError(f"the model is already quantised ({model.quant!r})")
     dtype = model.tok_embeddings.weight.dtype
     _swap_block_linears(model, lambda lin: fp8_linear_from(lin, out_dtype=dtype))
-    model.quant, model.quant_format = "fp8", FP8_FORMAT
+    model.quant_format = FP8_FORMAT
     model.set_kernels()  # FP8 outputs of the fused norms / activation where their switches are on
     return model
 
@@ -135,7 +135,7 @@ def quantize_model_int4(model: Transformer, group_size: int = INT4_GROUP,
     if model.quant is not None:
         raise ValueError(f"the model is already quantised ({model.quant!r})")
     _swap_block_linears(model, lambda lin: int4_linear_from(lin, group_size, symmetric))
-    model.quant, model.quant_format = "int4", int4_format(group_size, symmetric)
+    model.quant_format = int4_format(group_size, symmetric)
     model.set_kernels()  # int4_gemm switch; no FP8 activations
     return model
 
