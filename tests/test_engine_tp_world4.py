@@ -21,14 +21,10 @@ VOCAB = 301
 ATOL = 1e-4  # fp32, 2 layers: TP changes only the summation order (as in test_engine_tp.py)
 
 
-def _hf_dir(path, seed):
+def _hf_dir(path, seed=None):
     return save_hf_llama(path, seed, vocab_size=VOCAB, hidden_size=512, intermediate_size=512,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
                          initializer_range=0.05)
-
-
-def _greedy(model, prompt, n):
-    return greedy(model, prompt, n, max_seq_len=48)
 
 
 def _tp4_equals_tp1(rank, world, path, prompt):
@@ -48,14 +44,14 @@ def _tp4_equals_tp1(rank, world, path, prompt):
             torch.testing.assert_close(tp.output.weight[:rows], full.output.weight[start:start + rows])
         else:
             assert tp.layers[0].feed_forward.w2.in_features == 512 // world
-        want, ref_logits = _greedy(full, prompt, 8)
-        got, logits = _greedy(tp, prompt, 8)
+        want, ref_logits = greedy(full, prompt, 8, max_seq_len=48)
+        got, logits = greedy(tp, prompt, 8, max_seq_len=48)
         torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0, msg=f"quant={quant}")
         assert got == want, (rank, quant, got, want)
 
 
 def test_tp4_greedy_tokens_equal_tp1(tmp_path):
-    path = _hf_dir(str(tmp_path / "ckpt"), seed=int(torch.randint(0, 1000, ())))
+    path = _hf_dir(str(tmp_path / "ckpt"))
     g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, ())))
     prompts = [torch.randint(0, VOCAB, (6,), generator=g).tolist(), torch.randint(0, VOCAB, (3,), generator=g).tolist()]
     run_ranks(WORLD, _tp4_equals_tp1, path, prompts, timeout=300)
