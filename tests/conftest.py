@@ -10,6 +10,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The one decision of this process, kept so that test_zz_process_state.py can check that no test
+# module or test changed it (a module that did turned every later GPU test into an interpreter run).
+TRITON_INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
+
 import pytest  # noqa: E402
 
 

@@ -9,16 +9,14 @@ tested in fp16 and bf16 only on the FMA path; the GPU suite is test_int4_gpu.py.
 import json
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported, if conftest did not
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import fastdecode.ops.int4 as I  # noqa: E402
-from fastdecode.quant import int4 as Q  # noqa: E402
-import helpers  # noqa: E402
-from helpers import gptq_qweight, k_loop, pack_words_along, poison_, sm90_ptx, strided_rows  # noqa: E402
+import fastdecode.ops.int4 as I
+from fastdecode.quant import int4 as Q
+import helpers
+from helpers import gptq_qweight, k_loop, pack_words_along, poison_, sm90_ptx, strided_rows
 
 
 def assert_close(actual, expected):
