@@ -4,11 +4,13 @@ CPU: 2 and 4 gloo processes through the fallback path (the API, its errors, the 
 cycle); the crossover data, the path choice and its log line, the multi-node fallback rule.
 GPU (``multigpu``, every world size from 2 up to the GPUs there are): every symmetric-memory path
 against NCCL + the reference, eagerly and under CUDA-graph replay, and a stress run of 10,000
-replays with checked results.
+replays with checked results; a one-shot stress run (thousands of back-to-back calls, fresh inputs,
+every row, every FP8 scale checked on every rank) guards the call-counter race of the one-shot kernels.
 """
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ import torch.distributed as dist
 import fastdecode as fd
 import fastdecode.bench.allreduce as bar
 import fastdecode.ops.allreduce as ar
-from helpers import assert_close, assert_fp8_close, run_ranks
+from helpers import TOLERANCES, assert_close, assert_fp8_close, e4m3_step, poison_, run_ranks, sm90_ptx
 from fastdecode.ops.allreduce import CommWorkspace, all_reduce, all_reduce_add_rms_norm, all_reduce_ref
 
 N_GPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -183,6 +185,43 @@ def test_path_choice_and_its_log_line(caplog):
     assert "takes nccl: > 8388608 bytes" in lines[1]
 
 
+_COUNTER_TTIR_SNIPPET = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastdecode.kernels.allreduce import _one_shot_add_rms_norm_kernel, _one_shot_kernel
+
+common = {"push_ptrs": "*i64", "eflag_ptrs": "*i64", "cnt_ptr": "*i32", "rank": "i32"}
+fused = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+         **common, "M": "i32", "H": "i32", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "eps": "fp32",
+         "SLAB": "i32", "WORLD": "constexpr", "OUT_MODE": "constexpr", "BLOCK_H": "constexpr",
+         "FP8_MAX": "constexpr", "MIN_SCALE": "constexpr"}
+flat = {"x_ptr": "*bf16", "out_ptr": "*bf16", "n": "i32", **common, "SLAB": "i32", "WORLD": "constexpr",
+        "BLOCK": "constexpr"}
+for fn, sig, consts in ((_one_shot_add_rms_norm_kernel, fused,
+                         dict(WORLD=2, OUT_MODE=2, BLOCK_H=256, FP8_MAX=448.0, MIN_SCALE=1 / (448 * 512))),
+                        (_one_shot_kernel, flat, dict(WORLD=2, BLOCK=256))):
+    cc = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    sys.stdout.write(cc.asm["ttir"] + "\n=== next kernel ===\n")
+"""
+
+
+def test_one_shot_call_counter_is_one_atomic_not_a_load_and_store():
+    """Regression (wrong FP8 scales, now and then, on 2xH200): the one-shot kernels read their call
+    counter with a plain scalar load, which every thread does, and advanced it with a scalar store,
+    which thread 0 alone does; a warp loading after that store took the next call's number. Each
+    kernel must take it from one relaxed atomic (one thread, value broadcast) and never load or
+    store it plainly. Checked on the compiled IR: the race itself needs a GPU (the stress test)."""
+    import re
+
+    kernels = sm90_ptx(_COUNTER_TTIR_SNIPPET).split("=== next kernel ===")[:2]
+    for ir in kernels:
+        assert len(re.findall(r"tt\.atomic_rmw add, relaxed, gpu, [^\n]*\(!tt\.ptr<i32>", ir)) == 1, ir
+        plain = re.findall(r"tt\.(?:load|store) [^\n]*: !tt\.ptr<i32>", ir)  # a scalar int32 access
+        assert not plain, plain
+
+
 def test_ranks_on_several_nodes_use_nccl(monkeypatch):
     """torchrun's LOCAL_WORLD_SIZE < world size: no peer memory (every rank agrees before any setup)."""
     ws = _symm_workspace(world=16)
@@ -285,3 +324,149 @@ def test_gpus_paths_graphs_and_stress(world):
     if N_GPU and N_GPU < world:
         pytest.skip(f"needs {world} GPUs, this machine has {N_GPU}")
     run_ranks(world, _gpu_checks, backend="nccl", timeout=600)
+
+
+# ----------------------------------------------------------------------------- GPU: one-shot stress
+
+# Back-to-back one-shot calls with fresh inputs and every element checked. An intermittent wrong row
+# (a race: a warp of a program taking the wrong call number, a flag seen too early, a slab overwritten
+# by a peer one call ahead) shows as a nonzero count. Sized for ~10-20 s on 2 GPUs.
+STRESS_EAGER_ITERS = 1200  # iterations of [plain, fused, fused FP8], no host sync between them
+STRESS_REPLAYS = 1200  # replays of one graph: [plain, fused, fused FP8] at M=32 and fused FP8 at M=1
+STRESS_SHAPES = [(32, 4096), (1, 8192), (7, 4096), (128, 8192), (32, 8192), (64, 4096)]  # (M, H)
+STRESS_EPS = 1e-6
+
+
+def _bad_count(ok):
+    """Elements not ``ok`` (NaN compares false, so an unwritten NaN counts), an int64 on the GPU."""
+    return (~ok).sum()
+
+
+def _plain_bad(y, ref):
+    return _bad_count(y == ref)
+
+
+def _fused_bad(out, r, ref, res0, w):
+    """(residual, output) mismatches of the fused bf16 call: the residual bit for bit, the output
+    within the bf16 tolerance."""
+    y_ref, r_ref = fd.fused_add_rms_norm_ref(ref, res0, w, STRESS_EPS)
+    tol = TOLERANCES[torch.bfloat16]
+    y, y_ref = out.float(), y_ref.float()
+    return _bad_count(r == r_ref), _bad_count((y - y_ref).abs() <= tol["atol"] + tol["rtol"] * y_ref.abs())
+
+
+def _fp8_bad(q, s, r, ref, res0, w):
+    """(residual, per-token scale, FP8 value) mismatches of the fused FP8 call: the residual bit for bit,
+    every row's scale within 1e-5 relative, every value within one e4m3 step (the assert_fp8_close rule)."""
+    q_ref, s_ref, r_ref = fd.fused_add_rms_norm_fp8_ref(ref, res0, w, STRESS_EPS)
+    a, b = q.float(), q_ref.float()
+    return (_bad_count(r == r_ref), _bad_count((s - s_ref).abs() <= 1e-5 * s_ref.abs()),
+            _bad_count((a - b).abs() <= e4m3_step(b) * 1.0001))
+
+
+def _draw(gen, world, rank, M, H, dev):
+    """Every rank's partial (world, M, H), this rank's residual, a weight: the generator is seeded alike on
+    every rank, so every rank draws every partial."""
+    parts = torch.randn((world, M, H), generator=gen, device=dev, dtype=torch.bfloat16)
+    res = torch.randn((world, M, H), generator=gen, device=dev, dtype=torch.bfloat16)[rank]
+    w = torch.randn((H,), generator=gen, device=dev, dtype=torch.bfloat16)
+    return parts, res, w
+
+
+def _report(bad, kinds, labels, rank, seed, what):
+    """Fail with the kinds of mismatch and the first iterations that had one."""
+    totals = bad.sum(0).tolist()
+    if any(totals):
+        first = bad.any(1).nonzero().flatten()[:5].tolist()
+        counts = {k: t for k, t in zip(kinds, totals) if t}
+        raise AssertionError(f"rank {rank}, {what}, seed {seed}: mismatched elements {counts}; first bad "
+                             f"iterations {[(i, labels[i]) for i in first]}")
+
+
+def _one_shot_stress(rank, world):
+    dev = torch.device("cuda", rank)
+    seed = [int.from_bytes(os.urandom(4), "little")]  # fresh inputs every run, the same on every rank
+    dist.broadcast_object_list(seed, src=0)
+    seed = seed[0]
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    probe = torch.randn(1 << 16, generator=gen, device=dev)
+    everyone = [torch.empty_like(probe) for _ in range(world)]
+    dist.all_gather(everyone, probe)
+    assert all(torch.equal(e, probe) for e in everyone), "the GPUs' generators draw differently from one seed"
+    with CommWorkspace(check=False) as ws:
+        assert ws.mode == "symm", ws.reason
+        ws.path_bytes = {"one_shot": 1 << 40, "two_shot": 0}
+        for M, H in STRESS_SHAPES:
+            assert ws.path_for(M * H, 2) == "one_shot" and ws.path_for(M * H, 2, rows=M) == "one_shot", (M, H)
+
+        # eager: three calls back to back per iteration, references and comparisons queued behind them,
+        # one rank now and then held back on its GPU so the other runs a call ahead into the other parity
+        kinds = ("plain", "fused residual", "fused out", "fp8 residual", "fp8 scale", "fp8 values")
+        bad = torch.zeros(STRESS_EAGER_ITERS, len(kinds), dtype=torch.int64, device=dev)
+        labels = []
+        for it in range(STRESS_EAGER_ITERS):
+            M, H = STRESS_SHAPES[it % len(STRESS_SHAPES)]
+            labels.append(f"M={M} H={H}")
+            parts, res0, w = _draw(gen, world, rank, M, H, dev)
+            x = parts[rank]
+            if it % 3 == 1 and (it // 3) % world == rank:
+                torch.cuda._sleep(20000 * (1 + it % 5))  # ~10-50 us
+            y = all_reduce(x, ws, out=poison_(torch.empty_like(x)))
+            r = res0.clone()
+            out = all_reduce_add_rms_norm(x, r, w, STRESS_EPS, ws, out=poison_(torch.empty_like(x)))
+            r8 = res0.clone()
+            q, s = all_reduce_add_rms_norm(x, r8, w, STRESS_EPS, ws, fp8=True,
+                                           out=poison_(torch.empty(M, H, dtype=torch.float8_e4m3fn, device=dev)))
+            ref = all_reduce_ref(list(parts))
+            bad[it] = torch.stack([_plain_bad(y, ref), *_fused_bad(out, r, ref, res0, w),
+                                   *_fp8_bad(q, s, r8, ref, res0, w)])
+        torch.cuda.synchronize()
+        _report(bad, kinds, labels, rank, seed, "eager")
+
+        # graph replay: the graph reads static inputs, refilled with fresh draws before every replay
+        (M, H), (M1, H1) = (32, 4096), (1, 8192)
+        x, rb, r8 = (torch.zeros(M, H, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        w = torch.zeros(H, device=dev, dtype=torch.bfloat16)
+        x1, r1 = (torch.zeros(M1, H1, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        w1 = torch.zeros(H1, device=dev, dtype=torch.bfloat16)
+
+        def body():
+            return (all_reduce(x, ws), all_reduce_add_rms_norm(x, rb, w, STRESS_EPS, ws),
+                    *all_reduce_add_rms_norm(x, r8, w, STRESS_EPS, ws, fp8=True),
+                    *all_reduce_add_rms_norm(x1, r1, w1, STRESS_EPS, ws, fp8=True))
+
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()  # compile and warm up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y, out, q, s, q1, s1 = body()
+        kinds = kinds + ("M=1 fp8 residual", "M=1 fp8 scale", "M=1 fp8 values")
+        bad = torch.zeros(STRESS_REPLAYS, len(kinds), dtype=torch.int64, device=dev)
+        for it in range(STRESS_REPLAYS):
+            parts, res_b, wn = _draw(gen, world, rank, M, H, dev)
+            res_8 = torch.randn((world, M, H), generator=gen, device=dev, dtype=torch.bfloat16)[rank]
+            parts1, res_1, wn1 = _draw(gen, world, rank, M1, H1, dev)
+            for dst, src in ((x, parts[rank]), (rb, res_b), (r8, res_8), (w, wn), (x1, parts1[rank]), (r1, res_1),
+                             (w1, wn1)):
+                dst.copy_(src)
+            g.replay()
+            ref, ref1 = all_reduce_ref(list(parts)), all_reduce_ref(list(parts1))
+            bad[it] = torch.stack([_plain_bad(y, ref), *_fused_bad(out, rb, ref, res_b, wn),
+                                   *_fp8_bad(q, s, r8, ref, res_8, wn), *_fp8_bad(q1, s1, r1, ref1, res_1, wn1)])
+        torch.cuda.synchronize()
+        _report(bad, kinds, [f"replay, M={M} H={H} and M={M1} H={H1}"] * STRESS_REPLAYS, rank, seed, "graph replay")
+        del g
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_one_shot_stress_every_row_and_fp8_scale_right(world):
+    """Regression for wrong per-token FP8 scales on 2 of 32 rows (2xH200, once in three runs of the test
+    above): thousands of one-shot calls, plain, fused and fused FP8, eagerly and under graph replay."""
+    if N_GPU and N_GPU < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {N_GPU}")
+    run_ranks(world, _one_shot_stress, backend="nccl", timeout=240)

@@ -10,6 +10,8 @@ stores ``c`` into flag ``(b, rank)`` of every rank (release), waits until its ow
 ``(b, p)`` reach ``c`` (acquire), and sums the slabs ``(b, c % 2, p)`` locally. One exchange per call
 and no closing barrier: a rank can run at most one call ahead of a peer (it waits for the peer's
 flag of every call), so the other parity's slabs are never overwritten while being read.
+Every thread of the program must use the same ``c`` (``_next_call``); counters and flags wrap at
+2**31 calls, so the parity is ``c & 1`` and "reached" is ``flag - c >= 0`` in int32 arithmetic.
 
 Two-shot: barriers with stateless flags: slot ``(barrier, block, peer)`` is set to 1 by ``peer``
 (release store) and consumed back to 0 by the owner (acquire compare-and-swap 1 -> 0).
@@ -49,6 +51,20 @@ def _signal(addr, value):
 
 
 @triton.jit
+def _next_call(cnt_ptr):
+    """This program's call number ``c``, advanced by one, the same in every thread of the program.
+
+    One atomic, done by one thread, its old value broadcast by Triton. Not a plain load then store:
+    every thread loaded the counter but thread 0 alone stored ``c``, with no barrier between, so a
+    warp whose load came after that store took ``c + 1``. That warp pushed its columns into the other
+    parity's slabs (peers summed stale data there), waited for a flag of the next call and fell out of
+    step with the program's barriers (its reductions mixed with other warps' partial sums): now and
+    then wrong rows on every rank, and per-token FP8 scales far outside what a norm can give.
+    """
+    return tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="relaxed", scope="gpu") + 1
+
+
+@triton.jit
 def _publish_and_wait(eflag_ptrs, c, rank, WORLD: tl.constexpr):
     pid = tl.program_id(0)
     tl.debug_barrier()  # every thread's pushes precede the release below
@@ -57,7 +73,9 @@ def _publish_and_wait(eflag_ptrs, c, rank, WORLD: tl.constexpr):
         _signal(peer_flags + pid * WORLD + rank, c)
     my_flags = tl.load(eflag_ptrs + rank).to(tl.pointer_type(tl.int32))
     for p in tl.static_range(WORLD):
-        while tl.atomic_add(my_flags + pid * WORLD + p, 0, sem="acquire", scope="sys") < c:
+        # a peer's flag is c (this call) or c + 1 (it is one call ahead); the difference, not a plain
+        # ``< c``, stays right when the int32 counters wrap
+        while tl.atomic_add(my_flags + pid * WORLD + p, 0, sem="acquire", scope="sys") - c < 0:
             pass
     tl.debug_barrier()  # no thread reads the slabs before the acquire above
 
@@ -84,9 +102,8 @@ def _one_shot_kernel(x_ptr, out_ptr, n, push_ptrs, eflag_ptrs, cnt_ptr, rank, SL
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     dtype = x_ptr.dtype.element_ty
-    c = tl.load(cnt_ptr + pid) + 1
-    tl.store(cnt_ptr + pid, c)
-    par = c % 2
+    c = _next_call(cnt_ptr)
+    par = c & 1
     mine = ((pid * 2 + par) * WORLD + rank).to(tl.int64) * SLAB
     for start in range(pid * BLOCK, n, nprog * BLOCK):
         j = (start - pid * BLOCK) // (nprog * BLOCK)
@@ -164,9 +181,8 @@ def _one_shot_add_rms_norm_kernel(
     dtype = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    c = tl.load(cnt_ptr + pid) + 1
-    tl.store(cnt_ptr + pid, c)
-    par = c % 2
+    c = _next_call(cnt_ptr)
+    par = c & 1
     mine = ((pid * 2 + par) * WORLD + rank).to(tl.int64) * SLAB
     for m in range(pid, M, nprog):
         j = (m - pid) // nprog
