@@ -2,19 +2,25 @@
 both kernel paths and every tuner candidate on one shape, the dequant + cuBLAS path, W4A8 on the
 FP8 tensor cores, split-K determinism, CUDA-graph capture and torch.compile(fullgraph=True).
 
-Skipped without CUDA (conftest.py); the CPU interpreter suite is test_int4.py.
+The tests marked ``gpu`` skip without CUDA (conftest.py); the CPU interpreter suite is test_int4.py.
+The unmarked tests at the end run everywhere: the tuner's shared-memory filter and its skip of a
+config that cannot launch.
 """
+
+import logging
 
 import pytest
 import torch
 
 import fastdecode.ops.int4 as I
+from fastdecode.bench import int4 as B
 from fastdecode.bench.int4 import candidates
 from fastdecode.quant import quantize_activation_fp8
 from fastdecode.quant import int4 as Q
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 DEV = "cuda"
+H200_SMEM = 232448  # shared_memory_per_block_optin of the H200
 SHAPES = [(6144, 4096), (4096, 14336), (28672, 4096), (200, 4160)]  # (N, K); the last is odd (K = 16.25 tiles)
 
 
@@ -34,6 +40,7 @@ def _close(y, ref):
     torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2 * max(ref.float().abs().max().item(), 1e-3))
 
 
+@gpu
 @pytest.mark.parametrize("impl", [None, "triton"])
 @pytest.mark.parametrize("M", [1, 3, 16, 33, 64, 257])
 @pytest.mark.parametrize("N,K", SHAPES)
@@ -46,6 +53,7 @@ def test_int4_linear_bf16_real_sizes(N, K, M, impl):
     _close(y, I.int4_linear_ref(x, w, b))
 
 
+@gpu
 @pytest.mark.parametrize("fmt", ["sym", "zero", "min"])
 @pytest.mark.parametrize("g", [32, 64, 128, 4096])
 @pytest.mark.parametrize("M", [1, 5, 48, 300])
@@ -58,6 +66,7 @@ def test_int4_linear_every_group_and_mode(M, g, fmt):
     _close(I.int4_linear(xh, w, impl="triton"), I.int4_linear_ref(xh, w))
 
 
+@gpu
 @pytest.mark.parametrize("M", [256, 1024])
 def test_dequant_cublas_path(M):
     w = _packed(4096, 4096, 128, "zero")
@@ -65,20 +74,40 @@ def test_dequant_cublas_path(M):
     _close(I.int4_linear(x, w, impl="dequant"), I.int4_linear_ref(x, w))
 
 
+@gpu
 @pytest.mark.parametrize("M", [1, 4, 16, 64, 256])
-def test_every_tuner_candidate(M):
+def test_every_tuner_candidate(M, caplog):
+    """Every config the tuner may try either runs and is right, or is skipped with one log line naming
+    it and the reason (Triton's OutOfResources), as ``fastdecode tune int4`` does; the shared-memory
+    estimate keeps every config that cannot launch out of what the tuner proposes on this GPU, and at
+    least one config runs per M. (Regression: M=64 / 256 crashed with ``out of resource: shared
+    memory, Required: 245760, Hardware limit: 232448`` on the H200, from 64 x 128 x 256 at 4 stages.)"""
     N, K = 1024, 4096
     w = _packed(N, K, 128)
     x = torch.randn(M, K, device=DEV).bfloat16()
     ref = I.int4_linear_ref(x, w)
-    for cfg in candidates(M, N, K):
+    proposed = candidates(M, N, K, smem_limit=I.smem_limit(torch.device(DEV)))
+    launched, skipped = [], []
+    for cfg in candidates(M, N, K):  # unfiltered: the launch-time safety net sees what the estimate drops
         if cfg["SPLIT_K"] not in (1, 4):  # the other split counts run the same code
             continue
         out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
-        I._triton_int4_linear(x, w, None, out, cfg)
-        _close(out, ref)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fastdecode"):
+            ran = B.try_config(lambda c: I._triton_int4_linear(x, w, None, out, c), cfg, f"M={M}")
+        if ran:
+            _close(out, ref)
+            launched.append(cfg)
+        else:
+            msgs = [r.getMessage() for r in caplog.records]
+            assert len(msgs) == 1 and str(cfg) in msgs[0] and "out of resource" in msgs[0], msgs
+            skipped.append(cfg)
+    assert launched, f"no candidate launched at M={M}"
+    wrong = [c for c in skipped if c in proposed]
+    assert not wrong, f"the shared-memory estimate proposed configs that cannot launch: {wrong}"
 
 
+@gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="FP8")
 @pytest.mark.parametrize("fmt,g", [("sym", 128), ("zero", 32), ("min", 64)])
 @pytest.mark.parametrize("M", [1, 7, 64, 512])
@@ -92,6 +121,7 @@ def test_w4a8(M, fmt, g):
     _close(I.int4_linear_fp8(xq2, xs2, w), I.int4_linear_fp8_ref(xq2, xs2, w))
 
 
+@gpu
 def test_act_order_gptq_on_gpu():
     N, K, g = 512, 4096, 128
     q = torch.randint(0, 16, (N, K), dtype=torch.uint8)
@@ -105,6 +135,7 @@ def test_act_order_gptq_on_gpu():
     _close(I.int4_linear(x, w), I.int4_linear_ref(x, w))
 
 
+@gpu
 def test_split_k_deterministic_graph_capture_and_compile():
     N, K = 4096, 4096
     w = _packed(N, K, 128)
@@ -130,6 +161,7 @@ def test_split_k_deterministic_graph_capture_and_compile():
     _close(f(x), I.int4_linear_ref(x, w))
 
 
+@gpu
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt,g", [("sym", 128), ("zero", 32), ("min", 64), ("sym", 4096), ("zero", 96)])
 def test_dot_fast_conversion_equals_portable(fmt, g, x_dtype):
@@ -145,3 +177,97 @@ def test_dot_fast_conversion_equals_portable(fmt, g, x_dtype):
     I._triton_int4_linear(x, w, None, slow, {**cfg, "fast_cvt": False})
     _close(fast, slow)
     _close(fast, I.int4_linear_ref(x, w))
+
+
+# ----------------------------------------------------------------------------- tuner on the CPU (no gpu mark)
+
+# Shared memory (bytes) of dot configs (BLOCK_M, BLOCK_N, num_stages; BLOCK_K = 256, bf16 x, fast
+# conversion), from triton 3.6's compile for sm_90 (triton.compile for GPUTarget("cuda", 90, 32), the
+# pointers and sizes 16-divisible as on the H200) of N, K = 1024, 4096; (64, 128, 4) is also what the
+# H200 reported when it refused to launch it.
+COMPILED_SMEM_SM90 = {
+    (16, 128, 4): 81920, (32, 128, 4): 106496, (64, 32, 4): 159744, (64, 64, 4): 188416,
+    (64, 128, 3): 196608, (64, 128, 4): 245760, (128, 32, 3): 221184, (128, 32, 4): 290816,
+    (128, 64, 2): 172032, (128, 64, 3): 245760, (128, 128, 2): 212992,
+}
+
+
+def _dot(bm, bn, st, **kw):
+    return {"kind": "dot", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": 1,
+            "num_warps": 8 if bm * bn >= 128 * 128 else 4, "num_stages": st, "PREFETCH": False, **kw}
+
+
+def test_smem_estimate_bounds_the_compiled_size_and_drops_what_cannot_launch():
+    for (bm, bn, st), used in COMPILED_SMEM_SM90.items():
+        est = I.smem_bytes(_dot(bm, bn, st))
+        assert used <= est, (bm, bn, st, used, est)
+        if bm >= 64:  # wgmma tiles stage the whole dequantised tile: over by one word buffer, no more
+            assert est == used + bn * 256 // 2, (bm, bn, st, used, est)
+        assert (est <= H200_SMEM) == (used <= H200_SMEM), (bm, bn, st, used, est)
+    for M in (1, 4, 16, 64, 256, 1024):
+        for fp8 in (False, True):
+            every = candidates(M, 1024, 4096, fp8)
+            kept = candidates(M, 1024, 4096, fp8, smem_limit=H200_SMEM)
+            xb = 1 if fp8 else 2
+            assert kept == [c for c in every if I.smem_bytes(c, xb) <= H200_SMEM]
+            assert kept, M
+    assert _dot(64, 128, 4) in candidates(64, 1024, 4096)
+    assert _dot(64, 128, 4) not in candidates(64, 1024, 4096, smem_limit=H200_SMEM)  # the config of the crash
+    assert _dot(128, 128, 2) in candidates(256, 1024, 4096, smem_limit=H200_SMEM)
+    for M in (1, 3, 16, 64, 257, 1024):  # the dispatcher's fallback fits too
+        _, cfg = I.heuristic_config(M, 4096, 4096, 128)
+        assert I.smem_bytes(cfg) <= H200_SMEM, cfg
+    assert I.smem_limit(torch.device("cpu")) is None
+
+
+def test_tuner_skips_a_config_that_cannot_launch_with_one_log_line(monkeypatch, caplog):
+    """The launcher raises Triton's OutOfResources for one config (as the H200 did): the tuner logs one
+    line naming the config and the reason, and goes on to time the others; wrong values are skipped the
+    same way; any other error propagates."""
+    from triton.runtime.errors import OutOfResources
+
+    import fastdecode.kernels.int4 as KI
+
+    M, N, K = 16, 32, 256  # small enough for the interpreter
+    dev = DEV if torch.cuda.is_available() else "cpu"
+    w = Q.quantize_int4(torch.randn(N, K, device=dev) / K**0.5, 128, symmetric=True)
+    x = torch.randn(M, K, device=dev).half()  # fp16: the interpreter's bf16 tl.dot is wrong (DESIGN.md)
+    ref = I.int4_linear_ref(x, w)
+    too_big = _dot(64, 128, 4)
+    cands = [_dot(16, 32, 2), too_big, _dot(16, 64, 3)]
+    real_launch = KI.launch_int4_linear
+
+    def launch(*args, **kw):
+        cfg = args[10]
+        if cfg["BLOCK_M"] == too_big["BLOCK_M"] and cfg["BLOCK_N"] == too_big["BLOCK_N"]:
+            raise OutOfResources(245760, H200_SMEM, "shared memory")  # what the H200 said
+        return real_launch(*args, **kw)
+
+    monkeypatch.setattr(KI, "launch_int4_linear", launch)
+    checked, timed = [], []
+
+    def check(cfg):
+        out = torch.full((M, N), float("nan"), device=dev, dtype=x.dtype)
+        checked.append(cfg)
+        I._triton_int4_linear(x, w, None, out, cfg)
+        err = (out.float() - ref.float()).abs().max().item()
+        return None if err <= 1e-2 else f"max error {err:.3g}"
+
+    def time(cfg):
+        timed.append(cfg)
+        return 100.0 / cfg["BLOCK_N"]  # the last one is the fastest
+
+    with caplog.at_level(logging.WARNING, logger="fastdecode"):
+        best = B.fastest(cands, check, time, "int4_linear test M=16")
+    assert best == (100.0 / 64, cands[2])
+    assert checked == cands and timed == [cands[0], cands[2]]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1, msgs
+    assert str(too_big) in msgs[0] and "out of resource: shared memory" in msgs[0] and "M=16" in msgs[0]
+    # a wrong result is skipped with one line too; an unexpected error is not swallowed
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastdecode"):
+        assert B.fastest(cands[:1], lambda c: "max error 3", time, "w") is None
+    assert len(caplog.records) == 1 and "max error 3" in caplog.records[0].getMessage()
+    with pytest.raises(ZeroDivisionError):
+        B.fastest(cands[:1], lambda c: 1 / 0, time, "w")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -34,6 +35,7 @@ TARGETS = {1: 3.2, 16: 3.0, 64: 2.0, 256: 1.0}  # geomean speed-up over cuBLAS B
 FLOOR_ANY_M = 0.85
 W4A8_OVER_W4A16 = 1.3  # at M >= 256
 FP8 = torch.float8_e4m3fn
+log = logging.getLogger("fastdecode")
 
 
 class _Operands:
@@ -128,11 +130,16 @@ def _ok(ops: _Operands, M: int, impl: str, config=None, fp8: bool = False) -> Op
 # ----------------------------------------------------------------------------- tuning
 
 
-def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False) -> list[dict]:
+def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
+               smem_limit: Optional[int] = None) -> list[dict]:
     """A small config list per M: fma tiles for M <= 8, dot tiles for M >= 8, split-K 1..16.
 
     fma tiles keep BLOCK_K = 256 (one layout tile: the per-group scaling of the kernel needs it);
-    ``quick``: 4 warps only and fewer dot tiles (a tuning run that fits a few device minutes)."""
+    ``quick``: 4 warps only and fewer dot tiles (a tuning run that fits a few device minutes).
+    ``smem_limit`` (bytes, ``fastdecode.ops.int4.smem_limit(device)``): configs whose shared-memory
+    estimate (``ops.int4.smem_bytes``) exceeds it are not proposed; None keeps them all."""
+    from fastdecode.ops.int4 import smem_bytes
+
     out = []
     splits = (1, 2, 4, 8, 16)
     if M <= 8:
@@ -158,19 +165,65 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False) -
                      "num_warps": nw, "num_stages": st, "PREFETCH": pf}
                 if c not in out:
                     out.append(c)
+    if smem_limit is not None:
+        out = [c for c in out if smem_bytes(c, 1 if fp8 else 2) <= smem_limit]
     return out
+
+
+def _out_of_resources(e: BaseException) -> bool:
+    """Triton's OutOfResources: the config asks for more shared memory (or registers) than the GPU has.
+    Imported here, not at module import: importing fastdecode must not import triton (_common.py)."""
+    try:
+        from triton.runtime.errors import OutOfResources
+    except ImportError:
+        return False
+    return isinstance(e, OutOfResources)
+
+
+def try_config(check, cfg: dict, what: str) -> bool:
+    """Run ``check(cfg)`` (one launch; returns None, or what was wrong with the values). False, with one
+    log line naming the config and the reason, when the config cannot launch on this GPU (Triton's
+    OutOfResources: the safety net behind the shared-memory estimate) or gave wrong values; any other
+    error propagates."""
+    try:
+        err = check(cfg)
+    except Exception as e:
+        if not _out_of_resources(e):
+            raise
+        err = str(e)
+    if err:
+        log.warning(f"fastdecode tune int4: {what}: skipping {cfg}: {err}")
+        return False
+    return True
+
+
+def fastest(cands, check, time, what: str) -> Optional[tuple[float, dict]]:
+    """(time, config) of the fastest candidate that launches and is right (``try_config``), or None.
+    ``time(cfg)``: microseconds, called only for the configs that passed ``check``."""
+    best = None
+    for cfg in cands:
+        if not try_config(check, cfg, what):
+            continue
+        t = time(cfg)
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return best
 
 
 def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, groups=(GROUP,), fp8: bool = True,
          max_candidates: int = 60, quick: bool = False) -> dict:
-    """Time candidates per (N, K, group, M) and write the dispatcher table (returns it)."""
-    from fastdecode.ops.int4 import clear_config_cache, config_path, table_key
+    """Time candidates per (N, K, group, M) and write the dispatcher table (returns it).
+
+    Candidates over this GPU's shared memory (by ``ops.int4.smem_bytes``) are not tried; one that still
+    cannot launch, or gives wrong values, is skipped with one log line (``try_config``)."""
+    from fastdecode.ops.int4 import clear_config_cache, config_path, smem_limit, table_key
 
     shapes = dict(SHAPES) if shapes is None else shapes
     ms = tuple(ms or (QUICK_TUNE_MS if quick else TUNE_MS))
     name = torch.cuda.get_device_name()
     table = {"gpu": name, "num_sms": torch.cuda.get_device_properties(0).multi_processor_count,
              "env": env_info(), "int4_linear": {}, "int4_linear_fp8": {}}
+    limit = smem_limit(torch.device("cuda"))
     path = Path(out_path) if out_path else config_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     for (sname, (N, K)), g in itertools.product(shapes.items(), groups):
@@ -179,19 +232,12 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
             if is_fp8 and not fp8:
                 continue
             entries = table[op].setdefault(table_key(N, K, g), {})
+            impl = "triton_fp8" if is_fp8 else "triton"
             for M in ms:
-                best = None
-                cands = candidates(M, N, K, is_fp8, quick)[:max_candidates]
-                for cfg in cands:
-                    impl = "triton_fp8" if is_fp8 else "triton"
-                    try:
-                        if _ok(ops, M, impl, cfg, is_fp8):
-                            continue
-                        t = _time(ops.calls(M, impl, cfg), M).median_us
-                    except Exception:  # out of resources etc.: skip the candidate
-                        continue
-                    if best is None or t < best[0]:
-                        best = (t, "triton", cfg)
+                cands = candidates(M, N, K, is_fp8, quick, smem_limit=limit)[:max_candidates]
+                best = fastest(cands, lambda cfg: _ok(ops, M, impl, cfg, is_fp8),
+                               lambda cfg: _time(ops.calls(M, impl, cfg), M).median_us, f"{op} {sname} g{g} M={M}")
+                best = None if best is None else (best[0], "triton", best[1])
                 if not is_fp8 and M >= 128:
                     t = _time(ops.calls(M, "dequant"), M).median_us
                     if best is None or t < best[0]:

@@ -77,6 +77,39 @@ def heuristic_config(M: int, N: int, K: int, group_size: int, num_sms: int = DEF
     return impl, cfg
 
 
+def smem_bytes(config: dict, x_bytes: int = 2) -> int:
+    """Shared memory a launch of ``config`` asks for, an estimate meant to be an upper bound (bytes).
+
+    dot: ``num_stages * (BLOCK_M*BLOCK_K*x_bytes + BLOCK_N*BLOCK_K/2) + BLOCK_N*BLOCK_K*2``: pipeline
+    buffers of the x tile and of the packed int4 words, plus the dequantised 16-bit weight tile staged
+    for the MMA. Calibrated on triton 3.6's sm_90 compile of ``_int4_linear_kernel``: it allocates
+    ``stages`` x buffers, ``stages - 1`` word buffers and, for BLOCK_M >= 64 (wgmma), the whole
+    dequantised tile, i.e. this estimate minus one word buffer (64 x 128 x 256 at 4 stages: 245,760
+    bytes, as the H200 reported; tests/test_int4_gpu.py holds the compiled sizes it was checked on).
+    The scales and zeros are read from global memory, not staged. fma: no pipeline; the bound of the
+    cross-thread reduction of its ``[BLOCK_N, BLOCK_K/8]`` accumulators (compiled: at most 4 KB).
+    """
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if config["kind"] != "dot":
+        return bm * bn * (bk // 8) * 4
+    return config.get("num_stages", 3) * (bm * bk * x_bytes + bn * bk // 2) + bn * bk * 2
+
+
+def smem_limit(device) -> Optional[int]:
+    """Shared memory one program may opt into on a CUDA ``device`` (bytes; 232,448 on the H200), the
+    limit Triton checks a launch against; None elsewhere (the interpreter has no limit)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    limit = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+    if limit is None:  # a torch without the field: Triton's driver, the number its launch check uses
+        from triton.runtime import driver
+
+        limit = driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return int(limit)
+
+
 def _nearest_m(entries: dict, M: int) -> Optional[dict]:
     ms = sorted(int(m) for m in entries)
     if not ms:
@@ -260,6 +293,7 @@ def int4_linear(x, packed: Int4Weight, bias=None, *, out=None, backend: Optional
         check_tensor("bias", bias, dtypes=(x.dtype,), ndim=1)
         if bias.shape[0] != N:
             raise ValueError(f"bias must have shape ({N},) (N, the rows of the weight), got {tuple(bias.shape)}")
+        bias = bias.contiguous()  # the kernel reads it at unit stride
     check_same_device(x=x, qweight=packed.qweight, scales=packed.scales, bias=bias)
     out_shape = (*x.shape[:-1], N)
     check_out("out", out, out_shape, x.dtype, x.device)
@@ -300,6 +334,7 @@ def int4_linear_fp8(x_fp8, x_scale, packed: Int4Weight, bias=None, *, out_dtype=
         check_tensor("bias", bias, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=1)
         if bias.shape[0] != N:
             raise ValueError(f"bias must have shape ({N},) (N, the rows of the weight), got {tuple(bias.shape)}")
+        bias = bias.contiguous()  # the kernel reads it at unit stride
     check_same_device(x_fp8=x_fp8, qweight=packed.qweight, scales=packed.scales, bias=bias)
     xs = _x_scale_rows(x_scale, lead, M, x_fp8.device)
     out_shape = (*lead, N)
