@@ -7,17 +7,14 @@ here; bf16 and the real tensor-core paths are in test_linear_gpu.py.
 
 import json
 import logging
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported, if conftest did not
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import fastdecode.ops.gemm as L  # noqa: E402
-from fastdecode.ops import _common  # noqa: E402
-from fastdecode.quant import dequantize_fp8, quantize_activation_fp8, quantize_weight_fp8  # noqa: E402
-from helpers import FP8, assert_close, e4m3_step, k_loop, poison_, sm90_ptx, strided_rows  # noqa: E402
+import fastdecode.ops.gemm as L
+from fastdecode.ops import _common
+from fastdecode.quant import dequantize_fp8, quantize_activation_fp8, quantize_weight_fp8
+from helpers import FP8, assert_close, e4m3_step, k_loop, poison_, sm90_ptx, strided_rows
 
 if torch.cuda.is_available():  # this file is the CPU (interpreter) suite
     pytestmark = pytest.mark.skip(reason="CPU interpreter suite; see test_linear_gpu.py")
@@ -45,7 +42,9 @@ CONFIGS = {
     "fma_m4_split5": dict(kind="fma", BLOCK_M=4, BLOCK_N=4, BLOCK_K=32, SPLIT_K=5),
     "fma_m1_prefetch": dict(kind="fma", BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, SPLIT_K=1, PREFETCH=True),
     "fma_m2_prefetch_split3": dict(kind="fma", BLOCK_M=2, BLOCK_N=8, BLOCK_K=64, SPLIT_K=3, PREFETCH=True),
+    "fma_m1_evict_split2": dict(kind="fma", BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, EVICT=True),
     "dot_split1": dict(kind="dot", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1),
+    "dot_evict": dict(kind="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, EVICT=True),
     "dot_split4": dict(kind="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=4),
     "dot_m32_split2": dict(kind="dot", BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=2),
 }
@@ -399,7 +398,7 @@ sig = {"x_ptr": pt, "w_ptr": pt, "bias_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr
        "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
        "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_part": "i32", "split_k": "i32"}
 consts = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=0, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
-              USE_PDL=False, PREFETCH=cfg.get("PREFETCH", False), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=True)
+              USE_PDL=False, PREFETCH=cfg.get("PREFETCH", False), W_EVICT=cfg.get("EVICT", False), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=True)
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "w_ptr", "bias_ptr", "xs_ptr", "ws_ptr", "out_ptr", "part_ptr", "lock_ptr",
            "N", "K", "stride_xm", "stride_wn", "stride_om"}
@@ -414,18 +413,40 @@ def _ptx_for_h100(cfg, elem_ty) -> str:
     return sm90_ptx(_COMPILE_SNIPPET, json.dumps(cfg), elem_ty)
 
 
-@pytest.mark.parametrize("dkey,elem_ty,M,prefetch", [
-    ("bf16", "bf16", 1, False), ("bf16", "bf16", 2, True), ("fp8", "fp8e4nv", 1, True), ("fp8", "fp8e4nv", 2, False),
+@pytest.mark.parametrize("dkey,elem_ty,M,prefetch,evict", [
+    ("bf16", "bf16", 1, False, False), ("bf16", "bf16", 2, True, False), ("fp8", "fp8e4nv", 1, True, False),
+    ("fp8", "fp8e4nv", 2, False, False), ("fp8", "fp8e4nv", 1, False, True),
 ])
-def test_fma_loop_streams_16_byte_loads_without_shuffles(dkey, elem_ty, M, prefetch):
+def test_fma_loop_streams_16_byte_loads_without_shuffles(dkey, elem_ty, M, prefetch, evict):
     """Regression guard for the FMA path's speed: in the K loop every weight load is 16 bytes wide
     and nothing goes through shared memory (an x layout that differs from the weight tile's puts a
-    shared-memory round trip and two barriers into every step)."""
+    shared-memory round trip and two barriers into every step); with EVICT the weight loads, and
+    not the x load, carry ``evict_first``."""
     import re
 
-    cfg = {**L.fma_tile(M, 1 if dkey == "fp8" else 2), "PREFETCH": prefetch}
+    cfg = {**L.fma_tile(M, 1 if dkey == "fp8" else 2), "PREFETCH": prefetch, "EVICT": evict}
     ptx = _ptx_for_h100(cfg, elem_ty)
     body = k_loop(ptx)
     assert "shared" not in body and "bar.sync" not in body, "the K loop shuffles through shared memory"
-    w_loads = re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", body)
+    w_loads = re.findall(r"ld\.global(?:\.[\w:]+)*\.v4\.b32", body)
     assert len(w_loads) >= cfg["BLOCK_N"], f"expected >= {cfg['BLOCK_N']} 16-byte loads per step, got {len(w_loads)}"
+    hinted = [ld for ld in w_loads if "evict_first" in ld]
+    assert len(hinted) == (cfg["BLOCK_N"] if evict else 0), w_loads  # one per weight row; x keeps the default
+
+
+def test_fp8_dot_promotes_every_mma_into_fp32():
+    """Regression guard (H200: FP8 dot outputs 1e-3 relative off at K = 64): Triton's default lets Hopper's
+    reduced-precision FP8 accumulator run over the whole K. Every ``wgmma`` must write a fresh partial
+    (scale-d 0) that the K loop then adds into the fp32 accumulator: one ``add.f32`` per accumulator
+    register and MMA."""
+    import re
+
+    cfg = {"kind": "dot", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4}
+    snippet = _COMPILE_SNIPPET.replace("USE_DOT=False, DOT_FP8=False", "USE_DOT=True, DOT_FP8=True")
+    assert snippet != _COMPILE_SNIPPET
+    body = k_loop(sm90_ptx(snippet, json.dumps(cfg), "fp8e4nv"))
+    mmas = re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3 \{[^}]*\}, %rd\d+, %rd\d+, (\d)", body)
+    assert len(mmas) == cfg["BLOCK_K"] // 32, mmas
+    assert set(mmas) == {"0"}, "an FP8 MMA accumulates into the loop's accumulator (scale-d 1)"
+    acc_regs = cfg["BLOCK_M"] * cfg["BLOCK_N"] // (32 * cfg["num_warps"])
+    assert len(re.findall(r"\badd\.f32", body)) >= len(mmas) * acc_regs

@@ -1,7 +1,8 @@
 """Skinny linear on a real GPU: bf16 and FP8 tensor-core paths, real Llama shapes, every tuner
 candidate, split-K determinism, CUDA-graph capture and torch.compile(fullgraph=True).
 
-Skipped without CUDA (conftest.py); the CPU interpreter suite is test_linear.py.
+The tests marked ``gpu`` skip without CUDA (conftest.py); the CPU interpreter suite is test_linear.py.
+The unmarked tests at the end pin the FP8 rounding recipe on the CPU (interpreter, emulated cuBLAS).
 """
 
 import pytest
@@ -9,10 +10,11 @@ import torch
 
 import fastdecode.ops.gemm as L
 from fastdecode.bench.linear import candidates
+from fastdecode.constants import SCALE_TENSOR, SCALE_VECTOR
 from fastdecode.quant import quantize_activation_fp8, quantize_weight_fp8
-from helpers import assert_close, poison_
+from helpers import assert_close, interpreter_on, poison_
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 DEV = "cuda"
 SHAPES = [(6144, 4096), (4096, 14336), (28672, 4096), (111, 4099)]  # (N, K); the last is odd
 FP8_SHAPES = [(6144, 4096), (4096, 14336), (111, 4099)]
@@ -33,6 +35,7 @@ def _fp8_ok():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+@gpu
 @pytest.mark.parametrize("impl", [None, "triton", "cublas"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("M", [1, 3, 16, 64])
@@ -50,6 +53,7 @@ def test_linear_bf16(N, K, M, bias, impl):
     torch.testing.assert_close(y.float(), ref.float(), rtol=8e-3, atol=8e-3 * ref.float().abs().max().item())
 
 
+@gpu
 @pytest.mark.parametrize("impl", [None, "triton"])
 @pytest.mark.parametrize("M", [1, 3, 16, 64])
 def test_linear_fp16_and_strided_rows(M, impl):
@@ -64,6 +68,7 @@ def test_linear_fp16_and_strided_rows(M, impl):
 SCALES_BIAS = [("tensor-tensor", False), ("token-channel", True), ("tensor-channel", True), ("token-tensor", False)]
 
 
+@gpu
 @pytest.mark.skipif(not _fp8_ok(), reason="FP8 needs sm_89+")
 @pytest.mark.parametrize("impl", [None, "triton", "cublas"])
 @pytest.mark.parametrize("scales,bias", SCALES_BIAS)
@@ -81,6 +86,7 @@ def test_linear_fp8(N, K, M, scales, bias, impl):
     assert_close(y, L.linear_fp8_ref(xq, xs, wq, ws, b))
 
 
+@gpu
 @pytest.mark.parametrize("dkey", ["bf16", "fp8"])
 @pytest.mark.parametrize("M", [1, 2, 4, 16, 64, 256])
 def test_every_tuner_candidate(dkey, M):
@@ -108,6 +114,7 @@ def test_every_tuner_candidate(dkey, M):
             raise AssertionError(f"config {cfg}: {e}") from None
 
 
+@gpu
 def test_split_k_is_deterministic_and_counters_reset():
     x = torch.randn(5, 14336, device=DEV).bfloat16()
     w = _weight(4096, 14336, torch.bfloat16)
@@ -123,6 +130,7 @@ def test_split_k_is_deterministic_and_counters_reset():
     assert_close(first, L.linear_ref(x, w))
 
 
+@gpu
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("M", [1, 16])
 def test_cuda_graph_capture_and_replay(M, fp8):
@@ -156,6 +164,7 @@ def test_cuda_graph_capture_and_replay(M, fp8):
         assert_close(y, L.linear_fp8_ref(xq, xs, wq, ws) if fp8 else L.linear_ref(x, w))
 
 
+@gpu
 def test_capture_before_any_call_falls_back_to_one_split():
     saved = dict(L._LOCKS)
     L._LOCKS.clear()
@@ -177,6 +186,31 @@ def test_capture_before_any_call_falls_back_to_one_split():
         L._LOCKS.update(saved)
 
 
+@gpu
+@pytest.mark.skipif(not _fp8_ok(), reason="FP8 needs sm_89+")
+@pytest.mark.parametrize("scales", ["token-channel", "tensor-tensor", "tensor-channel"])
+def test_fp8_bias_cancelling_a_large_product_rounds_once(scales):
+    """Every path (the dispatcher's, each tuner candidate, cuBLAS) rounds ``acc * xs * ws + bias`` once,
+    as the reference: within one ulp of the output where the bias cancels a large product. cuBLAS used
+    to round the product to bf16 and then add the bias (a second rounding): up to half an ulp of the
+    pre-bias value off, 4 ulps of the output here (test_torch_compile_fullgraph[True] caught it)."""
+    M, N, K = 3, 4096, 4096
+    xq, xs, wq, ws, b = _cancelling_fp8(M, N, K, scales, DEV, torch.bfloat16)
+    ref = L.linear_fp8_ref(xq, xs, wq, ws, b)
+    assert _ulps(_double_rounded(xq, xs, wq, ws, b, torch.bfloat16), ref) > 1  # the case has teeth
+    for impl in (None, "triton", "cublas"):
+        y = L.linear_fp8(xq, xs, wq, ws, b, impl=impl)
+        assert _ulps(y, ref) <= 1, f"impl={impl}: {_ulps(y, ref)} ulps"
+    x_mode = SCALE_TENSOR if xs.numel() == 1 else SCALE_VECTOR
+    w_mode = SCALE_TENSOR if ws.numel() == 1 else SCALE_VECTOR
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cfg in candidates(M, N, K, "fp8", sms):
+        out = poison_(torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
+        L._triton_linear(xq, wq, b, xs.reshape(-1), x_mode, ws, w_mode, out, cfg)
+        assert _ulps(out, ref) <= 1, f"config {cfg}: {_ulps(out, ref)} ulps"
+
+
+@gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_torch_compile_fullgraph(fp8):
     if fp8 and not _fp8_ok():
@@ -187,7 +221,12 @@ def test_torch_compile_fullgraph(fp8):
         xq, xs, wq, ws = _fp8_operands(M, N, K, "channel", True)
         b = torch.randn(N, device=DEV).bfloat16()
         f = torch.compile(lambda a, s: L.linear_fp8(a, s, wq, ws, b) * 2, fullgraph=True)
-        assert_close(f(xq, xs), L.linear_fp8_ref(xq, xs, wq, ws, b) * 2)
+        y = f(xq, xs)
+        # the registered op runs eagerly inside the graph, on the same dispatcher decision: bitwise equal
+        assert torch.equal(y, L.linear_fp8(xq, xs, wq, ws, b) * 2)
+        # was 5 of 12,288 elements off by 0.0156: cuBLAS (M=3 dispatches there) rounded x @ w.T to bf16
+        # before the bias was added (test_fp8_bias_cancelling_a_large_product_rounds_once)
+        assert_close(y, L.linear_fp8_ref(xq, xs, wq, ws, b) * 2)
     else:
         w = _weight(N, K, torch.bfloat16)
         f = torch.compile(lambda a: torch.relu(L.linear(a, w)), fullgraph=True)
@@ -195,6 +234,7 @@ def test_torch_compile_fullgraph(fp8):
         assert_close(f(x), torch.relu(L.linear_ref(x, w)))
 
 
+@gpu
 def test_fp8_needs_sm89(monkeypatch):
     import fastdecode.ops._common as common
 
@@ -205,6 +245,7 @@ def test_fp8_needs_sm89(monkeypatch):
         L.linear_fp8(xq, xs, wq, ws)
 
 
+@gpu
 def test_dispatcher_uses_the_tuned_table_for_this_gpu():
     impl, cfg = L.get_linear_config(1, 4096, 4096, torch.bfloat16, DEV)
     assert impl in ("triton", "cublas")
@@ -214,6 +255,7 @@ def test_dispatcher_uses_the_tuned_table_for_this_gpu():
     assert L.get_linear_config(8192, 4096, 4096, torch.bfloat16, DEV) == ("cublas", None)
 
 
+@gpu
 @pytest.mark.parametrize("kind,prefetch", [("fma", False), ("fma", True), ("dot", False)])
 def test_programmatic_dependent_launch(kind, prefetch):
     """PDL configs give the same results eagerly and when chained inside a CUDA graph."""
@@ -247,6 +289,7 @@ def test_programmatic_dependent_launch(kind, prefetch):
         assert_close(y, L.linear_ref(L.linear_ref(x, w), w2))
 
 
+@gpu
 def test_cublas_fp8_rejects_what_scaled_mm_cannot_run():
     if not _fp8_ok():
         pytest.skip("FP8 needs sm_89+")
@@ -254,3 +297,116 @@ def test_cublas_fp8_rejects_what_scaled_mm_cannot_run():
     with pytest.raises(ValueError, match=r"impl='cublas': torch._scaled_mm cannot run N=111, K=4099"):
         L.linear_fp8(xq, xs, wq, ws, impl="cublas")
     assert_close(L.linear_fp8(xq, xs, wq, ws), L.linear_fp8_ref(xq, xs, wq, ws))  # dispatch: Triton
+
+
+# ----------------------------------------------------------------------------- FP8 rounding recipe (no gpu mark)
+
+
+def _cancelling_fp8(M, N, K, scales, device, bias_dtype, big=3.0):
+    """FP8 operands whose product ``acc * xs * ws`` has |.| ~ ``big`` and a bias that cancels it to
+    0.1 <= |y| <= 0.4 (rows of x equal, so one bias cancels every row), give or take the rounding of the
+    bias to ``bias_dtype``: a path that rounds before adding the bias is off by up to half an ulp of the
+    large value, several ulps of y."""
+    x_gran, w_gran = scales.split("-")
+    x0 = torch.randn(1, K, device=device)
+    wq, ws = quantize_weight_fp8(torch.randn(N, K, device=device) * (big / K**0.5), w_gran)
+    xq, xs = quantize_activation_fp8(x0.expand(M, K).contiguous(),
+                                     None if x_gran == "token" else float(x0.abs().amax()) / 448)
+    pre = L.linear_fp8_ref(xq, xs, wq, ws, out_dtype=torch.float32)[0]
+    u = (torch.rand(N, device=device) * 0.3 + 0.1) * torch.where(torch.rand(N, device=device) < 0.5, -1.0, 1.0)
+    bias = (u - pre).to(bias_dtype)
+    assert (pre + bias.float()).abs().min() >= 0.03 and pre.abs().max() > 2 * big / 3
+    return xq, xs, wq, ws, bias
+
+
+def _ulps(y, ref) -> float:
+    """Largest |y - ref| in ulps of the output dtype at max(|y|, |ref|) (elementwise)."""
+    y, r = y.float(), ref.float()
+    mag = torch.maximum(y.abs(), r.abs()).clamp_min(torch.finfo(ref.dtype).tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(mag))) * torch.finfo(ref.dtype).eps
+    return ((y - r).abs() / ulp).max().item()
+
+
+def _double_rounded(xq, xs, wq, ws, bias, out_dtype):
+    """The recipe this test rejects: the product rounded to out_dtype, then the bias added and rounded."""
+    pre = L.linear_fp8_ref(xq, xs, wq, ws, out_dtype=out_dtype)
+    return (pre.float() + bias.to(out_dtype).float()).to(out_dtype)
+
+
+# configs of each Triton path: FMA, FMA split-K with prefetch, dot with FP8 / upcast operands, dot split-K
+RECIPE_CONFIGS = [
+    dict(kind="fma", BLOCK_M=4, BLOCK_N=8, BLOCK_K=64, SPLIT_K=1),
+    dict(kind="fma", BLOCK_M=4, BLOCK_N=8, BLOCK_K=64, SPLIT_K=3, PREFETCH=True),
+    dict(kind="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, DOT_FP8=True),
+    dict(kind="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1, DOT_FP8=False),
+    dict(kind="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=4, DOT_FP8=True),
+]
+
+
+@pytest.mark.skipif(not interpreter_on(), reason="the Triton interpreter (CPU); the GPU has its own test above")
+@pytest.mark.parametrize("scales", ["token-channel", "tensor-tensor"])
+def test_fp8_recipe_on_the_interpreter_rounds_once(scales):
+    """The kernel's epilogue ``acc * xs * ws + bias`` (fp32, one rounding) and linear_fp8_ref agree
+    within one ulp of the OUTPUT where the bias cancels a large product; the double rounding is off by
+    tens of ulps there (fp16 output: the interpreter's bf16 casts truncate; an fp32 bias, exact)."""
+    M, N, K = 3, 64, 256
+    xq, xs, wq, ws, b = _cancelling_fp8(M, N, K, scales, "cpu", torch.float32, big=40.0)
+    ref = L.linear_fp8_ref(xq, xs, wq, ws, b, out_dtype=torch.float16)
+    assert _ulps(_double_rounded(xq, xs, wq, ws, b, torch.float16), ref) > 8
+    x_mode = SCALE_TENSOR if xs.numel() == 1 else SCALE_VECTOR
+    w_mode = SCALE_TENSOR if ws.numel() == 1 else SCALE_VECTOR
+    for cfg in RECIPE_CONFIGS:
+        out = poison_(torch.empty(M, N, dtype=torch.float16))
+        L._triton_linear(xq, wq, b, xs.reshape(-1), x_mode, ws, w_mode, out, {"num_warps": 4, "num_stages": 1, **cfg})
+        assert _ulps(out, ref) <= 1, f"config {cfg}: {_ulps(out, ref)} ulps"
+    y = L.linear_fp8(xq, xs, wq, ws, b, out_dtype=torch.float16, backend="triton")
+    assert _ulps(y, ref) <= 1
+
+
+@pytest.mark.parametrize("scales", ["token-channel", "tensor-tensor", "token-tensor"])
+def test_cublas_fp8_puts_the_bias_in_the_scaled_mm_epilogue(scales, monkeypatch):
+    """The cuBLAS path hands the bias to torch._scaled_mm (added in its fp32 epilogue before the one
+    rounding) and adds nothing afterwards; a bias it cannot fuse (dtype other than out's) keeps the
+    dispatcher on Triton and makes impl='cublas' raise. _scaled_mm is emulated here (CPU): fp32
+    ``acc * scale_a * scale_b + bias``, one rounding, as cuBLASLt and the CUTLASS row-wise kernel do."""
+    calls = []
+
+    def fake_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, out=None, **kw):
+        calls.append(bias)
+        y = (a.float() @ b.float()) * scale_a.float() * scale_b.float()
+        if bias is not None:
+            y = y + bias.float()
+        return out.copy_(y.to(out_dtype))
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
+    M, N, K = 3, 64, 256
+    xq, xs, wq, ws, b = _cancelling_fp8(M, N, K, scales, "cpu", torch.bfloat16)
+    x_mode = SCALE_TENSOR if xs.numel() == 1 else SCALE_VECTOR
+    w_mode = SCALE_TENSOR if ws.numel() == 1 else SCALE_VECTOR
+    out = poison_(torch.empty(M, N, dtype=torch.bfloat16))
+    L._cublas_linear_fp8(xq, xs.reshape(-1), x_mode, wq, ws, w_mode, b, out)
+    assert len(calls) == 1 and calls[0] is b
+    ref = L.linear_fp8_ref(xq, xs, wq, ws, b)
+    assert _ulps(out, ref) <= 1
+    assert _ulps(_double_rounded(xq, xs, wq, ws, b, torch.bfloat16), ref) > 1
+    # what cuBLAS cannot fuse it does not get
+    assert L.cublas_fp8_supported(M, N, K, x_mode, w_mode, torch.bfloat16, torch.bfloat16)
+    assert not L.cublas_fp8_supported(M, N, K, x_mode, w_mode, torch.bfloat16, torch.float32)
+    assert not L.cublas_fp8_supported(M, N, K, SCALE_TENSOR, SCALE_TENSOR, torch.float32, torch.float32)
+    with pytest.raises(ValueError, match=r"impl='cublas': torch._scaled_mm cannot run N=64, K=256 .*bias dtype "
+                                         r"torch.float32"):
+        L._check_cublas_fp8(M, N, K, x_mode == SCALE_TENSOR, w_mode == SCALE_TENSOR, torch.bfloat16, torch.float32)
+
+
+def test_strided_bias_is_read_at_its_strides():
+    """A bias view with a stride (here every other element) was read as if contiguous by the kernels."""
+    backend = "triton" if (interpreter_on() or torch.cuda.is_available()) else "torch"
+    dev = DEV if torch.cuda.is_available() else "cpu"
+    x, w = torch.randn(3, 64, device=dev), torch.randn(48, 64, device=dev)
+    b = torch.randn(96, device=dev)[::2]
+    assert_close(L.linear(x, w, b, backend=backend), L.linear_ref(x, w, b))
+    xq, xs = quantize_activation_fp8(x)
+    wq, ws = quantize_weight_fp8(w, "channel")
+    y = L.linear_fp8(xq, xs, wq, ws, b, out_dtype=torch.float32, backend=backend) if dev == "cpu" or _fp8_ok() else None
+    if y is not None:
+        assert_close(y, L.linear_fp8_ref(xq, xs, wq, ws, b, out_dtype=torch.float32))

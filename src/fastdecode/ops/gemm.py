@@ -206,22 +206,28 @@ def _triton_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, confi
     launch_skinny_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, part, locks, config)
 
 
-def cublas_fp8_supported(M: int, N: int, K: int, x_mode: int, w_mode: int, out_dtype) -> bool:
-    """Whether torch._scaled_mm takes this call (dims multiple of 16; row-wise scales need bf16 out)."""
+def cublas_fp8_supported(M: int, N: int, K: int, x_mode: int, w_mode: int, out_dtype,
+                         bias_dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether torch._scaled_mm takes this call and rounds it as our kernel does: dims multiple of 16;
+    row-wise scales need bf16 out; a bias only of out_dtype (bf16 / fp16), which _scaled_mm adds in
+    its fp32 epilogue before the one rounding (a bias added to its rounded output rounds twice)."""
     if N % 16 or K % 16:
         return False
     if (x_mode == SCALE_VECTOR or w_mode == SCALE_VECTOR) and out_dtype != torch.bfloat16:
         return False
+    if bias_dtype is not None and (bias_dtype != out_dtype or out_dtype == torch.float32):
+        return False
     return True
 
 
-def _check_cublas_fp8(M, N, K, x_per_tensor: bool, w_per_tensor: bool, out_dtype) -> None:
+def _check_cublas_fp8(M, N, K, x_per_tensor: bool, w_per_tensor: bool, out_dtype, bias_dtype=None) -> None:
     modes = (SCALE_TENSOR if x_per_tensor else SCALE_VECTOR, SCALE_TENSOR if w_per_tensor else SCALE_VECTOR)
-    if not cublas_fp8_supported(M, N, K, *modes, out_dtype):
+    if not cublas_fp8_supported(M, N, K, *modes, out_dtype, bias_dtype):
         raise ValueError(
-            f"impl='cublas': torch._scaled_mm cannot run N={N}, K={K} with these scales and out_dtype "
-            f"{out_dtype} (it needs N and K multiples of 16, and bf16 output with per-token or "
-            "per-channel scales); use impl=None or 'triton'"
+            f"impl='cublas': torch._scaled_mm cannot run N={N}, K={K} with these scales, out_dtype "
+            f"{out_dtype} and bias dtype {bias_dtype} (it needs N and K multiples of 16, bf16 output with "
+            "per-token or per-channel scales, and a bias of out_dtype bf16/fp16 if any, so that the bias is "
+            "added before the one rounding); use impl=None or 'triton'"
         )
 
 
@@ -233,18 +239,18 @@ def _cublas_linear(x, weight, bias, out) -> None:
 
 
 def _cublas_linear_fp8(x, x_scale, x_mode, weight, w_scale, w_mode, bias, out) -> None:
+    """``torch._scaled_mm`` with the bias in its epilogue: ``acc * x_scale * w_scale + bias`` in fp32,
+    one rounding, as our kernel (cublas_fp8_supported admits only a bias of out's dtype). Adding the
+    bias to the rounded output instead rounded twice: up to half an ulp of the pre-bias value off,
+    0.0078 at |x @ w.T| in [2, 4) with the bias cancelling it (tests/test_linear_gpu.py)."""
     M, N = out.shape
-    per_tensor = x_mode == SCALE_TENSOR and w_mode == SCALE_TENSOR
-    if per_tensor:
+    if x_mode == SCALE_TENSOR and w_mode == SCALE_TENSOR:
         sa, sb = x_scale.reshape(()), w_scale.reshape(())
-    else:  # cuBLASLt row-wise scaling needs both scales as vectors (an expand costs a small copy)
+    else:  # row-wise scaling needs both scales as vectors (an expand costs a small copy)
         sa = x_scale.reshape(M, 1) if x_mode == SCALE_VECTOR else x_scale.reshape(1, 1).expand(M, 1).contiguous()
         sb = w_scale.reshape(1, N) if w_mode == SCALE_VECTOR else w_scale.reshape(1, 1).expand(1, N).contiguous()
-    fuse_bias = bias is not None and per_tensor and bias.dtype == out.dtype
     torch._scaled_mm(x if x.is_contiguous() else x.contiguous(), weight.t(), sa, sb,
-                     bias=bias if fuse_bias else None, out_dtype=out.dtype, out=out)
-    if bias is not None and not fuse_bias:
-        out.add_(bias.to(out.dtype))
+                     bias=bias, out_dtype=out.dtype, out=out)
 
 
 def _choose(impl: str, x, weight, cublas_ok: bool) -> tuple[str, Optional[dict]]:
@@ -296,9 +302,10 @@ def _linear_fp8_op(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                                  weight_scale, bias, out_dtype=out.dtype))
         return
     require_sm(x.device, 8, 9, "FP8 linear")
-    ok = x.device.type == "cuda" and cublas_fp8_supported(M, N, x.shape[1], x_mode, w_mode, out.dtype)
+    bias_dtype = None if bias is None else bias.dtype
+    ok = x.device.type == "cuda" and cublas_fp8_supported(M, N, x.shape[1], x_mode, w_mode, out.dtype, bias_dtype)
     if impl == "cublas":
-        _check_cublas_fp8(M, N, x.shape[1], x_mode == SCALE_TENSOR, w_mode == SCALE_TENSOR, out.dtype)
+        _check_cublas_fp8(M, N, x.shape[1], x_mode == SCALE_TENSOR, w_mode == SCALE_TENSOR, out.dtype, bias_dtype)
     which, cfg = _choose(impl, x, weight, cublas_ok=ok)
     if which == "cublas":
         _cublas_linear_fp8(x, x_scale, x_mode, weight, weight_scale, w_mode, bias, out)
@@ -338,12 +345,14 @@ def _check_weight(weight, K: int, dtypes, name: str = "weight", x_name: str = "x
     return weight.shape[0]
 
 
-def _check_bias(bias, N: int, dtypes, weight_name: str = "weight") -> None:
+def _check_bias(bias, N: int, dtypes, weight_name: str = "weight"):
+    """The bias, contiguous (the kernels and _scaled_mm read it at unit stride), or None."""
     if bias is None:
-        return
+        return None
     check_tensor("bias", bias, dtypes=dtypes, ndim=1)
     if bias.shape[0] != N:
         raise ValueError(f"bias must have shape ({N},) (N, the rows of {weight_name}), got {tuple(bias.shape)}")
+    return bias.contiguous()
 
 
 def linear(x, weight, bias=None, *, out=None, backend: Optional[str] = None,
@@ -361,7 +370,7 @@ def linear(x, weight, bias=None, *, out=None, backend: Optional[str] = None,
     N = _check_weight(weight, K, LINEAR_DTYPES)
     if weight.dtype != x.dtype:
         raise ValueError(f"weight must have the dtype of x ({x.dtype}), got {weight.dtype}")
-    _check_bias(bias, N, (x.dtype,))
+    bias = _check_bias(bias, N, (x.dtype,))
     check_same_device(x=x, weight=weight, bias=bias)
     out_shape = (*x.shape[:-1], N)
     check_out("out", out, out_shape, x.dtype, x.device)
@@ -424,7 +433,7 @@ def linear_fp8(x_fp8, x_scale, weight_fp8, weight_scale, bias=None, *, out_dtype
     """
     K, lead, M = check_fp8_activation(x_fp8, out_dtype)
     N = _check_weight(weight_fp8, K, (FP8_DTYPE,), "weight_fp8", "x_fp8")
-    _check_bias(bias, N, (torch.bfloat16, torch.float16, torch.float32), "weight_fp8")
+    bias = _check_bias(bias, N, (torch.bfloat16, torch.float16, torch.float32), "weight_fp8")
     check_same_device(x_fp8=x_fp8, weight_fp8=weight_fp8, bias=bias)
     xs = _x_scale_rows(x_scale, lead, M, x_fp8.device)
     ws = _w_scale_vec(weight_scale, N, x_fp8.device)
@@ -434,7 +443,7 @@ def linear_fp8(x_fp8, x_scale, weight_fp8, weight_scale, bias=None, *, out_dtype
     if impl_s != "torch" and not torch.compiler.is_compiling():  # compiled: checked in the op
         require_sm(x_fp8.device, 8, 9, "FP8 linear")
     if impl_s == "cublas":
-        _check_cublas_fp8(M, N, K, xs.numel() == 1, ws.numel() == 1, out_dtype)
+        _check_cublas_fp8(M, N, K, xs.numel() == 1, ws.numel() == 1, out_dtype, None if bias is None else bias.dtype)
     out = torch.empty(out_shape, dtype=out_dtype, device=x_fp8.device) if out is None else out
     if M == 0 or N == 0:
         return out
@@ -457,15 +466,16 @@ def linear_ref(x, weight, bias=None) -> torch.Tensor:
 
 def linear_fp8_ref(x_fp8, x_scale, weight_fp8, weight_scale, bias=None, *,
                    out_dtype=torch.bfloat16) -> torch.Tensor:
-    """Reference of :func:`linear_fp8`: fp32 matmul of the dequantised operands, one rounding.
+    """Reference of :func:`linear_fp8`, with the kernel's recipe: ``acc * x_scale * weight_scale + bias``
+    in fp32 (acc the fp32 product of the FP8 values), then one rounding to out_dtype.
 
     x_scale: one element or (..., 1); weight_scale: one element, (N,) or (N, 1).
     """
     xs = x_scale.float()
     xs = xs.reshape(()) if xs.numel() == 1 and xs.dim() <= 1 else xs.reshape(*x_fp8.shape[:-1], 1)
     ws = weight_scale.float()
-    ws = ws.reshape(()) if ws.numel() == 1 and ws.dim() <= 1 else ws.reshape(-1, 1)
-    y = (x_fp8.float() * xs) @ (weight_fp8.float() * ws).t()
+    ws = ws.reshape(()) if ws.numel() == 1 and ws.dim() <= 1 else ws.reshape(-1)
+    y = (x_fp8.float() @ weight_fp8.float().t()) * xs * ws
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
