@@ -2,8 +2,10 @@
 
 Checked: RMSNorm and fused add + RMSNorm (native, FP8 dynamic and static output; the in-place
 residual too), SiLU-and-mul (same three outputs), FP8 quantisation (per token, per tensor, static),
-the skinny ``linear``, W8A8 ``linear_fp8`` and ``int4_linear``, our Triton kernels forced. Not here:
-the all-reduce (needs two GPUs) and decode attention (its own tests); ``--quick``: tiny sizes only.
+the skinny ``linear``, W8A8 ``linear_fp8`` and ``int4_linear``, decode attention and the RoPE + KV-cache
+write, our Triton kernels forced; then the all-reduce and all-reduce + add + RMSNorm (native and FP8)
+across two processes: gloo on a CPU, every peer-memory path (one-shot, two-shot) and NCCL on 2+ GPUs
+(on one GPU it is skipped, and says so). ``--quick``: tiny sizes only.
 
 On a CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by re-running this
 command in a fresh process, since triton reads it at import); on a GPU they run natively.
@@ -116,6 +118,134 @@ def _gemm_checks(dev, act, M, N, K):
                                                        fd.int4_linear_ref(x, packed, b))
 
 
+def _attention_checks(dev, act, B, Hq, Hkv, T, D):
+    """Decode attention over ragged cache lengths, and the RoPE + KV-cache write that precedes it."""
+    from fastdecode.ops.attention import decode_attention, decode_attention_ref, rope_kv_write, rope_kv_write_ref
+
+    tag = f"B={B} Hq={Hq} Hkv={Hkv} T={T} D={D}"
+    q = torch.randn(B, Hq, D, device=dev, dtype=act)
+    k, v = (torch.randn(B, Hkv, T, D, device=dev, dtype=act) for _ in range(2))
+    seq_lens = torch.randint(1, T + 1, (B,), device=dev, dtype=torch.int32)
+    seq_lens[0] = T  # the full cache and a one-token sequence, whatever the draw
+    seq_lens[-1] = 1
+    yield f"decode_attention            {tag}", _close(decode_attention(q, k, v, seq_lens),
+                                                       decode_attention_ref(q, k, v, seq_lens))
+    qkv = torch.randn(B, (Hq + 2 * Hkv) * D, device=dev, dtype=act)
+    ang = torch.rand(T, D // 2, device=dev) * 6.3
+    rope = torch.stack([ang.cos(), ang.sin()], dim=-1)
+    pos = torch.randint(0, T, (B,), device=dev)
+    k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
+    got = rope_kv_write(qkv, rope, pos, k1, v1, Hq)
+    ref = rope_kv_write_ref(qkv, rope, pos, k2, v2, Hq)
+    ok, detail = _close(got, ref)
+    same = torch.equal(k1, k2) and torch.equal(v1, v2)
+    yield f"rope_kv_write               {tag}", (ok and same, f"{detail}; caches {'exact' if same else 'DIFFER'}")
+
+
+def _allreduce_rank(rank, world, port, backend, act_name, quick, results):
+    """One rank of the all-reduce checks: every path against the reference, lines into ``results``."""
+    import torch.distributed as dist
+
+    import fastdecode as fd
+    from fastdecode.ops.allreduce import CommWorkspace, all_reduce, all_reduce_add_rms_norm, all_reduce_ref
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    act = getattr(torch, act_name)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+            dev = f"cuda:{rank}"
+            # path limits that force each path: everything one-shot, everything two-shot, everything NCCL
+            paths = {"one_shot": {"one_shot": 1 << 30, "two_shot": 1 << 30},
+                     "two_shot": {"one_shot": 0, "two_shot": 1 << 30},
+                     "nccl": {"one_shot": 0, "two_shot": 0}}
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+            dev, paths = "cpu", {"gloo": None}
+        shapes = ((1, 256), (3, 111)) if quick else ((1, 4096), (5, 8192), (64, 4096))
+        for name, limits in paths.items():
+            with CommWorkspace(path_bytes=limits) as ws:
+                for M, H in shapes:
+                    g = torch.Generator().manual_seed(1000 * M + H)  # the same partials on every rank
+                    parts = [torch.randn(M, H, generator=g).to(act).to(dev) for _ in range(world)]
+                    res = torch.randn(M, H, generator=g).to(act).to(dev)
+                    w = (1 + 0.1 * torch.randn(H, generator=g)).to(act).to(dev)
+                    tag = f"{name:<8} world={world} M={M:<3} H={H}"
+                    total = all_reduce_ref(parts)
+                    # at 2 ranks every path sums in rank order: bit for bit; above, NCCL/gloo round their own way
+                    got = all_reduce(parts[rank], ws)
+                    if torch.equal(got, total):
+                        ok, detail = True, "exact"
+                    elif world == 2:
+                        ok, detail = False, f"differs from the rank-order sum ({_close(got, total)[1]})"
+                    else:
+                        ok, detail = _close(got, total)
+                    results.put((rank, f"all_reduce                  {tag}", ok, detail))
+                    r1 = res.clone()
+                    y = all_reduce_add_rms_norm(parts[rank], r1, w, 1e-6, ws)
+                    y_ref, r_ref = fd.fused_add_rms_norm_ref(total, res, w, 1e-6)
+                    check = _close(y, y_ref)
+                    results.put((rank, f"all_reduce_add_rms_norm     {tag}",
+                                 *(_with_residual(check, r1, r_ref) if world == 2 else check)))
+                    if dev != "cpu" and torch.cuda.get_device_capability(dev) < (8, 9):
+                        continue
+                    r1 = res.clone()
+                    q, s = all_reduce_add_rms_norm(parts[rank], r1, w, 1e-6, ws, fp8=True)
+                    q_ref, s_ref, r_ref = fd.fused_add_rms_norm_fp8_ref(total, res, w, 1e-6)
+                    check = _fp8_close(q, q_ref, s, s_ref)
+                    results.put((rank, f"all_reduce_add_rms_norm_fp8 {tag}",
+                                 *(_with_residual(check, r1, r_ref) if world == 2 else check)))
+        dist.barrier()
+    except BaseException as e:  # noqa: BLE001 - reported as a failed check, never a hang
+        results.put((rank, f"all-reduce rank {rank}", False, f"{type(e).__name__}: {e}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        results.put((rank, None, True, "done"))
+
+
+def _allreduce_checks(dev: str, quick: bool, timeout: float = 300.0):
+    """The all-reduce across processes: two gloo ranks on a CPU, one NCCL rank per GPU (2+) on GPUs."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    n_gpu = torch.cuda.device_count() if dev == "cuda" else 0
+    if dev == "cuda" and n_gpu < 2:
+        print("  skip  all-reduce: needs two or more GPUs, this machine has one", flush=True)
+        return
+    world, backend = (n_gpu, "nccl") if dev == "cuda" else (2, "gloo")
+    act = "bfloat16" if dev == "cuda" else "float16"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, world, port, backend, act, quick, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    done, t_end = 0, time.time() + timeout
+    while done < world:
+        try:
+            rank, name, ok, detail = results.get(timeout=max(1.0, t_end - time.time()))
+        except Exception:  # queue.Empty: a rank hangs or died without a word
+            yield "all-reduce", (False, f"ranks silent for {timeout:.0f} s (hang or crash)")
+            break
+        if name is None:
+            done += 1
+        elif rank == 0 or not ok:  # rank 0 speaks for all; any rank's failure is shown
+            yield name + (f" (rank {rank})" if rank else ""), (ok, detail)
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+        if p.exitcode not in (0, None):
+            yield f"all-reduce rank process {procs.index(p)}", (False, f"exit code {p.exitcode}")
+
+
 def _checks(dev: str, quick: bool = False):
     act = torch.bfloat16 if dev == "cuda" else torch.float16
     rows = ((1, 256), (3, 111)) if quick else ((1, 4096), (7, 4099), (64, 8192))
@@ -124,6 +254,10 @@ def _checks(dev: str, quick: bool = False):
         yield from _row_checks(dev, act, M, H)
     for M, N, K in gemms:
         yield from _gemm_checks(dev, act, M, N, K)
+    attn = ((2, 4, 2, 16, 32),) if quick else ((3, 32, 8, 300, 128), (1, 8, 8, 1024, 64))
+    for B, Hq, Hkv, T, D in attn:
+        yield from _attention_checks(dev, act, B, Hq, Hkv, T, D)
+    yield from _allreduce_checks(dev, quick)
 
 
 def main(argv=None) -> int:
