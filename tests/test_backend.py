@@ -26,7 +26,7 @@ def test_env_var_selects_backend(monkeypatch):
 
 
 def test_auto_falls_back_with_one_log_line(monkeypatch, caplog):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_common, "interpreter_on", lambda: False)
     monkeypatch.delenv("FASTDECODE_BACKEND", raising=False)
     _common._logged_once.clear()
     with caplog.at_level(logging.INFO, logger="fastdecode"):
@@ -37,7 +37,7 @@ def test_auto_falls_back_with_one_log_line(monkeypatch, caplog):
 
 
 def test_explicit_triton_that_cannot_run_raises(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_common, "interpreter_on", lambda: False)
     with pytest.raises(RuntimeError, match="backend='triton' was requested but tensors are on the CPU"):
         _common.resolve_backend("triton", torch.device("cpu"), "rms_norm")
 
@@ -87,6 +87,9 @@ SELFCHECK_LINES = (
     "silu_and_mul_fp8 static", "quantize_fp8 per-token", "quantize_fp8 per-tensor", "quantize_fp8 static",
     "linear", "linear_fp8", "int4_linear",
 )
+# one size each in --quick: decode attention and its prologue; the all-reduce across two gloo ranks
+SELFCHECK_ONCE = ("decode_attention", "rope_kv_write")
+SELFCHECK_ALLREDUCE = ("all_reduce", "all_reduce_add_rms_norm", "all_reduce_add_rms_norm_fp8")
 
 
 def test_cli_selfcheck_covers_every_kernel(capsys, monkeypatch):
@@ -95,11 +98,22 @@ def test_cli_selfcheck_covers_every_kernel(capsys, monkeypatch):
     monkeypatch.delenv("FASTDECODE_BACKEND", raising=False)
     assert cli.main(["selfcheck", "--quick"]) == 0
     text = capsys.readouterr().out
-    lines = [line for line in text.splitlines() if line.startswith("  ")]
+    lines = [line for line in text.splitlines() if line.startswith("  ") and not line.startswith("  skip")]
     assert all(line.startswith("  ok  ") for line in lines), lines
-    names = [line[6:].split(" M=")[0].strip() for line in lines]
-    assert sorted(names) == sorted(SELFCHECK_LINES * 2), names  # every check, at each of two sizes
-    assert sum("residual exact" in line for line in lines) == 6  # 3 fused variants x 2 sizes
+    names = [line[8:36].strip() for line in lines]  # "  ok    " then a 28-character name column
+    # the all-reduce: two gloo ranks on a CPU; every path (one-shot, two-shot, NCCL) on 2+ GPUs; none on one GPU
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    paths = ["gloo"] if n_gpu == 0 else (["one_shot", "two_shot", "nccl"] if n_gpu >= 2 else [])
+    if n_gpu == 1:
+        assert "  skip  all-reduce: needs two or more GPUs" in text
+    # every check: the row kernels and GEMMs at each of two sizes, attention once, the all-reduce at two sizes
+    assert sorted(names) == sorted(SELFCHECK_LINES * 2 + SELFCHECK_ONCE + SELFCHECK_ALLREDUCE * 2 * len(paths)), names
+    world = 2 if n_gpu == 0 else n_gpu
+    fused_ar = 2 * 2 * len(paths) if world == 2 else 0  # the fused all-reduces' residuals are exact at 2 ranks
+    assert sum("residual exact" in line for line in lines) == 6 + fused_ar  # + 3 fused norms x 2 sizes
+    for p in paths:
+        assert sum(f"{p:<8} world={world}" in line for line in lines) == 6, p
+    assert "caches exact" in text
     assert "all kernels match their references" in text
     import os
 
@@ -213,3 +227,21 @@ def test_fp8_baselines_compute_what_the_kernels_compute():
         q, qs = base(x)
         q_ref, s_ref = fd.quantize_fp8_ref(x, **kw)
         assert_fp8_close(q, q_ref, qs.reshape(s_ref.shape), s_ref)
+
+
+def test_config_dir_override_reads_your_table_and_falls_back_per_family(monkeypatch, tmp_path):
+    """FASTDECODE_CONFIG_DIR: a table there replaces the package's for its family only."""
+    from fastdecode.bench.harness import env_info
+
+    mine = tmp_path / "linear_nvidia_h200.json"
+    mine.write_text("{}")
+    monkeypatch.setenv("FASTDECODE_CONFIG_DIR", str(tmp_path))
+    assert _common.config_path("linear", "NVIDIA H200") == mine
+    assert _common.config_path("int4_linear", "NVIDIA H200") == _common.CONFIG_DIR / "int4_linear_nvidia_h200.json"
+    env_info.cache_clear()
+    try:
+        assert env_info()["config_dir"] == str(tmp_path)  # rows say the tables came from elsewhere
+    finally:
+        env_info.cache_clear()
+    monkeypatch.delenv("FASTDECODE_CONFIG_DIR")
+    assert _common.config_path("linear", "NVIDIA H200") == _common.CONFIG_DIR / "linear_nvidia_h200.json"

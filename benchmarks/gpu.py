@@ -1,0 +1,230 @@
+"""One script for every GPU run: named suites, one process per suite, results and one log in --out-dir.
+
+    FASTDECODE_GIT_SHA=$(git rev-parse --short=12 HEAD) python3 benchmarks/gpu.py tests kernels decode
+
+Suites (run in the order given; ``all`` = every suite the machine's GPU count allows):
+
+* ``tests``   the whole test suite, CPU and GPU tests together in ONE pytest process (the README's
+              test command), written as ``gpu_tests.json``: counts, failures, skip reasons, GPU, world
+              size, versions, git sha. Commit it from a run on the final commit of every change that
+              touches kernels, ops, models or the engine.
+* ``kernels`` fused norm / SiLU / FP8 quant against PyTorch eager and torch.compile.
+* ``linear``  skinny BF16 / FP8 GEMMs against cuBLAS and ``torch._scaled_mm``.
+* ``int4``    int4-weight GEMMs against cuBLAS BF16 and tinygemm.
+* ``decode``  the 8B decode benchmark (input 1, output 128, median of 30) in BF16, FP8 and int4, with
+              the compiled peers of each format in the same run.
+* ``profile`` per-kernel time of one 8B decode step, BF16 / FP8 / int4.
+* ``tp``      multi-GPU: the all-reduce tests, the all-reduce benchmark, 70B decode at TP = all GPUs.
+
+What it never does: copy files into ``src/`` (tuned tables are written only by
+``fastdecode tune ... --out``; this script passes every ``--out`` into --out-dir). The device machine
+has no .git: pass the commit as FASTDECODE_GIT_SHA (or --git-sha) so every row names its code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+# NVLink multicast stays off on the shared multi-GPU hosts (a program that uses it can take the
+# host's GPUs out of service); these keep NCCL, PyTorch and NVSHMEM off it in every child.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _fd(*args: str) -> list[str]:
+    return [PY, "-m", "fastdecode", *args]
+
+
+def _decode(out: Path, *args: str) -> list[str]:
+    return _fd("bench", "decode", "--preset", "llama-3.1-8b", "--input-len", "1", "--output-len", "128",
+               "--out", str(out / "decode.json"), *args)
+
+
+def suite_commands(name: str, out: Path, n_gpu: int) -> list[tuple[str, list[str], int]]:
+    """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests)."""
+    if name == "kernels":
+        return [("bench kernels", _fd("bench", "kernels", "--out", str(out / "norm_activation_quant.json")), 420)]
+    if name == "linear":
+        return [("bench linear", _fd("bench", "linear", "--out", str(out / "linear.json")), 420)]
+    if name == "int4":
+        return [("bench int4", _fd("bench", "int4", "--out", str(out / "int4_linear.json")), 420)]
+    if name == "decode":
+        return [
+            ("decode bf16", _decode(out, "--batch", "1", "--iters", "30",
+                                    "--impl", "peer-compile", "torch-compile", "fastdecode-graph"), 420),
+            # quantised: the peer of the same format (the ref-backend torch-compile row would dequantise)
+            ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
+                                   "--impl", "peer-compile", "fastdecode-graph"), 420),
+            ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
+                                    "--impl", "peer-compile", "fastdecode-graph"), 420),
+        ]
+    if name == "profile":
+        return [(f"profile {q}", [PY, str(ROOT / "benchmarks" / "profile_decode.py"), *([] if q == "bf16" else ["--quant", q]),
+                                  "--out", str(out / f"profile_{q}.json")], 150) for q in ("bf16", "fp8", "int4")]
+    if name == "tp":
+        if n_gpu < 2:
+            return []
+        w = str(n_gpu)
+        return [
+            ("all-reduce tests", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "multigpu",
+                                  str(ROOT / "tests" / "test_allreduce.py")], 300),
+            ("bench allreduce", _fd("bench", "allreduce", "--world", w, "--out", str(out / "allreduce.json")), 300),
+            ("decode 70b tp", _fd("bench", "decode", "--preset", "llama-3.1-70b", "--quant", "fp8", "--batch", "1",
+                                  "--iters", "30", "--tp", w, "--impl", "fastdecode-graph",
+                                  "fastdecode-graph-no-fused_allreduce", "--out", str(out / "decode_tp.json")), 300),
+        ]
+    raise ValueError(f"unknown suite {name!r}")
+
+
+SUITES = ("tests", "kernels", "linear", "int4", "decode", "profile", "tp")
+
+
+class Log:
+    """Everything the children print, in one file (the device returns at most 8 files)."""
+
+    def __init__(self, path: Path):
+        self.f = open(path, "a", buffering=1)
+
+    def run(self, label: str, argv: list[str], timeout: int, env: dict) -> tuple[int, float, str]:
+        self.f.write(f"\n===== {label}: {' '.join(argv)}\n")
+        t0 = time.time()
+        try:
+            p = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, timeout=timeout)
+            rc, text = p.returncode, p.stdout
+        except subprocess.TimeoutExpired as e:
+            rc, text = 124, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            text += f"\n[gpu.py] {label}: killed after {timeout} s\n"
+        self.f.write(text)
+        dt = time.time() - t0
+        self.f.write(f"===== {label}: rc={rc} in {dt:.0f} s\n")
+        return rc, dt, text
+
+
+def env_record(sha: str | None) -> dict:
+    import torch
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception:
+        tv = None
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "gpu": torch.cuda.get_device_name(0) if n else "cpu",
+        "gpus": [torch.cuda.get_device_name(i) for i in range(n)],
+        "world_size": n,
+        "torch": torch.__version__,
+        "triton": tv,
+        "python": platform.python_version(),
+        "git_sha": sha,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def parse_junit(path: Path) -> dict:
+    """Counts, failure names and skip reasons from pytest's JUnit XML."""
+    root = ET.parse(path).getroot()
+    counts = Counter()
+    failures, skips = [], Counter()
+    for case in root.iter("testcase"):
+        nodeid = f"{case.get('classname', '')}::{case.get('name', '')}"
+        kids = {c.tag: c for c in case}
+        if "failure" in kids or "error" in kids:
+            tag = "failure" if "failure" in kids else "error"
+            counts["failed" if tag == "failure" else "errors"] += 1
+            msg = (kids[tag].get("message") or "").strip().splitlines()
+            failures.append({"test": nodeid, "kind": tag, "message": msg[0][:300] if msg else ""})
+        elif "skipped" in kids:
+            counts["skipped"] += 1
+            skips[(kids["skipped"].get("message") or "").strip()[:200]] += 1
+        else:
+            counts["passed"] += 1
+    return {"passed": counts["passed"], "failed": counts["failed"], "errors": counts["errors"],
+            "skipped": counts["skipped"], "failures": failures,
+            "skip_reasons": dict(sorted(skips.items(), key=lambda kv: -kv[1]))}
+
+
+def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int) -> dict:
+    """The README's test command (``python -m pytest``) in one process; ``gpu_tests.json``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        argv = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=30", "--junitxml", str(junit)]
+        rc, dt, text = log.run("tests", argv, timeout, env)
+        result = parse_junit(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 1, "skipped": 0,
+                                                            "failures": [{"test": "<pytest>", "kind": "error",
+                                                                          "message": f"no report (rc={rc})"}],
+                                                            "skip_reasons": {}}
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    record = {"suite": "tests", "command": "python -m pytest", "exit_code": rc,
+              "summary": lines[-1] if lines else "", "duration_s": round(dt, 1), **result, **env_record(sha)}
+    (out / "gpu_tests.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("suites", nargs="+", choices=SUITES + ("all",))
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"),
+                   help="results and gpu_log.txt (default: $OUT on the device, else benchmarks/results)")
+    p.add_argument("--git-sha", default=os.environ.get("FASTDECODE_GIT_SHA"),
+                   help="commit the run names (default FASTDECODE_GIT_SHA, else git rev-parse)")
+    p.add_argument("--tests-timeout", type=int, default=570)
+    a = p.parse_args(argv)
+
+    sha = a.git_sha
+    if not sha:
+        r = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        sha = r.stdout.strip() or None
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, **SAFE_ENV, PYTHONUNBUFFERED="1")
+    if sha:
+        env["FASTDECODE_GIT_SHA"] = sha
+    src = str(ROOT / "src")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+
+    import torch
+
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    suites = [s for s in SUITES if s != "tp" or n_gpu >= 2] if "all" in a.suites else a.suites
+    log = Log(out / "gpu_log.txt")
+    summary, worst = [], 0
+    for s in suites:
+        if s == "tests":
+            r = run_tests(log, out, env, sha, a.tests_timeout)
+            bad = r["failed"] + r["errors"]
+            summary.append((s, r["summary"], r["duration_s"]))
+            for f in r["failures"]:
+                summary.append(("  FAILED", f["test"], f["message"][:120]))
+            worst = max(worst, 1 if bad or r["exit_code"] else 0)
+            continue
+        steps = suite_commands(s, out, n_gpu)
+        if not steps:
+            summary.append((s, f"not run: needs 2+ GPUs, this machine has {n_gpu}", 0))
+        for label, cmd, timeout in steps:
+            rc, dt, text = log.run(label, cmd, timeout, env)
+            tail = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] or [""]
+            summary.append((label, f"rc={rc} {tail[0][:150]}", round(dt)))
+            worst = max(worst, 1 if rc else 0)
+    print(f"\ngpu.py  git {sha}  {n_gpu} GPU(s)  results in {out}")
+    for label, what, dt in summary:
+        print(f"{label:<18} {what}  [{dt}]")
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())

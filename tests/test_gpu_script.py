@@ -1,0 +1,77 @@
+"""benchmarks/gpu.py, the one script for GPU runs: its report parsing and what it may write."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    spec = importlib.util.spec_from_file_location("gpu_script", ROOT / "benchmarks" / "gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="5">
+<testcase classname="tests.test_a" name="test_ok" time="0.1"/>
+<testcase classname="tests.test_a" name="test_ok2" time="0.1"/>
+<testcase classname="tests.test_b" name="test_bad[2]" time="0.2"><failure message="AssertionError: scale off by 3.29&#10;more">tb</failure></testcase>
+<testcase classname="tests.test_c" name="test_boom" time="0.0"><error message="fixture failed">tb</error></testcase>
+<testcase classname="tests.test_d" name="test_gpu" time="0.0"><skipped type="pytest.skip" message="needs a CUDA GPU">x</skipped></testcase>
+</testsuite></testsuites>"""
+
+
+def test_parse_junit_counts_names_and_reasons(gpu, tmp_path):
+    p = tmp_path / "j.xml"
+    p.write_text(JUNIT)
+    r = gpu.parse_junit(p)
+    assert (r["passed"], r["failed"], r["errors"], r["skipped"]) == (2, 1, 1, 1)
+    assert r["failures"][0] == {"test": "tests.test_b::test_bad[2]", "kind": "failure",
+                                "message": "AssertionError: scale off by 3.29"}
+    assert r["failures"][1]["kind"] == "error"
+    assert r["skip_reasons"] == {"needs a CUDA GPU": 1}
+
+
+@pytest.mark.parametrize("n_gpu", [1, 2])
+def test_every_suite_writes_only_into_the_out_dir(gpu, tmp_path, n_gpu):
+    """No step copies into src/ or writes a tuned table there: every path argument is under --out-dir."""
+    for name in gpu.SUITES:
+        if name == "tests":
+            continue
+        steps = gpu.suite_commands(name, tmp_path, n_gpu)
+        if name == "tp" and n_gpu < 2:
+            assert steps == []
+            continue
+        assert steps, name
+        for label, argv, timeout in steps:
+            assert "--write-config" not in argv and "cp" not in argv[:1], label
+            for i, arg in enumerate(argv):
+                if arg == "--out":
+                    assert Path(argv[i + 1]).parent == tmp_path, (label, argv[i + 1])
+            assert 0 < timeout <= 600, label
+
+
+def test_tests_suite_record(gpu, tmp_path, monkeypatch):
+    """The tests suite runs one pytest process and records counts, failures, env and sha."""
+    seen = {}
+
+    def fake_run(self, label, argv, timeout, env):
+        seen["argv"] = argv
+        Path(argv[argv.index("--junitxml") + 1]).write_text(JUNIT)
+        return 1, 12.3, "....\n1 failed, 2 passed, 1 skipped, 1 error in 12.30s\n"
+
+    monkeypatch.setattr(gpu.Log, "run", fake_run)
+    log = gpu.Log(tmp_path / "gpu_log.txt")
+    rec = gpu.run_tests(log, tmp_path, {}, "abc123", 60)
+    assert seen["argv"][1:3] == ["-m", "pytest"] and "-m" not in seen["argv"][3:]  # whole suite, no marker filter
+    saved = json.loads((tmp_path / "gpu_tests.json").read_text())
+    assert saved == rec
+    assert rec["summary"] == "1 failed, 2 passed, 1 skipped, 1 error in 12.30s"
+    assert (rec["passed"], rec["failed"], rec["errors"], rec["git_sha"]) == (2, 1, 1, "abc123")
+    for key in ("gpu", "world_size", "torch", "triton", "failures", "skip_reasons", "exit_code"):
+        assert key in rec
