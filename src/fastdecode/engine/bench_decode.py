@@ -6,9 +6,17 @@ times after a warm-up; we report the median. Rows (one per implementation):
 * ``torch-eager``      the model with every op on its PyTorch backend, launched eagerly
 * ``torch-graph``      the same ops, the decode step replayed as one CUDA graph
 * ``torch-compile``    the plain-PyTorch model (``*_ref`` functions, no custom ops) under
-                       ``torch.compile(mode="reduce-overhead")``: the gpt-fast-style baseline
+                       ``torch.compile(mode="reduce-overhead")``
+* ``peer-compile``     the compiled peer of the same format (``fastdecode.bench.peers``): a gpt-fast-style Llama
+                       (static KV cache of its own, SDPA, ``F.linear`` / FP8 ``_scaled_mm`` per-tensor / int4
+                       tinygemm) on the model's weights, its greedy decode step under
+                       ``torch.compile(mode="reduce-overhead", fullgraph=True)``; ``peer-eager``: the same, uncompiled
 * ``fastdecode-graph`` fastdecode's Triton kernels, the decode step replayed as one CUDA graph
   (``-cublas``: every GEMM on cuBLAS; ``-triton``: every GEMM on the skinny Triton kernels)
+
+With ``peer-compile`` measured, every ``fastdecode-*`` row gets ``speedup_vs_peer`` (its tokens/s over the
+peer's). Peer rows carry ``peer`` (what the peer is) and their own ``step_weight_bytes`` (the peer's tensors:
+per-tensor FP8 scales, tinygemm's bf16 scale + zero per group). The peer prefills eagerly, like ``torch-compile``.
 
 ``median_us`` is the median per-token decode step (prefill excluded); ``tokens_per_s`` is
 ``batch * output_len / (prefill + decode time)`` (the standard figure); ``tbps`` is the bytes one step
@@ -27,7 +35,8 @@ cuBLAS; int4 models only), and ``fastdecode-eager`` (no CUDA graph).
 checkpoint path loads as stored when it is int4 already: GPTQ, AWQ, GGUF Q4_0 / Q4_1); ``--tp N`` runs under
 torchrun with N ranks (rank 0 reports; ``step_weight_bytes`` are per rank, the packed int4 bytes for int4).
 
-On a CPU only ``torch-eager`` runs (wall-clock timing); the others are reported as skipped.
+On a CPU only ``torch-eager`` and ``peer-eager`` run (wall-clock timing); the others are reported as skipped;
+under ``--tp`` the peers are skipped (single-device models).
 
 ``--out`` (default ``benchmarks/results/decode.json``) merges the rows into the file (``merge_rows``): a run
 replaces the rows of the same measurement (``row_key``) and keeps the others, so a partial or CPU run does
@@ -46,9 +55,12 @@ import torch
 
 from fastdecode.models.llama import KERNELS
 
-IMPLS = ("torch-eager", "torch-graph", "torch-compile", "fastdecode-graph-cublas", "fastdecode-graph")
-# not in the default list: every GEMM through the skinny Triton kernels (the table's best Triton config)
-EXTRA_IMPLS = ("fastdecode-graph-triton",)
+IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdecode-graph-cublas", "fastdecode-graph")
+# not in the default list: every GEMM through the skinny Triton kernels (the table's best Triton config), and
+# the peer uncompiled (slow on a GPU; what runs on a CPU)
+EXTRA_IMPLS = ("fastdecode-graph-triton", "peer-eager")
+PEER_IMPLS = ("peer-compile", "peer-eager")
+CPU_IMPLS = ("torch-eager", "peer-eager")
 ABLATIONS = ("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in KERNELS)
 # Peak HBM bandwidth by GPU name fragment, bytes/s (vendor figures); the copy anchor is 4.24 TB/s on H200
 PEAK_BW = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
@@ -88,6 +100,7 @@ class _Runner:
             model.backend = "ref"
             # the cache is mutated in place: give it a static address, as a module buffer would have,
             # so that cudagraph trees keep (rather than skip) the graph
+            torch._dynamo.reset()  # a clean cache for this model's decode (see _PeerRunner)
             torch._dynamo.mark_static_address(cache.k)
             torch._dynamo.mark_static_address(cache.v)
             self.compiled = torch.compile(model.decode, mode="reduce-overhead", fullgraph=True)
@@ -115,6 +128,12 @@ class _Runner:
             logits = self.model.decode(tokens, pos, self.cache)
         return torch.argmax(logits, dim=-1)
 
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """prompt [B, S] -> the first new tokens [B] (greedy, on device)."""
+        B, S = prompt.shape
+        logits = self.model.prefill(prompt, self.cache, last_idx=torch.full((B,), S - 1, device=prompt.device))
+        return torch.argmax(logits, dim=-1)
+
     def generate(self, prompt: torch.Tensor, output_len: int):
         """prompt: [B, S] on device. Returns (prefill seconds, decode seconds); no host sync inside."""
         B, S = prompt.shape
@@ -124,8 +143,7 @@ class _Runner:
             ev[0].record()
         else:
             t0 = time.perf_counter()
-        logits = self.model.prefill(prompt, self.cache, last_idx=torch.full((B,), S - 1, device=prompt.device))
-        tok = torch.argmax(logits, dim=-1)
+        tok = self.prefill(prompt)
         pos = torch.full((B,), S, dtype=torch.long, device=prompt.device)
         if cuda:
             ev[1].record()
@@ -139,6 +157,60 @@ class _Runner:
             ev[2].synchronize()
             return ev[0].elapsed_time(ev[1]) / 1e3, ev[1].elapsed_time(ev[2]) / 1e3
         return t1 - t0, time.perf_counter() - t1
+
+
+class _PeerRunner(_Runner):
+    """The peer (``fastdecode.bench.peers.PeerLlama``): eager prefill; its greedy decode step eager
+    (``peer-eager``) or under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (``peer-compile``).
+    The generate loop and its timing are ``_Runner``'s."""
+
+    def __init__(self, impl: str, peer, batch: int):
+        self.impl, self.model, self.batch = impl, peer, batch
+        self.graphs = self.compiled = None
+        if impl == "peer-compile":
+            if peer.rope.device.type != "cuda":
+                raise RuntimeError(f"{impl} needs a CUDA device")
+            for t in peer.kv_buffers():  # module buffers mutated in place: keep their addresses in the graph
+                torch._dynamo.mark_static_address(t)
+            # dynamo keys its cache on decode_step's code, shared by every peer this process built (one per
+            # format and run): past 8 entries fullgraph=True fails hard (seen in the GPU suite). The runners run
+            # one after another, so each compiles from a clean cache.
+            torch._dynamo.reset()
+            self.compiled = torch.compile(peer.decode_step, mode="reduce-overhead", fullgraph=True)
+        elif impl != "peer-eager":
+            raise ValueError(f"peer impl must be one of {PEER_IMPLS}, got {impl!r}")
+
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        return torch.argmax(self.model.prefill(prompt), dim=-1)
+
+    def step(self, tokens, pos):
+        if self.compiled is not None:
+            torch.compiler.cudagraph_mark_step_begin()
+            # the graph's output is overwritten by its next replay, which takes it as input: a copy, as
+            # gpt-fast's generate loop makes
+            return self.compiled(tokens, pos).clone()
+        return self.model.decode_step(tokens, pos)
+
+
+def add_speedup_vs_peer(rows: list[dict]) -> None:
+    """In place: ``speedup_vs_peer`` (tokens/s over the measured ``peer-compile`` row's) on every measured
+    ``fastdecode-*`` row; nothing without a measured peer. Rows of one batch size (one ``bench_decode`` call)."""
+    peer = next((r for r in rows if r.get("impl") == "peer-compile" and r.get("tokens_per_s")), None)
+    if peer is None:
+        return
+    for r in rows:
+        if r.get("impl", "").startswith("fastdecode") and r.get("tokens_per_s"):
+            r["speedup_vs_peer"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
+
+
+def _try_build_peer(model, quant, batch: int, max_seq: int):
+    """``(peer, None)`` or ``(None, "Type: message")``."""
+    from fastdecode.bench.peers import build_peer
+
+    try:
+        return build_peer(model, quant, batch, max_seq), None
+    except Exception as e:  # reported on the peer's rows; the other rows still run
+        return None, f"{type(e).__name__}: {e}"
 
 
 def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len: int = 1, output_len: int = 128,
@@ -164,11 +236,17 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     if output_len < 2:
         raise ValueError(f"output_len must be >= 2 (one token from prefill, the rest from decode), got {output_len}")
     max_seq = input_len + output_len
+    # the peer is built only when one of its rows will run; a failure to build it fails those rows only
+    want_peer = tp is None and any(i == "peer-eager" or (i == "peer-compile" and device.type == "cuda")
+                                   for i in impls)
+    peer, peer_error = None, None
     if model_name.lower() in PRESETS or model_name.startswith("preset:"):
         cfg = ModelConfig.from_preset(model_name.split(":", 1)[-1])
         if layers:
             cfg = cfg.replace(n_layers=layers)
         model = random_model(cfg, device=device, dtype=dtype, max_seq_len=max_seq, tp=tp)
+        if want_peer:  # from the dense weights, before fastdecode quantises (and frees) them
+            peer, peer_error = _try_build_peer(model, quant, batch, max_seq)
         if quant is not None:
             from fastdecode.models.quantize import quantize_model
 
@@ -186,34 +264,39 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     else:
         loaded = load(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant)
         model, cfg = loaded.model, loaded.config
+        if want_peer:  # the format fastdecode runs (an int4 checkpoint is int4 without --quant)
+            peer, peer_error = _try_build_peer(model, quant or model.quant, batch, max_seq)
     cache = KVCache(model.config, batch, max_seq, dtype=dtype, device=device)
     wbytes = model.decode_step_bytes(batch)  # weights one step reads (B embedding rows, not the table)
     has_int4 = any(isinstance(m, Int4Linear) for m in model.modules())
     # KV bytes read per step, averaged over the decode steps (positions input_len+1 .. max_seq-1)
     kv_avg = cache.bytes_read([batch * (input_len + output_len / 2)])
-    step_bytes = wbytes + kv_avg
     peak = peak_bandwidth(device)
     shape = {"model": cfg.name + (f"[{layers} layers]" if layers else ""), "batch": batch, "input_len": input_len,
              "output_len": output_len, "dtype": str(dtype).replace("torch.", ""), "quant": quant or "none",
              "tp": tp[1] if tp else 1}
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
-    for impl in impls:
+    last_peer = max((i for i, impl in enumerate(impls) if impl in PEER_IMPLS), default=-1)
+    for n, impl in enumerate(impls):
         skip = None
-        if impl != "torch-eager" and device.type != "cuda":
+        if impl not in CPU_IMPLS and device.type != "cuda":
             skip = "needs CUDA"
         elif impl == "fastdecode-graph-no-fused_allreduce" and tp is None:
             skip = "needs --tp"
         elif impl == "fastdecode-graph-no-int4_gemm" and not has_int4:
             skip = "needs int4 weights (--quant int4)"
-        elif impl == "torch-compile" and tp is not None:
+        elif impl in ("torch-compile",) + PEER_IMPLS and tp is not None:
             skip = "not with --tp"
         if skip:
             log(f"{impl}: skipped ({skip})")
             rows.append({"op": "decode", "impl": impl, "shape": shape, "skipped": skip, **env_info()})
             continue
+        is_peer = impl in PEER_IMPLS
         try:
-            runner = _Runner(impl, model, cache, batch)
+            if is_peer and peer is None:
+                raise RuntimeError(f"the peer could not be built: {peer_error}")
+            runner = _PeerRunner(impl, peer, batch) if is_peer else _Runner(impl, model, cache, batch)
             prompts = [torch.randint(0, cfg.vocab_size, (batch, input_len), device=device, generator=gen)
                        for _ in range(warmup + iters)]
             for p in prompts[:warmup]:
@@ -227,23 +310,30 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         finally:
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            if n == last_peer:  # its last row: give its weights (FP8 / int4 copies) and cache back
+                peer = None
         steps = output_len - 1
         step_us = sorted(d / steps * 1e6 for d in dec)
         total = [p + d for p, d in zip(pre, dec)]
         t = Timing(statistics.median(step_us), step_us[len(step_us) // 10],
                    step_us[min(len(step_us) - 1, (9 * len(step_us)) // 10)], len(step_us))
+        # a peer reads its own tensors (per-tensor FP8 scales, tinygemm's scale + zero per group)
+        wb = runner.model.decode_step_bytes(batch) if is_peer else wbytes
+        step_bytes = wb + kv_avg
         row = {
             "op": "decode", "impl": impl, "shape": shape,
             "median_us": round(t.median_us, 2), "p10_us": round(t.p10_us, 2), "p90_us": round(t.p90_us, 2),
             "tokens_per_s": round(batch * output_len / statistics.median(total), 2),
             "decode_tokens_per_s": round(batch * 1e6 / t.median_us, 2),
             "prefill_ms": round(statistics.median(pre) * 1e3, 3),
-            "step_weight_bytes": wbytes, "bytes": int(step_bytes),
+            "step_weight_bytes": wb, "bytes": int(step_bytes),
             "tbps": round(step_bytes / (t.median_us * 1e-6) / 1e12, 3),
         }
+        if is_peer:
+            row["peer"] = runner.model.description
         if peak:
             row["peak_tbps"] = peak / 1e12
-            row["roofline_tokens_per_s"] = round(batch * peak / wbytes, 1)
+            row["roofline_tokens_per_s"] = round(batch * peak / wb, 1)
             row["roofline_fraction"] = round(step_bytes / (t.median_us * 1e-6) / peak, 3)
         row.update(env_info())
         rows.append(row)
@@ -251,6 +341,10 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
             f"{row['tbps']:.2f} TB/s" + (f"  ({row['roofline_fraction']:.0%} of peak)" if peak else ""))
         del runner
     model.backend = "auto"
+    add_speedup_vs_peer(rows)
+    for r in rows:
+        if "speedup_vs_peer" in r:
+            log(f"{r['impl']:>17}: {r['speedup_vs_peer']:.2f}x the compiled peer (peer-compile)")
     return rows
 
 
