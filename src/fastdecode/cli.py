@@ -67,7 +67,8 @@ def _cmd_tune(args) -> int:
         return 0
     from fastdecode.bench import linear as bl
 
-    bl.tune(args.out, shapes=bl.parse_shapes(args.shapes) if args.shapes else None, quick=args.quick)
+    bl.tune(args.out, shapes=bl.parse_shapes(args.shapes) if args.shapes else None, quick=args.quick,
+            dtypes=tuple(args.dtypes) if args.dtypes else bl.DTYPES)
     return 0
 
 
@@ -116,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="measure launch configs on this GPU and write them as data")
     t.add_argument("what", choices=["linear", "int4"])
     t.add_argument("--no-fp8", action="store_true", help="int4: skip the W4A8 section")
+    t.add_argument("--dtypes", nargs="+", choices=["bf16", "fp8"], default=None,
+                   help="linear: the sections to tune (default both; the others in --out are kept)")
     t.add_argument("--shapes", default=None, help='e.g. "8b.o,4096x14336" (default: the Llama shapes)')
     t.add_argument("--out", default=None, help="config JSON (default: the package's configs/ folder)")
     t.add_argument("--quick", action="store_true")

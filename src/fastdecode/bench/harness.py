@@ -43,7 +43,10 @@ def env_info() -> dict:
         except Exception:
             sha = None
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "git_sha": sha}
+    info = {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "git_sha": sha}
+    if os.environ.get("FASTDECODE_CONFIG_DIR"):  # the run read tuned tables from outside the commit
+        info["config_dir"] = os.environ["FASTDECODE_CONFIG_DIR"]
+    return info
 
 
 def l2_bytes() -> int:

@@ -111,8 +111,17 @@ def gpu_key(name: str) -> str:
 
 
 def config_path(kind: str, gpu_name: str) -> Path:
-    """``configs/<kind>_<gpu>.json``: the tuned or measured table of one op family on one GPU."""
-    return CONFIG_DIR / f"{kind}_{gpu_key(gpu_name)}.json"
+    """``configs/<kind>_<gpu>.json``: the tuned or measured table of one op family on one GPU.
+
+    ``FASTDECODE_CONFIG_DIR`` points at tables of your own (as ``fastdecode tune ... --out
+    DIR/<kind>_<gpu>.json`` writes them): a table found there is read instead of the package's; a
+    family it has no table for still reads the package's.
+    """
+    name = f"{kind}_{gpu_key(gpu_name)}.json"
+    override = os.environ.get("FASTDECODE_CONFIG_DIR")
+    if override and (Path(override) / name).is_file():
+        return Path(override) / name
+    return CONFIG_DIR / name
 
 
 @functools.cache
