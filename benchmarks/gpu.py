@@ -14,6 +14,9 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``decode``  the 8B decode benchmark (input 1, output 128, median of 30) in BF16, FP8 and int4, with
               the compiled peers of each format in the same run.
 * ``profile`` per-kernel time of one 8B decode step, BF16 / FP8 / int4.
+* ``tune``    ``fastdecode tune linear`` (``--tune-dtypes``) into ``<out-dir>/configs/``, starting from a
+              copy of the package's table; the suites after it in the same run read that table
+              (``FASTDECODE_CONFIG_DIR``, recorded in their rows). Commit the table only from such a run.
 * ``tp``      multi-GPU: the all-reduce tests, the all-reduce benchmark, 70B decode at TP = all GPUs.
 
 What it never does: copy files into ``src/`` (tuned tables are written only by
@@ -52,8 +55,12 @@ def _decode(out: Path, *args: str) -> list[str]:
                "--out", str(out / "decode.json"), *args)
 
 
-def suite_commands(name: str, out: Path, n_gpu: int) -> list[tuple[str, list[str], int]]:
+def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "int4"),
+                   tune_dtypes=("bf16", "fp8"), gpu="nvidia_h200") -> list[tuple[str, list[str], int]]:
     """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests)."""
+    if name == "tune":
+        return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes,
+                                    "--out", str(out / "configs" / f"linear_{gpu}.json")), 420)]
     if name == "kernels":
         return [("bench kernels", _fd("bench", "kernels", "--out", str(out / "norm_activation_quant.json")), 420)]
     if name == "linear":
@@ -61,15 +68,16 @@ def suite_commands(name: str, out: Path, n_gpu: int) -> list[tuple[str, list[str
     if name == "int4":
         return [("bench int4", _fd("bench", "int4", "--out", str(out / "int4_linear.json")), 420)]
     if name == "decode":
-        return [
-            ("decode bf16", _decode(out, "--batch", "1", "--iters", "30",
-                                    "--impl", "peer-compile", "torch-compile", "fastdecode-graph"), 420),
+        steps = {
+            "bf16": ("decode bf16", _decode(out, "--batch", "1", "--iters", "30",
+                                            "--impl", "peer-compile", "torch-compile", "fastdecode-graph"), 420),
             # quantised: the peer of the same format (the ref-backend torch-compile row would dequantise)
-            ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
-                                   "--impl", "peer-compile", "fastdecode-graph"), 420),
-            ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
-                                    "--impl", "peer-compile", "fastdecode-graph"), 420),
-        ]
+            "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
+                                          "--impl", "peer-compile", "fastdecode-graph"), 420),
+            "int4": ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
+                                            "--impl", "peer-compile", "fastdecode-graph"), 420),
+        }
+        return [steps[f] for f in formats]
     if name == "profile":
         return [(f"profile {q}", [PY, str(ROOT / "benchmarks" / "profile_decode.py"), *([] if q == "bf16" else ["--quant", q]),
                                   "--out", str(out / f"profile_{q}.json")], 150) for q in ("bf16", "fp8", "int4")]
@@ -88,7 +96,7 @@ def suite_commands(name: str, out: Path, n_gpu: int) -> list[tuple[str, list[str
     raise ValueError(f"unknown suite {name!r}")
 
 
-SUITES = ("tests", "kernels", "linear", "int4", "decode", "profile", "tp")
+SUITES = ("tests", "tune", "kernels", "linear", "int4", "decode", "profile", "tp")
 
 
 class Log:
@@ -183,6 +191,10 @@ def main(argv=None) -> int:
     p.add_argument("--git-sha", default=os.environ.get("FASTDECODE_GIT_SHA"),
                    help="commit the run names (default FASTDECODE_GIT_SHA, else git rev-parse)")
     p.add_argument("--tests-timeout", type=int, default=570)
+    p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4"], choices=["bf16", "fp8", "int4"],
+                   help="decode: the weight formats to run")
+    p.add_argument("--tune-dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
+                   help="tune: the linear table's sections to tune (the others are kept)")
     a = p.parse_args(argv)
 
     sha = a.git_sha
@@ -200,7 +212,11 @@ def main(argv=None) -> int:
     import torch
 
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    suites = [s for s in SUITES if s != "tp" or n_gpu >= 2] if "all" in a.suites else a.suites
+    # file-name form of the GPU's name, as fastdecode.ops._common.gpu_key makes it
+    gpu = "_".join(filter(None, "".join(c if c.isalnum() else " " for c in
+                                        (torch.cuda.get_device_name(0) if n_gpu else "cpu").lower()).split()))
+    suites = [s for s in SUITES if s not in ("tp", "tune") or (s == "tp" and n_gpu >= 2)] \
+        if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")
     summary, worst = [], 0
     for s in suites:
@@ -212,7 +228,15 @@ def main(argv=None) -> int:
                 summary.append(("  FAILED", f["test"], f["message"][:120]))
             worst = max(worst, 1 if bad or r["exit_code"] else 0)
             continue
-        steps = suite_commands(s, out, n_gpu)
+        if s == "tune":  # start from the package's table: the sections not tuned are kept
+            import shutil
+
+            cfg_dir = out / "configs"
+            cfg_dir.mkdir(exist_ok=True)
+            table = ROOT / "src" / "fastdecode" / "configs" / f"linear_{gpu}.json"
+            if table.is_file():
+                shutil.copy(table, cfg_dir)
+        steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu)
         if not steps:
             summary.append((s, f"not run: needs 2+ GPUs, this machine has {n_gpu}", 0))
         for label, cmd, timeout in steps:
@@ -220,6 +244,8 @@ def main(argv=None) -> int:
             tail = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] or [""]
             summary.append((label, f"rc={rc} {tail[0][:150]}", round(dt)))
             worst = max(worst, 1 if rc else 0)
+            if s == "tune" and rc == 0:  # the suites after it read the table it wrote
+                env["FASTDECODE_CONFIG_DIR"] = str(out / "configs")
     print(f"\ngpu.py  git {sha}  {n_gpu} GPU(s)  results in {out}")
     for label, what, dt in summary:
         print(f"{label:<18} {what}  [{dt}]")

@@ -52,7 +52,7 @@ def test_every_suite_writes_only_into_the_out_dir(gpu, tmp_path, n_gpu):
             assert "--write-config" not in argv and "cp" not in argv[:1], label
             for i, arg in enumerate(argv):
                 if arg == "--out":
-                    assert Path(argv[i + 1]).parent == tmp_path, (label, argv[i + 1])
+                    assert tmp_path in Path(argv[i + 1]).parents, (label, argv[i + 1])
             assert 0 < timeout <= 600, label
 
 
@@ -75,3 +75,11 @@ def test_tests_suite_record(gpu, tmp_path, monkeypatch):
     assert (rec["passed"], rec["failed"], rec["errors"], rec["git_sha"]) == (2, 1, 1, "abc123")
     for key in ("gpu", "world_size", "torch", "triton", "failures", "skip_reasons", "exit_code"):
         assert key in rec
+
+
+def test_decode_formats_and_tune_sections_are_chosen(gpu, tmp_path):
+    steps = gpu.suite_commands("decode", tmp_path, 2, formats=("fp8",))
+    assert [label for label, _, _ in steps] == ["decode fp8"] and "peer-compile" in steps[0][1]
+    [(label, argv, _)] = gpu.suite_commands("tune", tmp_path, 1, tune_dtypes=("fp8",))
+    assert argv[argv.index("--dtypes") + 1:argv.index("--out")] == ["fp8"]
+    assert Path(argv[argv.index("--out") + 1]) == tmp_path / "configs" / "linear_nvidia_h200.json"
