@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.util
 import json
 import os
 import platform
@@ -166,17 +167,30 @@ def parse_junit(path: Path) -> dict:
             "skip_reasons": dict(sorted(skips.items(), key=lambda kv: -kv[1]))}
 
 
-def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int) -> dict:
+def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int, per_test_timeout: int = 240) -> dict:
     """The README's test command (``python -m pytest``) in one process; ``gpu_tests.json``."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        argv = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=30", "--junitxml", str(junit)]
+        # -v: one line per test as it ends, so a run killed at its limit still shows where it was and what
+        # failed (the JUnit report is written only at the end); a per-test limit where pytest-timeout is
+        # installed (the device image has it), so one hang cannot take the whole call
+        argv = [PY, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=40", "--junitxml", str(junit)]
+        if importlib.util.find_spec("pytest_timeout") is not None:
+            argv += ["--timeout", str(per_test_timeout)]
         rc, dt, text = log.run("tests", argv, timeout, env)
         result = parse_junit(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 1, "skipped": 0,
                                                             "failures": [{"test": "<pytest>", "kind": "error",
                                                                           "message": f"no report (rc={rc})"}],
                                                             "skip_reasons": {}}
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    if rc == 124:  # killed: name the tests that had finished and the one that was running
+        done = [ln for ln in lines if ln.rstrip().endswith("]") and "::" in ln]
+        result["finished_before_kill"] = len(done)
+        result["failures"] += [{"test": ln.split(" ")[0], "kind": "failure", "message": "(run killed before its report)"}
+                               for ln in done if " FAILED" in ln or " ERROR" in ln]
+        # pytest -v writes a test's name when it starts and its outcome when it ends, on one line
+        started = [ln for ln in lines if "::" in ln and not ln.rstrip().endswith("]")]
+        result["running_when_killed"] = started[-1].split(" ")[0] if started else None
     record = {"suite": "tests", "command": "python -m pytest", "exit_code": rc,
               "summary": lines[-1] if lines else "", "duration_s": round(dt, 1), **result, **env_record(sha)}
     (out / "gpu_tests.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -83,3 +83,14 @@ def test_decode_formats_and_tune_sections_are_chosen(gpu, tmp_path):
     [(label, argv, _)] = gpu.suite_commands("tune", tmp_path, 1, tune_dtypes=("fp8",))
     assert argv[argv.index("--dtypes") + 1:argv.index("--out")] == ["fp8"]
     assert Path(argv[argv.index("--out") + 1]) == tmp_path / "configs" / "linear_nvidia_h200.json"
+
+
+def test_a_killed_run_still_names_what_failed_and_where_it_was(gpu, tmp_path, monkeypatch):
+    """The JUnit report comes only at the end: a run killed at its limit is read from pytest -v's lines."""
+    text = ("tests/test_a.py::test_ok PASSED [ 10%]\ntests/test_b.py::test_bad[2] FAILED [ 20%]\n"
+            "tests/test_c.py::test_ok2 PASSED [ 30%]\ntests/test_c.py::test_slow \n[gpu.py] tests: killed after 570 s\n")
+    monkeypatch.setattr(gpu.Log, "run", lambda self, label, argv, timeout, env: (124, 570.0, text))
+    rec = gpu.run_tests(gpu.Log(tmp_path / "gpu_log.txt"), tmp_path, {}, "abc123", 570)
+    assert rec["exit_code"] == 124 and rec["finished_before_kill"] == 3
+    assert [f["test"] for f in rec["failures"]] == ["<pytest>", "tests/test_b.py::test_bad[2]"]
+    assert rec["running_when_killed"] == "tests/test_c.py::test_slow"
