@@ -13,10 +13,15 @@ files dequantised, also on CUDA, where their Q4_0 / Q4_1 tensors would otherwise
 measures the RTN method (``int4-w4a16-g128-zero``) on the reference's weights, so for a GGUF source it quantises the dequantised weights a second time; the GGUF's own Q4_0 / Q4_1
 tensors loaded natively as int4 weights are reported as one more row (``int4-w4a16-gguf``), which should
 match the reference up to summation order: the same weights, through the int4 path.
+
+``head="fp8" | "int4"`` (``--quant-head``) adds, for each format, a row with the lm head quantised as well
+(``models.quantize.quantize_head``; labelled ``<format>+head-<head>``), and with no block format a row with
+the head alone (``head-<head>``): the difference between the two rows is the head's accuracy cost.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from pathlib import Path
@@ -67,12 +72,17 @@ def compare(ref_model, models: dict, ids: list[int], *, window: int = 512, devic
             for name, st in stats.items()]
 
 
-def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), *, device=None, dtype=None,
-                  window: int = 512, max_tokens: Optional[int] = None, text: Optional[str] = None,
-                  log=print) -> list[dict]:
-    """Load ``path`` unquantised and with each of ``quants``; returns one JSON-ready row per format."""
+def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), *, head: Optional[str] = None,
+                  device=None, dtype=None, window: int = 512, max_tokens: Optional[int] = None,
+                  text: Optional[str] = None, log=print) -> list[dict]:
+    """Load ``path`` unquantised and with each of ``quants`` (and each again with the lm head quantised as
+    ``head``, or the head alone when ``quants`` is empty); returns one JSON-ready row per format."""
     from fastdecode.engine.loader import load
-    from fastdecode.models.quantize import FORMATS
+    from fastdecode.models.quantize import FORMATS, check_head, quantize_head
+
+    check_head(head)
+    if not quants and head is None:
+        raise ValueError("quants is empty and head is None: nothing to evaluate")
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
@@ -97,12 +107,18 @@ def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), 
                           gguf_native=True).model
             if native.quant_format != m.quant_format:  # the file has Q4_0 / Q4_1 tensors
                 models[native.quant_format] = native
+        if head is not None:  # the same block weights, the head quantised too: its cost is the difference
+            mh = quantize_head(copy.deepcopy(m), head)
+            models[mh.format_label] = mh
+    if head is not None and not quants:
+        mh = quantize_head(copy.deepcopy(ref.model), head)
+        models[mh.format_label] = mh
     rows = compare(ref.model, models, ids, window=window, device=device)
     dt = str(next(ref.model.parameters()).dtype).replace("torch.", "")
     for r in rows:
         r.update(model=ref.config.name or ref.source, device=str(device), dtype=dt, window=window,
                  text=TEXT_PATH.name if text is None else "custom")
-        log(f"{r['format']:>18}: perplexity {r['perplexity']:8.3f}  top-1 agreement {r['top1_agreement']:.4f}  "
+        log(f"{r['format']:>30}: perplexity {r['perplexity']:8.3f}  top-1 agreement {r['top1_agreement']:.4f}  "
             f"KL {r['mean_kl']:.5f}  ({r['tokens']} tokens)")
     log(f"[{time.perf_counter() - t0:.1f} s]")
     return rows

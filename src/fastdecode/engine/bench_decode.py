@@ -215,15 +215,21 @@ def _try_build_peer(model, quant, batch: int, max_seq: int):
 
 def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len: int = 1, output_len: int = 128,
                  iters: int = 30, warmup: int = 3, impls: Sequence[str] = IMPLS, device=None,
-                 dtype=torch.bfloat16, layers: Optional[int] = None, log=print, quant: Optional[str] = None
-                 ) -> list[dict]:
+                 dtype=torch.bfloat16, layers: Optional[int] = None, log=print, quant: Optional[str] = None,
+                 quant_head: Optional[str] = None) -> list[dict]:
     """Run the decode benchmark; returns JSON-ready rows (one per implementation).
+
+    ``quant_head`` ("fp8" / "int4") quantises the lm head too; the rows' ``shape.quant`` then reads
+    ``<quant>+head-<quant_head>`` (``none+head-int4`` for the head alone). The peers keep a dense head.
 
     Under torch.distributed (torchrun) the model is tensor-parallel over the world (every rank runs;
     the caller reports rank 0's rows)."""
     import torch.distributed as dist
 
     from fastdecode.bench.harness import Timing, env_info
+    from fastdecode.models.quantize import check_head
+
+    check_head(quant_head, "quant_head")
     from fastdecode.engine.kv_cache import KVCache
     from fastdecode.engine.loader import load, random_model
     from fastdecode.models.config import PRESETS, ModelConfig
@@ -247,10 +253,10 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         model = random_model(cfg, device=device, dtype=dtype, max_seq_len=max_seq, tp=tp)
         if want_peer:  # from the dense weights, before fastdecode quantises (and frees) them
             peer, peer_error = _try_build_peer(model, quant, batch, max_seq)
-        if quant is not None:
+        if quant is not None or quant_head is not None:
             from fastdecode.models.quantize import quantize_model
 
-            quantize_model(model, quant)
+            quantize_model(model, quant, head=quant_head)
         if tp is not None:
             from fastdecode.engine.tp import attach_comm
             from fastdecode.ops.allreduce import CommWorkspace
@@ -259,10 +265,12 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     elif tp is not None:
         from fastdecode.engine.tp import load_tp
 
-        loaded = load_tp(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant)
+        loaded = load_tp(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant,
+                         quant_head=quant_head)
         model, cfg = loaded.model, loaded.config
     else:
-        loaded = load(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant)
+        loaded = load(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant,
+                      quant_head=quant_head)
         model, cfg = loaded.model, loaded.config
         if want_peer:  # the format fastdecode runs (an int4 checkpoint is int4 without --quant)
             peer, peer_error = _try_build_peer(model, quant or model.quant, batch, max_seq)
@@ -273,7 +281,8 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     kv_avg = cache.bytes_read([batch * (input_len + output_len / 2)])
     peak = peak_bandwidth(device)
     shape = {"model": cfg.name + (f"[{layers} layers]" if layers else ""), "batch": batch, "input_len": input_len,
-             "output_len": output_len, "dtype": str(dtype).replace("torch.", ""), "quant": quant or "none",
+             "output_len": output_len, "dtype": str(dtype).replace("torch.", ""),
+             "quant": (quant or "none") + (f"+head-{quant_head}" if quant_head else ""),
              "tp": tp[1] if tp else 1}
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
@@ -393,6 +402,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add fastdecode-graph with each kernel switched off in turn, and fastdecode-eager")
     p.add_argument("--quant", default=None, choices=["fp8", "int4"],
                    help="quantise the model: fp8 (W8A8) or int4 (W4A16, RTN group 128)")
+    p.add_argument("--quant-head", default=None, choices=["fp8", "int4"],
+                   help="quantise the lm head too: fp8 (W8A8) or int4 (W4A16, RTN group 128)")
     p.add_argument("--tp", type=int, default=None, help="tensor parallelism over N GPUs (relaunches under torchrun)")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (big presets)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -441,6 +452,7 @@ def run(args) -> int:
         rows += bench_decode(args.model, batch=b, input_len=args.input_len, output_len=args.output_len,
                              iters=args.iters, warmup=args.warmup, impls=impls, device=args.device,
                              dtype=getattr(torch, args.dtype), layers=args.layers, quant=getattr(args, "quant", None),
+                             quant_head=getattr(args, "quant_head", None),
                              log=(lambda m: print(m, file=sys.stderr, flush=True)) if main else (lambda m: None))
     _finish_tp()
     if not main:

@@ -44,8 +44,16 @@ def _add_quant_tp_args(p: argparse.ArgumentParser) -> None:
                    help="fp8: W8A8 (per-channel weights, per-token activations); int4: W4A16 (group-wise int4 "
                         "weights, RTN group 128); quantised at load unless the checkpoint already is (FP8, GPTQ, "
                         "AWQ, GGUF Q4_0/Q4_1); default: as stored (GGUF Q4_0/Q4_1 run as int4 on CUDA)")
+    add_quant_head_arg(p)
     p.add_argument("--tp", type=int, default=None,
                    help="tensor parallelism over N GPUs (relaunches under torchrun; or run under torchrun yourself)")
+
+
+def add_quant_head_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quant-head", default=None, choices=["fp8", "int4"],
+                   help="also quantise the lm head: fp8 (per-channel weights, the final norm's per-token FP8 "
+                        "activation) or int4 (W4A16, RTN group 128); tied embeddings keep the dense table for "
+                        "the lookup (default: the head stays in the model dtype)")
 
 
 def _under_torchrun() -> bool:
@@ -113,7 +121,8 @@ def _engine(args, max_batch: int = 1):
     from fastdecode.engine.loader import load
     from fastdecode.engine.tokenizer import Tokenizer
 
-    kw = dict(backend=args.backend, max_seq_len=args.max_seq_len, quant=args.quant)
+    kw = dict(backend=args.backend, max_seq_len=args.max_seq_len, quant=args.quant,
+              quant_head=getattr(args, "quant_head", None))
     t = time.perf_counter()
     if _under_torchrun():
         from fastdecode.engine.tp import init_distributed, load_tp
@@ -141,7 +150,9 @@ def _engine(args, max_batch: int = 1):
     tp = loaded.model.tp
     if tp is None or tp.rank == 0:
         print(f"[{loaded.config.name} on {device}, {str(dtype).replace('torch.', '')}"
-              f"{', ' + loaded.model.quant if loaded.model.quant else ''}{f', TP={tp.world}' if tp else ''}, "
+              f"{', ' + loaded.model.quant if loaded.model.quant else ''}"
+              f"{', head ' + loaded.model.head_quant if loaded.model.head_quant else ''}"
+              f"{f', TP={tp.world}' if tp else ''}, "
               f"loaded in {time.perf_counter() - t:.1f} s]", file=sys.stderr, flush=True)
     return eng
 
@@ -279,7 +290,8 @@ def cmd_eval_accuracy(args) -> int:
     from fastdecode.engine.accuracy import eval_accuracy
 
     try:
-        rows = eval_accuracy(args.model, args.quant, device=args.device,
+        quants = args.quant if args.quant is not None else ([] if args.quant_head else ["fp8"])
+        rows = eval_accuracy(args.model, quants, head=args.quant_head, device=args.device,
                              dtype=getattr(torch, args.dtype) if args.dtype else None, window=args.window,
                              max_tokens=args.max_tokens, log=lambda m: print(m, file=sys.stderr, flush=True))
     except _USER_ERRORS as e:
@@ -433,7 +445,10 @@ def add_subcommands(subparsers, bench: bool = True) -> None:
     e = subparsers.add_parser("eval-accuracy", help="perplexity and top-1 agreement of quantised formats vs the "
                                                     "unquantised model, on the text shipped with fastdecode")
     e.add_argument("--model", default=None, help="as for generate (default: the embedded SmolLM2-135M-Instruct)")
-    e.add_argument("--quant", nargs="+", default=["fp8"], choices=["fp8", "int4"])
+    e.add_argument("--quant", nargs="+", default=None, choices=["fp8", "int4"],
+                   help="block formats to evaluate (default: fp8; none with --quant-head alone)")
+    e.add_argument("--quant-head", default=None, choices=["fp8", "int4"],
+                   help="also evaluate each format with the lm head quantised (alone: the head only)")
     e.add_argument("--device", default=None)
     e.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     e.add_argument("--window", type=int, default=512, help="tokens per independent context window")

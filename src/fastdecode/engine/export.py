@@ -102,6 +102,9 @@ def save_checkpoint(model: Transformer, tokenizer, dst: str, fmt: Optional[str])
     if model.rope_freq_factors is not None:
         raise ValueError("this model's RoPE comes from a GGUF rope_freqs tensor, which a Hugging Face config "
                          "cannot express; export is not supported for it yet")
+    if model.head_quant is not None:
+        raise ValueError(f"the lm head is quantised ({model.head_quant!r}); checkpoints store it dense: "
+                         "quantise the head at load instead (quant_head=, --quant-head)")
     os.makedirs(dst, exist_ok=True)
     cfg = config_to_hf(model.config)
     if fmt is not None:

@@ -66,7 +66,7 @@ def default_model_path() -> str:
 def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtype] = None,
          backend: Optional[str] = None, max_seq_len: Optional[int] = None, progress: bool = True,
          quant: Optional[str] = None, tp: Optional[tuple[int, int]] = None,
-         gguf_native: Optional[bool] = None) -> Loaded:
+         gguf_native: Optional[bool] = None, quant_head: Optional[str] = None) -> Loaded:
     """Load ``path``: a ``.gguf`` file, a HF directory (config.json + safetensors), a preset name
     (random weights, no tokenizer) or None for the embedded default model.
 
@@ -78,12 +78,24 @@ def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtyp
     ``gguf_native``: GGUF Q4_0 / Q4_1 tensors as int4 weights (True), dequantised (False; then
     ``quant="int4"`` re-quantises them with RTN), or None: native when ``quant="int4"``, or when
     ``quant`` is None and ``device`` is CUDA.
+    ``quant_head``: None (the lm head as stored), "fp8" or "int4": the head quantised after loading
+    (``models.quantize.quantize_head``; under ``tp``, this rank's rows).
     """
-    from fastdecode.models.quantize import QUANT_METHODS
+    from fastdecode.models.quantize import QUANT_METHODS, check_head
 
     if quant is not None and quant not in QUANT_METHODS:
         raise ValueError(f"quant must be one of {QUANT_METHODS} or None, got {quant!r}")
+    check_head(quant_head, "quant_head")
+    loaded = _load(path, device=device, dtype=dtype, backend=backend, max_seq_len=max_seq_len, progress=progress,
+                   quant=quant, tp=tp, gguf_native=gguf_native)
+    if quant_head is not None:
+        from fastdecode.models.quantize import quantize_head
 
+        quantize_head(loaded.model, quant_head)
+    return loaded
+
+
+def _load(path, *, device, dtype, backend, max_seq_len, progress, quant, tp, gguf_native) -> Loaded:
     device = torch.device(device)
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -21,7 +21,12 @@ FP8 W8A8 (``fastdecode.models.quantize.quantize_model_fp8``): the four projectio
 ``Fp8Linear`` (FP8 weight, per-channel scale); the norms before wqkv and w13 then emit FP8 + per-token
 scales directly and SiLU-and-mul feeds w2 in FP8; the attention output is quantised per token before wo.
 An activation is then either a tensor or an ``(fp8, scale)`` pair (``real = fp8 * scale``). The lm head
-stays in the model dtype (it is the most accuracy-sensitive matmul and a small share of the bytes at 8B).
+stays in the model dtype unless asked for (it is the most accuracy-sensitive matmul).
+
+Quantised lm head (``fastdecode.models.quantize.quantize_head``, ``quantize_model(..., head=)``): ``output``
+becomes an ``Fp8Linear`` (the final norm then emits FP8 + per-token scales) or an ``Int4Linear``; recorded in
+``model.head_quant``, not in ``quant_format``. Tied embeddings: the embedding keeps its own table in the model
+dtype (the head gets a quantised copy).
 
 Int4 W4A16 (``fastdecode.models.quantize.quantize_model_int4``, or int4 checkpoints: GPTQ, AWQ, GGUF Q4_0 /
 Q4_1, ``fastdecode quantize``): a block projection becomes ``Int4Linear`` (a prepacked ``Int4Weight``, group-wise
@@ -395,6 +400,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.rope_freq_factors = rope_freq_factors
         self.quant_format: Optional[str] = None  # the format recorded on export (models.quantize); sets ``quant``
+        self.head_quant: Optional[str] = None  # "fp8" / "int4" after models.quantize.quantize_head
         self.tp = None  # fastdecode.engine.tp.TPState after apply_tp
         self.kernels = dict.fromkeys(KERNELS, True)
         self.rope_len = rope_len or cfg.max_seq_len
@@ -409,6 +415,13 @@ class Transformer(nn.Module):
         return method_of(self.quant_format)
 
     @property
+    def format_label(self) -> Optional[str]:
+        """``quant_format`` with the head's format appended (``int4-w4a16-g128-zero+head-int4``,
+        ``head-fp8`` alone); None when nothing is quantised."""
+        parts = [self.quant_format] + ([f"head-{self.head_quant}"] if self.head_quant else [])
+        return "+".join(p for p in parts if p) or None
+
+    @property
     def backend(self) -> str:
         return self._backend
 
@@ -419,7 +432,7 @@ class Transformer(nn.Module):
         self._backend = b
 
     def tie_weights(self) -> None:
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and isinstance(self.output, Linear):  # a quantised head keeps its copy
             self.output.weight = self.tok_embeddings.weight
 
     def setup_rope(self, max_seq_len: int, device) -> None:
@@ -472,8 +485,9 @@ class Transformer(nn.Module):
         else:  # the norm after the row selection (fewer rows)
             h = x + residual
             head = self._logits
-        if last_idx is not None:
-            h = h[torch.arange(B, device=h.device), last_idx]  # [B, dim]
+        if last_idx is not None:  # [B, dim]; (fp8, scale) rows alike (TP with an FP8 head)
+            rows = (torch.arange(B, device=last_idx.device), last_idx)
+            h = tuple(t[rows] for t in h) if isinstance(h, tuple) else h[rows]
         return head(h)
 
     @torch.no_grad()
@@ -528,6 +542,7 @@ class Transformer(nn.Module):
         for norm in [self.norm] + [m for layer in self.layers for m in (layer.attention_norm, layer.ffn_norm)]:
             norm.fuse_comm = k["fused_allreduce"]
         self.norm.fused = k["fused_norm"]
+        self.norm.fp8_out = isinstance(self.output, Fp8Linear) and k["fused_norm"]  # FP8 lm head
         if "skinny_gemm" in flags:
             self.set_gemm_impl(None if k["skinny_gemm"] else "cublas")
         for m in self.modules():
@@ -551,7 +566,8 @@ class Transformer(nn.Module):
     def decode_step_bytes(self, batch: int) -> int:
         """Weight bytes one decode step of ``batch`` sequences reads: every block weight, the final norm and
         the lm head whole, but only ``batch`` rows of the embedding table (tied: the table once, read whole
-        by the head). Under TP: this rank's shard (its rows of the vocab-parallel embedding and head)."""
+        by the head; a quantised head (``quantize_head``) is its own tensors, and the table then adds only its
+        ``batch`` rows). Under TP: this rank's shard (its rows of the vocab-parallel embedding and head)."""
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         emb = self.tok_embeddings.weight

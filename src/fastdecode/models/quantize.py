@@ -3,6 +3,7 @@
     model = load(path).model
     quantize_model(model, "fp8")       # every block's wqkv / wo / w13 / w2 -> Fp8Linear (W8A8)
     quantize_model(model, "int4")      # every block's wqkv / wo / w13 / w2 -> Int4Linear (W4A16, RTN g128)
+    quantize_model(model, "int4", head="int4")  # ... and the lm head too (``quantize_head``; also head alone)
 
 Formats are named by strings recorded in quantised checkpoints (``fastdecode quantize``), so that loading
 a checkpoint with the wrong kernels is refused rather than silently wrong:
@@ -20,6 +21,14 @@ a checkpoint with the wrong kernels is refused rather than silently wrong:
 * other ``int4-w4a16-*`` names record where imported int4 weights came from (``-gptq``, ``-awq``,
   ``-gguf``); each tensor carries its own group size and zero mode, and the checkpoint records the kernel
   layout (``fastdecode.quant.int4.LAYOUT``) its nibbles are packed in.
+
+The lm head (``model.output``) is quantised only on request (``quantize_head(model, "fp8" | "int4")``): FP8 per
+output channel with the final norm emitting FP8 + per-token scales (W8A8), or int4 RTN as the block projections
+(W4A16, group 128 along K). It is recorded in ``model.head_quant`` and in ``model.format_label``
+(``...+head-int4``), not in ``quant_format``: checkpoints do not store a quantised head (export refuses it).
+With tied embeddings the embedding keeps the table in the model dtype and the head holds a quantised copy:
+V * dim (FP8) or about V * dim / 2 (int4) bytes more in memory, while a decode step then reads the
+quantised head plus only the looked-up embedding rows.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from fastdecode.quant.fp8 import quantize_weight_fp8
 from fastdecode.quant.int4 import SCALE_DTYPES, quantize_int4, rtn_group_size
 
 QUANT_METHODS = ("fp8", "int4")
+HEAD_METHODS = ("fp8", "int4")
 FP8_FORMAT = "fp8-w8a8-channel"
 INT4_GROUP = 128
 INT4_SYMMETRIC = False  # zero points: measured more accurate (module docstring)
@@ -140,12 +150,46 @@ def quantize_model_int4(model: Transformer, group_size: int = INT4_GROUP,
     return model
 
 
-def quantize_model(model: Transformer, method: Optional[str]) -> Transformer:
-    """Apply ``method`` (None, "fp8" or "int4") in place; returns the model."""
+def check_head(head: Optional[str], name: str = "head") -> None:
+    if head is not None and head not in HEAD_METHODS:
+        raise ValueError(f"{name} must be one of {HEAD_METHODS} or None, got {head!r}")
+
+
+def quantize_head(model: Transformer, method: str, group_size: int = INT4_GROUP,
+                  symmetric: bool = INT4_SYMMETRIC) -> Transformer:
+    """In place: the lm head ``model.output`` -> ``Fp8Linear`` (``method="fp8"``: per-channel weights, the
+    final norm emits the per-token FP8 activation) or ``Int4Linear`` (``"int4"``: W4A16, RTN as
+    ``quantize_model_int4``). Tied embeddings are untied: the embedding keeps the dense table. Under tensor
+    parallelism, call it after sharding (each rank quantises its vocabulary rows). Returns the model."""
+    check_head(method, "method")
     if method is None:
-        return model
-    if method not in QUANT_METHODS:
-        raise ValueError(f"quant method must be one of {QUANT_METHODS} or None, got {method!r}")
+        raise ValueError(f"method must be one of {HEAD_METHODS}, got None")
+    if model.head_quant is not None:
+        raise ValueError(f"the lm head is already quantised ({model.head_quant!r})")
+    lin = model.output
+    if not isinstance(lin, Linear):
+        raise ValueError(f"the lm head must be a dense Linear to quantise, got {type(lin).__name__}")
+    if lin.weight.device.type == "meta":
+        raise ValueError("quantize_head needs the head's weights (the model is on meta); call it after loading")
     if method == "fp8":
-        return quantize_model_fp8(model)
-    return quantize_model_int4(model)
+        model.output = fp8_linear_from(lin, out_dtype=lin.weight.dtype)
+    else:
+        model.output = int4_linear_from(lin, group_size, symmetric)
+    model.head_quant = method
+    model.set_kernels()  # the final norm's FP8 output for an FP8 head
+    return model
+
+
+def quantize_model(model: Transformer, method: Optional[str], *, head: Optional[str] = None) -> Transformer:
+    """Apply ``method`` (None, "fp8" or "int4") to the block projections and ``head`` (None, "fp8" or "int4")
+    to the lm head, in place; returns the model."""
+    if method is not None and method not in QUANT_METHODS:
+        raise ValueError(f"quant method must be one of {QUANT_METHODS} or None, got {method!r}")
+    check_head(head)
+    if method == "fp8":
+        quantize_model_fp8(model)
+    elif method == "int4":
+        quantize_model_int4(model)
+    if head is not None:
+        quantize_head(model, head)
+    return model
