@@ -226,9 +226,10 @@ def main(argv=None) -> int:
     import torch
 
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    # file-name form of the GPU's name, as fastdecode.ops._common.gpu_key makes it
-    gpu = "_".join(filter(None, "".join(c if c.isalnum() else " " for c in
-                                        (torch.cuda.get_device_name(0) if n_gpu else "cpu").lower()).split()))
+    sys.path.insert(0, src)  # the device runs the checkout uninstalled; importing fastdecode imports no triton
+    from fastdecode.ops._common import gpu_key
+
+    gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
     suites = [s for s in SUITES if s not in ("tp", "tune") or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")

@@ -24,11 +24,8 @@ import time
 
 import torch
 
-from fastdecode.bench.harness import make_row, rotation_count, time_cuda, write_rows
-from fastdecode.bench.linear import SHAPES
-
-FP8 = torch.float8_e4m3fn
-VEC = 2  # SCALE_VECTOR
+from fastdecode.bench.harness import make_row, time_cuda, write_rows
+from fastdecode.bench.linear import SHAPES, _check, _compile_job, _Operands
 
 
 def fma_candidates(M: int, N: int, K: int, num_sms: int) -> list[dict]:
@@ -69,38 +66,10 @@ def dot_candidates(M: int, N: int, K: int, num_sms: int) -> list[dict]:
     return out
 
 
-def _operands(N, K, max_m, dev):
-    g = torch.Generator(device=dev).manual_seed(0)
-    rot = rotation_count(N * K)
-    ws = [(torch.randn(N, K, device=dev, generator=g) * 8).to(FP8) for _ in range(rot)]
-    w_scale = torch.rand(N, device=dev, generator=g) * 1e-3 + 1e-3
-    x = (torch.randn(max_m, K, device=dev, generator=g) * 8).to(FP8)
-    x_scale = torch.rand(max_m, device=dev, generator=g) * 1e-2 + 1e-2
-    outs = [torch.empty(max_m, N, device=dev, dtype=torch.bfloat16) for _ in range(rot)]
-    return ws, w_scale, x, x_scale, outs
-
-
-def _compile_job(items) -> int:
-    """Worker: run each (K, M, cfg) once on a 64-row weight: Triton compiles and caches the kernel."""
-    from fastdecode.ops.gemm import _triton_linear
-
-    done = 0
-    for K, M, cfg in items:
-        try:
-            out = torch.empty(M, 64, device="cuda", dtype=torch.bfloat16)
-            x, w = torch.zeros(M, K, device="cuda").to(FP8), torch.zeros(64, K, device="cuda").to(FP8)
-            _triton_linear(x, w, None, torch.ones(M, device="cuda"), VEC, torch.ones(64, device="cuda"), VEC,
-                           out, cfg)
-            done += 1
-        except Exception:
-            pass
-    torch.cuda.synchronize()
-    return done
-
-
 def precompile(jobs: dict, workers: int) -> None:
+    """The tuner's own parallel compile (``bench.linear._compile_job``: the same row-wise scale modes)."""
     items = list(jobs.values())
-    chunks = [items[i:i + 6] for i in range(0, len(items), 6)]
+    chunks = [("fp8", items[i:i + 6]) for i in range(0, len(items), 6)]
     t0 = time.time()
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         done = sum(ex.map(_compile_job, chunks))
@@ -115,9 +84,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=3, help="best configs per shape re-timed with EVICT / PREFETCH")
     a = p.parse_args()
     from fastdecode.kernels.linear import split_k_blocks
-    from fastdecode.ops.gemm import _triton_linear, linear_fp8
 
-    dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = {n: SHAPES[n] for n in a.shapes.split(",")}
     plan = {}
@@ -140,43 +107,31 @@ def main() -> None:
 
     rows, summary = [], []
     for name, (N, K) in shapes.items():
-        ws, w_scale, x_all, x_scale, outs = _operands(N, K, max(a.ms), dev)
+        ops = _Operands(N, K, "fp8", max(a.ms))  # the tuner's operands: rotated weights, row-wise scales
         for M in a.ms:
-            x, xs = x_all[:M], x_scale[:M]
-            wb = N * K
-            nbytes = wb + M * K + M * N * 2 + 4 * (M + N)
+            x, xs, wb = ops.x_all[:M], ops.xs_all[:M], ops.w_bytes
             shape = {"M": M, "N": N, "K": K, "name": name}
-            ref = ((x.float() @ ws[0].float().t()) * xs[:, None] * w_scale[None, :])
 
             def timed(impl, fns, **extra):
                 t = time_cuda(fns, graph=True)
-                rows.append(make_row("sweep_linear_fp8", impl, shape, t, bytes_moved=nbytes,
+                rows.append(make_row("sweep_linear_fp8", impl, shape, t, bytes_moved=ops.bytes_moved(M),
                                      weight_tbps=round(wb / (t.median_us * 1e-6) / 1e12, 3), **extra))
                 return t.median_us
 
-            base = {
-                "scaled_mm_rowwise": timed("scaled_mm_rowwise", [
-                    (lambda w=w, o=o: torch._scaled_mm(x, w.t(), xs.view(M, 1), w_scale.view(1, N),
-                                                       out_dtype=torch.bfloat16, out=o[:M])) for w, o in zip(ws, outs)]),
-                "scaled_mm_tensor": timed("scaled_mm_tensor", [
-                    (lambda w=w, o=o: torch._scaled_mm(x, w.t(), xs[0].reshape(()), w_scale[0].reshape(()),
-                                                       out_dtype=torch.bfloat16, out=o[:M])) for w, o in zip(ws, outs)]),
-                "dispatch": timed("fastdecode_dispatch", [
-                    (lambda w=w, o=o: linear_fp8(x, xs.view(M, 1), w, w_scale, out=o[:M])) for w, o in zip(ws, outs)]),
-            }
+            per_tensor = [(lambda w=w, o=o: torch._scaled_mm(x, w.t(), xs[0].reshape(()), ops.ws[0].reshape(()),
+                                                            out_dtype=torch.bfloat16, out=o[:M]))
+                          for w, o in zip(ops.w, ops.out_all)]
+            base = {"scaled_mm_rowwise": timed("scaled_mm_rowwise", ops.calls(M, "cublas")),
+                    "scaled_mm_tensor": timed("scaled_mm_tensor", per_tensor),
+                    "dispatch": timed("fastdecode_dispatch", ops.calls(M, "dispatch"))}
             results = []
 
             def run_cfg(cfg, tag):
-                outs[0][:M].fill_(float("nan"))
-                _triton_linear(x, ws[0], None, xs, VEC, w_scale, VEC, outs[0][:M], cfg)
-                err = ((outs[0][:M].float() - ref).abs().max() / ref.abs().max()).item()
-                if not err < 1e-2:
-                    rows.append(make_row("sweep_linear_fp8", tag, shape, None, error=f"wrong: {err:.3g}", config=cfg))
-                    return None
-                us = timed(tag, [(lambda w=w, o=o: _triton_linear(x, w, None, xs, VEC, w_scale, VEC, o[:M], cfg))
-                                 for w, o in zip(ws, outs)], config=cfg)
-                results.append((us, cfg))
-                return us
+                err = _check(ops, M, cfg)
+                if err:
+                    rows.append(make_row("sweep_linear_fp8", tag, shape, None, error=err, config=cfg))
+                    return
+                results.append((timed(tag, ops.calls(M, "triton", cfg), config=cfg), cfg))
 
             for cfg in plan[(name, M)]:
                 try:
@@ -195,7 +150,7 @@ def main() -> None:
             print(f"{name:>16} M={M:<3} best {best_us:7.2f} us {wb / best_us / 1e6:5.2f} TB/s | rowwise "
                   f"{base['scaled_mm_rowwise']:7.2f} tensor {base['scaled_mm_tensor']:7.2f} dispatch "
                   f"{base['dispatch']:7.2f} | {best_cfg}", flush=True)
-        del ws, outs
+        ops = None  # free the rotated weights before the next shape
         torch.cuda.empty_cache()
     if a.out:
         write_rows(rows, a.out)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
-from fastdecode.models.llama import Fp8Linear, Int4Linear, Linear, Transformer
+from fastdecode.models.llama import Fp8Linear, Int4Linear, Linear, Transformer, step_read_bytes
 from fastdecode.quant.fp8 import FP8_DTYPE, dequantize_fp8, quantize_weight_fp8
 from fastdecode.quant.int4 import dequantize_int4
 
@@ -333,13 +333,7 @@ class PeerLlama(nn.Module):
     def decode_step_bytes(self, batch: int) -> int:
         """Weight bytes one step of ``batch`` sequences reads: as ``Transformer.decode_step_bytes`` (only
         ``batch`` rows of an untied embedding table)."""
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
-        emb = self.tok_embeddings
-        if getattr(self.output, "weight", None) is emb:
-            return self.weight_bytes()
-        rows = min(batch, emb.shape[0])
-        return self.weight_bytes() - emb.numel() * emb.element_size() + rows * emb.shape[1] * emb.element_size()
+        return step_read_bytes(self.weight_bytes(), self.tok_embeddings, self.output, batch)
 
 
 # ----------------------------------------------------------------------------- building

@@ -73,6 +73,18 @@ KERNELS = ("fused_norm", "fused_act", "skinny_gemm", "fused_allreduce", "int4_ge
 INT4_ACT_DTYPES = (torch.bfloat16, torch.float16)  # what the int4 kernels take; fp32 runs the reference
 
 
+def step_read_bytes(weight_bytes: int, embedding: torch.Tensor, head: nn.Module, batch: int) -> int:
+    """Bytes one decode step of ``batch`` sequences reads out of a model's ``weight_bytes``: all of them,
+    except that an embedding table the head does not share adds only ``batch`` of its rows (a head tied to
+    the table reads it whole; the lookups then add nothing)."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if getattr(head, "weight", None) is embedding:
+        return weight_bytes
+    rows = min(batch, embedding.shape[0])  # under TP a token outside this rank's range reads row 0
+    return weight_bytes + (rows - embedding.shape[0]) * embedding.shape[1] * embedding.element_size()
+
+
 def _lead(x) -> tuple:
     """Leading dims of an activation: a tensor [..., K] or an FP8 pair ``(fp8 [..., K], scale [..., 1])``."""
     return tuple((x[0] if isinstance(x, tuple) else x).shape[:-1])
@@ -568,10 +580,4 @@ class Transformer(nn.Module):
         the lm head whole, but only ``batch`` rows of the embedding table (tied: the table once, read whole
         by the head; a quantised head (``quantize_head``) is its own tensors, and the table then adds only its
         ``batch`` rows). Under TP: this rank's shard (its rows of the vocab-parallel embedding and head)."""
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
-        emb = self.tok_embeddings.weight
-        if getattr(self.output, "weight", None) is emb:  # tied: the head reads the table whole; lookups add nothing
-            return self.weight_bytes()
-        rows = min(batch, emb.shape[0])  # under TP a token outside this rank's range reads row 0
-        return self.weight_bytes() - emb.numel() * emb.element_size() + rows * emb.shape[1] * emb.element_size()
+        return step_read_bytes(self.weight_bytes(), self.tok_embeddings.weight, self.output, batch)

@@ -31,6 +31,7 @@ from fastdecode.ops._common import (
     warn_once,
 )
 from fastdecode.ops import _common
+from fastdecode.ops.gemm import _check_bias
 from fastdecode.ops.int4_format import LAYOUT, Int4Weight, dequantize_int4
 
 IMPLS = (None, "triton", "dequant")
@@ -289,11 +290,7 @@ def int4_linear(x, packed: Int4Weight, bias=None, *, out=None, backend: Optional
     K = x.shape[-1]
     _check_packed(packed, K)
     N = packed.N
-    if bias is not None:
-        check_tensor("bias", bias, dtypes=(x.dtype,), ndim=1)
-        if bias.shape[0] != N:
-            raise ValueError(f"bias must have shape ({N},) (N, the rows of the weight), got {tuple(bias.shape)}")
-        bias = bias.contiguous()  # the kernel reads it at unit stride
+    bias = _check_bias(bias, N, (x.dtype,), "the weight")  # contiguous: the kernel reads it at unit stride
     check_same_device(x=x, qweight=packed.qweight, scales=packed.scales, bias=bias)
     out_shape = (*x.shape[:-1], N)
     check_out("out", out, out_shape, x.dtype, x.device)
@@ -330,11 +327,7 @@ def int4_linear_fp8(x_fp8, x_scale, packed: Int4Weight, bias=None, *, out_dtype=
     K, lead, M = check_fp8_activation(x_fp8, out_dtype)
     _check_packed(packed, K)
     N = packed.N
-    if bias is not None:
-        check_tensor("bias", bias, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=1)
-        if bias.shape[0] != N:
-            raise ValueError(f"bias must have shape ({N},) (N, the rows of the weight), got {tuple(bias.shape)}")
-        bias = bias.contiguous()  # the kernel reads it at unit stride
+    bias = _check_bias(bias, N, (torch.bfloat16, torch.float16, torch.float32), "the weight")
     check_same_device(x_fp8=x_fp8, qweight=packed.qweight, scales=packed.scales, bias=bias)
     xs = _x_scale_rows(x_scale, lead, M, x_fp8.device)
     out_shape = (*lead, N)
