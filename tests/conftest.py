@@ -34,3 +34,22 @@ def _fresh_seed():
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     yield seed
+
+
+# Per-test timings, one JSON line per finished phase, written as the run goes when
+# FASTDECODE_TEST_TIMES names a file (benchmarks/gpu.py sets it): a run killed at the device's
+# per-command limit still says which tests took the time and why those that failed did.
+_TIMES_PATH = os.environ.get("FASTDECODE_TEST_TIMES")
+
+
+def pytest_runtest_logreport(report):
+    if not _TIMES_PATH or hasattr(report, "node"):  # xdist: workers write, the controller's copies are skipped
+        return
+    import json
+
+    row = {"test": report.nodeid, "when": report.when, "outcome": report.outcome,
+           "s": round(report.duration, 3)}
+    if report.failed:
+        row["message"] = report.longreprtext[-1500:]
+    with open(_TIMES_PATH, "a") as f:
+        f.write(json.dumps(row) + "\n")

@@ -94,3 +94,41 @@ def test_a_killed_run_still_names_what_failed_and_where_it_was(gpu, tmp_path, mo
     assert rec["exit_code"] == 124 and rec["finished_before_kill"] == 3
     assert [f["test"] for f in rec["failures"]] == ["<pytest>", "tests/test_b.py::test_bad[2]"]
     assert rec["running_when_killed"] == "tests/test_c.py::test_slow"
+
+
+def test_per_test_times_and_failure_text(gpu, tmp_path):
+    """The conftest's timing lines give the slowest tests, seconds per file and the failure text; a line
+    cut by a kill is ignored."""
+    p = tmp_path / "t.jsonl"
+    rows = [{"test": "tests/test_a.py::test_ok", "when": w, "outcome": "passed", "s": s}
+            for w, s in (("setup", 1.0), ("call", 2.5), ("teardown", 0.5))]
+    rows.append({"test": "tests/test_b.py::test_bad[2]", "when": "call", "outcome": "failed", "s": 7.0,
+                 "message": "E   AssertionError: scale off"})
+    p.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"test": "tests/test_c.py::te')
+    r = gpu.read_times(p)
+    assert r["slowest"] == [["tests/test_b.py::test_bad[2]", 7.0], ["tests/test_a.py::test_ok", 4.0]]
+    assert r["file_seconds"] == {"tests/test_b.py": 7.0, "tests/test_a.py": 4.0}
+    assert r["failure_text"] == {"tests/test_b.py::test_bad[2]": "E   AssertionError: scale off"}
+    assert gpu._junit_name("tests/test_b.py::test_bad[2]") == gpu._junit_name("tests.test_b::test_bad[2]")
+    assert gpu.read_times(tmp_path / "missing.jsonl")["tests_timed"] == 0
+
+
+def test_conftest_writes_timing_lines(tmp_path):
+    """Run a throwaway test file under this conftest with FASTDECODE_TEST_TIMES set: a line per phase,
+    the failure's text on the failed one."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_t.py").write_text("def test_ok():\n    pass\n\ndef test_bad():\n    assert 1 == 2\n")
+    times = tmp_path / "times.jsonl"
+    env = dict(os.environ, FASTDECODE_TEST_TIMES=str(times))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout
+    rows = [json.loads(ln) for ln in times.read_text().splitlines()]
+    assert len(rows) == 6 and {r_["when"] for r_ in rows} == {"setup", "call", "teardown"}
+    [bad] = [r_ for r_ in rows if r_["outcome"] == "failed"]
+    assert bad["test"].endswith("test_t.py::test_bad") and "assert 1 == 2" in bad["message"]
