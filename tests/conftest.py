@@ -10,6 +10,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist (benchmarks/gpu.py --workers, a diagnosis): each worker gets its share of the cores. With
+# torch's default (every core per process) 8 workers on the 32-core device ran the CPU tests 13 to 40
+# times slower than one process on 2 cores (tests/test_quant_head.py::test_eval_accuracy_cli_reports_the_head:
+# 226 s against 17 s).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # The one decision of this process, kept so that test_zz_process_state.py can check that no test
 # module or test changed it (a module that did turned every later GPU test into an interpreter run).
 TRITON_INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")

@@ -67,6 +67,19 @@ def test_int4_linear_every_group_and_mode(M, g, fmt):
 
 
 @gpu
+@pytest.mark.parametrize("M", [1, 7, 128])
+@pytest.mark.parametrize("N,K", [(192, 576), (576, 576), (3072, 576), (576, 1536)])
+def test_embedded_model_shapes_q4_1(N, K, M):
+    """The embedded SmolLM2's projections as its GGUF loads them (Q4_1: group 32, mins; K = 576 is 2.25
+    layout tiles), at decode and prefill sizes, every path the dispatcher may take."""
+    w = _packed(N, K, 32, "min")
+    x = torch.randn(M, K, device=DEV).bfloat16()
+    ref = I.int4_linear_ref(x, w)
+    for impl in (None, "triton") + (("dequant",) if M > 16 else ()):
+        _close(I.int4_linear(x, w, impl=impl), ref)
+
+
+@gpu
 @pytest.mark.parametrize("M", [256, 1024])
 def test_dequant_cublas_path(M):
     w = _packed(4096, 4096, 128, "zero")
@@ -133,6 +146,26 @@ def test_act_order_gptq_on_gpu():
     w = Q.prepack(q, s, group_size=g, zeros=z, g_idx=g_idx).to(DEV)
     x = torch.randn(9, K, device=DEV).half()
     _close(I.int4_linear(x, w), I.int4_linear_ref(x, w))
+
+
+@gpu
+def test_fp32_reference_path_captures_in_a_cuda_graph():
+    """fp32 activations on CUDA run int4_linear_ref (the engine's fp32 model on a GPU); it used to copy a
+    host tensor of nibble shifts to the device on every call, which a CUDA-graph capture refuses
+    (test_engine_gpu::test_default_model_on_gpu_matches_cpu_greedy failed there on the H200)."""
+    from fastdecode.models.llama import Int4Linear
+
+    w = _packed(192, 576, 32, "min")  # the embedded SmolLM2's k/v projection, Q4_1 style
+    lin = Int4Linear.from_weight(w, dtype=torch.float32)
+    x = torch.randn(1, 576, device=DEV)
+    out = lin(x, backend="triton")  # warm-up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = lin(x, backend="triton")
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, I.int4_linear_ref(x, w))
 
 
 @gpu

@@ -16,7 +16,6 @@ LAYOUT = "int4.k256s32.v1"  # bump when the kernel layout changes; a packed weig
 ZERO_MODES = ("sym", "zero", "min")
 SCALE_DTYPES = (torch.bfloat16, torch.float16)
 GROUP_SIZES = (32, 64, 128)  # plus per-channel (group_size == K)
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble p of a word sits at bit 4p
 KTILE, KSTRIDE = 256, 32  # layout: tiles of 256 columns, word j holds columns 32p + j
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ: nibble p of a word holds column 8c + AWQ_ORDER[p]
 
@@ -156,7 +155,10 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
     """int32 (R, C) -> uint8 (R, 8 C): nibble p of word c becomes column 8c + p."""
     R, C = words.shape
-    nib = (words.unsqueeze(-1) >> _SHIFTS.to(words.device)) & 0xF
+    # nibble p of a word sits at bit 4p; made on the words' device, not copied from the host, so the
+    # reference path (fp32 activations on CUDA) stays capturable in a CUDA graph
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    nib = (words.unsqueeze(-1) >> shifts) & 0xF
     return nib.reshape(R, C * 8).to(torch.uint8)
 
 
