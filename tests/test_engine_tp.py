@@ -248,3 +248,23 @@ def test_gguf_shards_equal_slices_of_the_whole_model(tmp_path, native, monkeypat
             want = {name: shard_tensor(name, whole[name], full.config, rank, 2) for name in whole}
         for name, p in part.named_parameters():
             torch.testing.assert_close(p, want[name], atol=0, rtol=0)
+
+
+def test_init_distributed_honours_the_device(monkeypatch):
+    """``--device cpu --tp 2`` on a GPU machine: gloo on the CPU, not NCCL (the CLI relaunch test hung on
+    the H200 when the device was not passed on); a device torch cannot use is a clear error."""
+    from fastdecode.engine import tp
+
+    seen = []
+    monkeypatch.setattr(tp.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(tp.dist, "init_process_group", lambda backend, **kw: seen.append(backend))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert tp.init_distributed("cpu") == (1, 2, torch.device("cpu")) and seen == ["gloo"]
+    with pytest.raises(ValueError, match="'cuda' or 'cpu'"):
+        tp.init_distributed("meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
+        tp.init_distributed("cuda")
+    assert tp.init_distributed() == (1, 2, torch.device("cpu")) and seen == ["gloo", "gloo"]

@@ -444,7 +444,7 @@ def run(args) -> int:
     if _under_torchrun():
         from fastdecode.engine.tp import init_distributed
 
-        init_distributed()
+        init_distributed(getattr(args, "device", None))
     main = not dist.is_initialized() or dist.get_rank() == 0
     impls = list(args.impl) + ([a for a in ABLATIONS if a not in args.impl] if getattr(args, "ablate", False) else [])
     rows = []

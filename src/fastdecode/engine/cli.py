@@ -127,7 +127,7 @@ def _engine(args, max_batch: int = 1):
     if _under_torchrun():
         from fastdecode.engine.tp import init_distributed, load_tp
 
-        _, _, device = init_distributed()
+        _, _, device = init_distributed(args.device)
         dtype = _dtype(args, device)
         loaded = load_tp(args.model, device=device, dtype=dtype, progress=False, **kw)
     else:

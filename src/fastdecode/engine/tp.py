@@ -257,14 +257,21 @@ def load_tp(path, group=None, **kw):
     return loaded
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
+def init_distributed(device=None) -> tuple[int, int, torch.device]:
     """Initialise torch.distributed from torchrun's environment (NCCL on GPUs, gloo on the CPU).
 
-    Returns (rank, world, device). One GPU per rank (LOCAL_RANK).
+    ``device``: "cuda" / "cpu" (or None: CUDA when there is a GPU). Returns (rank, world, device), one GPU
+    per rank (LOCAL_RANK) on CUDA. (``fastdecode generate --device cpu --tp 2`` on a GPU machine used to
+    take NCCL on the GPUs anyway: the --device was not passed here.)
     """
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", rank))
-    if torch.cuda.is_available():
+    kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"tensor parallelism runs on 'cuda' or 'cpu' devices, got {device!r}")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU")
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         if not dist.is_initialized():
