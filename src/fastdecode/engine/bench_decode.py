@@ -38,9 +38,10 @@ torchrun with N ranks (rank 0 reports; ``step_weight_bytes`` are per rank, the p
 On a CPU only ``torch-eager`` and ``peer-eager`` run (wall-clock timing); the others are reported as skipped;
 under ``--tp`` the peers are skipped (single-device models).
 
-``--out`` (default ``benchmarks/results/decode.json``) merges the rows into the file (``merge_rows``): a run
-replaces the rows of the same measurement (``row_key``) and keeps the others, so a partial or CPU run does
-not wipe committed results.
+``--out`` merges the measured rows into the file (``merge_rows``): a run replaces the rows of the same
+measurement (``row_key``) and keeps the others, so a partial run does not wipe committed results. Rows without
+a measurement (failed: ``error``; skipped; no ``tokens_per_s``) are printed but never written. Without ``--out``
+a CUDA run writes ``benchmarks/results/decode.json`` (``DEFAULT_OUT``); a CPU run writes no file.
 """
 
 from __future__ import annotations
@@ -408,10 +409,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (big presets)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None)
-    p.add_argument("--out", default="benchmarks/results/decode.json",
-                   help="JSON result file; rows are merged into an existing one: a row with the same model, impl "
+    p.add_argument("--out", default=None,
+                   help="JSON result file (default: benchmarks/results/decode.json on CUDA, no file on a CPU); "
+                        "measured rows are merged into an existing one: a row with the same model, impl "
                         "(ablations included), dtype, quant, tp, batch, input/output length and GPU is replaced, "
-                        "the others are kept (a skipped or failed row never replaces a measured one); '' writes "
+                        "the others are kept; skipped or failed rows are printed, never written; '' writes "
                         "nothing")
     p.add_argument("--plot", default=None, nargs="?", const="", help="write a PNG (default: next to --out)")
 
@@ -430,6 +432,24 @@ def merge_rows(old: list, new: list[dict]) -> list[dict]:
     from fastdecode.bench.harness import merged_rows
 
     return merged_rows(old, new, key=row_key, keep_measured=True)
+
+
+DEFAULT_OUT = "benchmarks/results/decode.json"
+
+
+def is_measured(row: dict) -> bool:
+    """A row a results file may hold: it has a measurement (``tokens_per_s``) and no ``error``."""
+    return "error" not in row and bool(row.get("tokens_per_s"))
+
+
+def results_path(args) -> Optional[str]:
+    """Where ``run`` writes: ``--out`` when given ('' is no file); otherwise ``DEFAULT_OUT`` on CUDA and
+    nothing on a CPU (a CPU run must not land in the committed GPU results)."""
+    if args.out is not None:
+        return args.out or None
+    dev = getattr(args, "device", None)
+    cuda = torch.device(dev).type == "cuda" if dev else torch.cuda.is_available()
+    return DEFAULT_OUT if cuda else None
 
 
 def run(args) -> int:
@@ -458,11 +478,18 @@ def run(args) -> int:
     if not main:
         return 0
     print_table(rows, ("impl", "shape", "median_us", "tokens_per_s", "tbps", "roofline_tokens_per_s"))
-    if args.out:
-        merged = harness_merge(rows, args.out, key=row_key, keep_measured=True)
-        print(f"wrote {args.out} ({len(rows)} rows, {len(merged)} in the file)", file=sys.stderr)
+    out = results_path(args)
+    measured = [r for r in rows if is_measured(r)]
+    if out and measured:
+        merged = harness_merge(measured, out, key=row_key, keep_measured=True)
+        print(f"wrote {out} ({len(measured)} measured rows of {len(rows)}, {len(merged)} in the file)",
+              file=sys.stderr)
+    elif out:
+        print(f"no measured rows: nothing written to {out}", file=sys.stderr)
+    elif args.out is None:
+        print("a CPU run writes no results file unless --out names one", file=sys.stderr)
     if args.plot is not None:
-        path = args.plot or (args.out.rsplit(".", 1)[0] + ".png" if args.out else "decode.png")
+        path = args.plot or (out.rsplit(".", 1)[0] + ".png" if out else "decode.png")
         for b in args.batch:
             sub = [r for r in rows if r["shape"]["batch"] == b]
             plot_rows(sub, path if len(args.batch) == 1 else path.replace(".png", f".b{b}.png"))

@@ -8,13 +8,26 @@ where the format has them, with the packing recorded as ``quantization_config.la
 file's metadata) and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``).
 Loading it reads the quantised weights as they are (no re-quantisation, no repacking), and the recorded format
 and layout let the loader refuse kernels that do not match.
+
+Writing is atomic: the whole directory is written (and fsynced) into a fresh ``.DSTNAME.tmp-<pid>-XXXX``
+directory beside DST, then renamed into place; a failure removes it and leaves DST as it was. An existing DST
+that is not an empty directory is refused unless ``overwrite=True`` (``--overwrite``): then the old DST is
+renamed aside (``.DSTNAME.old-<pid>-XXXX``), the new one renamed in, and the old one deleted. A process killed
+mid-write can leave a ``.DSTNAME.tmp-*`` directory: it is safe to delete, and the next write to the same DST
+deletes those of processes no longer running (and ``.DSTNAME.old-*`` ones once DST exists again).
+``quantize_checkpoint`` also refuses a DST that is, or overlaps, its source, and checks DST's parent before
+loading the source.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+import re
+import secrets
+import shutil
+import tempfile
+from typing import Callable, Optional
 
 import torch
 
@@ -95,17 +108,170 @@ def save_tokenizer(tok, dst: str) -> None:
         json.dump({"bos_token_id": tok.bos_id, "eos_token_id": list(tok.eos_ids)}, f, indent=1)
 
 
-def save_checkpoint(model: Transformer, tokenizer, dst: str, fmt: Optional[str]) -> None:
-    """Write ``model`` (quantised as ``fmt``, or None) and its tokenizer to the directory ``dst``."""
-    from safetensors.torch import save_file
+# ----------------------------------------------------------------------------- atomic directory writes
 
+_STALE = re.compile(r"\.(tmp|old)-(\d+)-[A-Za-z0-9_]+")  # after ".DSTNAME": our temporary directories
+
+
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def check_src_dst(src: Optional[str], dst: str) -> None:
+    """Refuse a DST that is the source, lies inside it, or contains it (resolved real paths). ``src`` None (the
+    embedded model) or a name that is no path (a preset) overlaps nothing."""
+    if src is None or not os.path.exists(src):
+        return
+    s, d = os.path.realpath(src), os.path.realpath(dst)
+    if s == d:
+        raise ValueError(f"DST {dst!r} is the source {src!r}; write the checkpoint to another path")
+    if _inside(d, s):
+        raise ValueError(f"DST {dst!r} is inside the source {src!r}; write the checkpoint outside it")
+    if _inside(s, d):
+        raise ValueError(f"the source {src!r} is inside DST {dst!r}; writing DST would replace it")
+
+
+def _empty_dir(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
+
+
+def check_dst(dst: str, overwrite: bool = False) -> str:
+    """``dst`` as an absolute path, after refusing one whose parent directory is missing or not writable, and an
+    existing one that is not an empty directory unless ``overwrite``. Cheap: run it before a long load."""
+    path = os.path.abspath(dst)
+    parent, name = os.path.split(path)
+    if not name:
+        raise ValueError(f"DST {dst!r} is a filesystem root; name a directory to write")
+    if not os.path.isdir(parent):
+        raise ValueError(f"the parent directory of DST {dst!r} does not exist: {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write DST {dst!r}: its parent directory {parent} is not writable")
+    if not overwrite and os.path.lexists(path) and not _empty_dir(path):
+        raise ValueError(f"DST {dst!r} already exists and is not an empty directory; pass --overwrite "
+                         "(overwrite=True) to replace it")
+    return path
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    return True
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _remove_stale(parent: str, name: str, path: str) -> None:
+    """Delete the temporary directories an earlier write to ``path`` left when it was killed (those of processes
+    no longer running); a ``.old-`` one (the previous DST, renamed aside) only once ``path`` exists again."""
+    head = f".{name}"
+    for entry in os.listdir(parent):
+        m = _STALE.fullmatch(entry[len(head):]) if entry.startswith(head) else None
+        if m is None or _alive(int(m.group(2))):
+            continue
+        if m.group(1) == "old" and not os.path.lexists(path):
+            continue  # killed between the two renames: this is the only copy of the old DST
+        _remove(os.path.join(parent, entry))
+
+
+def _fsync(path: str, directory: bool = False) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    except OSError:
+        if directory:  # some filesystems / platforms cannot open a directory for fsync
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_dir_atomically(dst: str, write: Callable[[str], None], *, overwrite: bool = False) -> None:
+    """Run ``write(tmp)`` on a fresh temporary directory beside ``dst`` (``.DSTNAME.tmp-<pid>-XXXX``), fsync
+    its files, then rename it to ``dst`` (``check_dst`` refusals first). ``overwrite``: an existing ``dst`` is
+    renamed aside, the new one renamed in, the old one deleted (put back if the second rename fails). Any
+    exception removes the temporary directory and leaves ``dst`` as it was; an ``OSError`` (ENOSPC, ...) is
+    re-raised as one of the same errno whose message names ``dst``."""
+    path = check_dst(dst, overwrite)
+    parent, name = os.path.split(path)
+    try:
+        _remove_stale(parent, name, path)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-{os.getpid()}-")
+    except OSError as e:
+        msg = f"cannot write DST {dst!r}: {e.strerror or e}"
+        raise (OSError(e.errno, msg) if e.errno is not None else OSError(msg)) from e
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the checkpoint from other users
+        write(tmp)
+        for f in os.listdir(tmp):
+            if os.path.isfile(os.path.join(tmp, f)):
+                _fsync(os.path.join(tmp, f))
+        _fsync(tmp, directory=True)
+        if not os.path.lexists(path) or _empty_dir(path):
+            os.rename(tmp, path)  # atomic; fails (ENOTEMPTY) if a non-empty DST appeared meanwhile
+        elif not overwrite:  # appeared while we wrote
+            raise ValueError(f"DST {dst!r} appeared while it was written; pass --overwrite to replace it")
+        else:
+            old = os.path.join(parent, f".{name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+            os.rename(path, old)
+            try:
+                os.rename(tmp, path)
+            except BaseException:
+                os.rename(old, path)
+                raise
+            _remove(old)
+    except BaseException as e:
+        _remove(tmp)
+        if isinstance(e, OSError):
+            msg = f"writing DST {dst!r} failed, DST left unchanged: {e.strerror or e}"
+            raise (OSError(e.errno, msg) if e.errno is not None else OSError(msg)) from e
+        raise
+    _fsync(parent, directory=True)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _check_exportable(model: Transformer) -> None:
     if model.rope_freq_factors is not None:
         raise ValueError("this model's RoPE comes from a GGUF rope_freqs tensor, which a Hugging Face config "
                          "cannot express; export is not supported for it yet")
     if model.head_quant is not None:
         raise ValueError(f"the lm head is quantised ({model.head_quant!r}); checkpoints store it dense: "
                          "quantise the head at load instead (quant_head=, --quant-head)")
-    os.makedirs(dst, exist_ok=True)
+
+
+def save_checkpoint(model: Transformer, tokenizer, dst: str, fmt: Optional[str], *, overwrite: bool = False) -> None:
+    """Write ``model`` (quantised as ``fmt``, or None) and its tokenizer to the directory ``dst``, atomically
+    (``write_dir_atomically``): an existing ``dst`` that is not an empty directory is refused unless
+    ``overwrite``, and a failure leaves ``dst`` as it was."""
+    _check_exportable(model)
+    write_dir_atomically(dst, lambda d: _write_checkpoint(model, tokenizer, d, fmt), overwrite=overwrite)
+
+
+def _write_checkpoint(model: Transformer, tokenizer, dst: str, fmt: Optional[str]) -> None:
+    """The files of the checkpoint, into the existing directory ``dst`` (not atomic: ``save_checkpoint``)."""
+    from safetensors.torch import save_file
+
     cfg = config_to_hf(model.config)
     if fmt is not None:
         from fastdecode.models.quantize import method_of
@@ -130,11 +296,14 @@ def save_checkpoint(model: Transformer, tokenizer, dst: str, fmt: Optional[str])
         save_tokenizer(tokenizer, dst)
 
 
-def quantize_checkpoint(src: Optional[str], dst: str, method: str, *, dtype=torch.bfloat16) -> str:
+def quantize_checkpoint(src: Optional[str], dst: str, method: str, *, dtype=torch.bfloat16,
+                        overwrite: bool = False) -> str:
     """Load ``src`` (any loadable path), quantise with ``method``, write ``dst``; returns the format written.
 
     ``int4``: RTN group 128 from dense weights; int4 sources (GPTQ, AWQ, GGUF Q4_0 / Q4_1) are written as they
-    are (no second quantisation)."""
+    are (no second quantisation). ``dst`` must not be or overlap ``src``; an existing ``dst`` that is not an
+    empty directory is refused unless ``overwrite``; both checks and DST's parent directory before the load.
+    The write is atomic (``save_checkpoint``)."""
     from fastdecode.engine.loader import load
     from fastdecode.models.quantize import FORMATS, QUANT_METHODS
 
@@ -142,8 +311,10 @@ def quantize_checkpoint(src: Optional[str], dst: str, method: str, *, dtype=torc
         raise ValueError(f"method must be one of {QUANT_METHODS}, got {method!r}")
     if method not in FORMATS:
         raise NotImplementedError(f"quantize --method {method} is not available yet")
+    check_src_dst(src, dst)
+    check_dst(dst, overwrite)  # before the load, which takes seconds
     loaded = load(src, device="cpu", dtype=dtype, backend="torch", quant=method, progress=False)
     # int4 sources (GPTQ, AWQ, GGUF Q4) keep their weights and name their origin in the format
     fmt = loaded.model.quant_format or FORMATS[method]
-    save_checkpoint(loaded.model, loaded.tokenizer, dst, fmt)
+    save_checkpoint(loaded.model, loaded.tokenizer, dst, fmt, overwrite=overwrite)
     return fmt
