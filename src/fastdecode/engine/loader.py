@@ -652,7 +652,12 @@ def _hf_int4_source(fmt: str, qc: dict, get: Callable, available: set[str], lazy
         if perm is not None and (perm.dtype != torch.int64 or tuple(perm.shape) != (K,)):
             raise ValueError(f"{base}.perm must be int64 of shape ({K},), got {perm.dtype} {tuple(perm.shape)}")
         mode = "zero" if zeros is not None else ("min" if mins is not None else "sym")
-        return Int4Weight(qweight.contiguous(), scales.contiguous(), zeros, mins, K // G, mode, perm, K, LAYOUT)
+        # a row-parallel shard slices the groups: every per-group tensor made contiguous, as the kernels read it
+        contig = lambda t: None if t is None else t.contiguous()  # noqa: E731
+        w = Int4Weight(qweight.contiguous(), scales.contiguous(), contig(zeros), contig(mins), K // G, mode, perm, K,
+                       LAYOUT)
+        w.check_values(base)  # once, at load: perm a permutation of 0..K-1, zeros in [0, 15]
+        return w
 
     def read(name, shape):
         base = name[: -len(".weight")]

@@ -5,6 +5,7 @@ import triton.language as tl
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
 from fastdecode.constants import OUT_FP8_DYNAMIC
+from fastdecode.kernels.quant import _dynamic_scale, _nan_flags, _store_fp8  # the NaN rule of FP8 outputs
 
 
 @triton.jit
@@ -43,31 +44,30 @@ def _silu_and_mul_kernel(
         if OUT_MODE == 0:
             tl.store(out_ptr + o_off + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            q = y / tl.load(scale_ptr)
-            q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-            tl.store(out_ptr + o_off + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+            _store_fp8(out_ptr + o_off + cols, y / tl.load(scale_ptr), mask, FP8_MAX)
     elif NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
         mask = cols < I
         y = _silu_mul(x_ptr, x_off, cols, mask, I)
-        s = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX, MIN_SCALE)
+        s = _dynamic_scale(tl.max(tl.abs(y), axis=0), _nan_flags(y, 0), FP8_MAX, MIN_SCALE)
         tl.store(scale_ptr + row, s)
-        q = tl.minimum(tl.maximum(y / s, -FP8_MAX), FP8_MAX)
-        tl.store(out_ptr + o_off + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_fp8(out_ptr + o_off + cols, y / s, mask, FP8_MAX)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        nans = tl.zeros((BLOCK,), dtype=tl.int32)
         for c in range(NUM_CHUNKS):
             cols = c * BLOCK + tl.arange(0, BLOCK)
             mask = cols < I
-            amax = tl.maximum(amax, tl.abs(_silu_mul(x_ptr, x_off, cols, mask, I)))
-        s = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+            y = _silu_mul(x_ptr, x_off, cols, mask, I)
+            amax = tl.maximum(amax, tl.abs(y))
+            nans += (y != y).to(tl.int32)
+        s = _dynamic_scale(tl.max(amax, axis=0), tl.sum(nans, axis=0), FP8_MAX, MIN_SCALE)
         tl.store(scale_ptr + row, s)
         for c in range(NUM_CHUNKS):
             cols = c * BLOCK + tl.arange(0, BLOCK)
             mask = cols < I
             y = _silu_mul(x_ptr, x_off, cols, mask, I)
-            q = tl.minimum(tl.maximum(y / s, -FP8_MAX), FP8_MAX)
-            tl.store(out_ptr + o_off + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+            _store_fp8(out_ptr + o_off + cols, y / s, mask, FP8_MAX)
 
 
 def launch_silu_and_mul(x, out, scale, out_mode, config):

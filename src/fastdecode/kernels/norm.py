@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
+from fastdecode.kernels.quant import _dynamic_scale, _nan_flags, _store_fp8  # the NaN rule of FP8 outputs
 
 
 @triton.jit
@@ -20,12 +21,10 @@ def _finish_row(y, out_ptrs, mask, scale_ptr, rows, row_mask,
             s = tl.load(scale_ptr)
             q = y / s
         else:
-            amax = tl.max(tl.abs(y), axis=1)
-            s = tl.maximum(amax / FP8_MAX, MIN_SCALE)
+            s = _dynamic_scale(tl.max(tl.abs(y), axis=1), _nan_flags(y, 1), FP8_MAX, MIN_SCALE)
             tl.store(scale_ptr + rows, s, mask=row_mask)
             q = y / s[:, None]
-        q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-        tl.store(out_ptrs, q.to(out_ptrs.dtype.element_ty), mask=mask)
+        _store_fp8(out_ptrs, q, mask, FP8_MAX)
 
 
 @triton.jit
@@ -92,6 +91,7 @@ def _rms_norm_kernel(
             stride_s = stride_x
         if OUT_MODE == 2:
             amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            nans = tl.zeros((BLOCK_M,), dtype=tl.int32)
             for c in range(NUM_CHUNKS):
                 cc = c * BLOCK_H + cols
                 cmask = cc < H
@@ -100,7 +100,8 @@ def _rms_norm_kernel(
                 w = tl.load(w_ptr + cc, mask=cmask, other=0.0).to(tl.float32)
                 y = v.to(tl.float32) * rstd[:, None] * w[None, :]
                 amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
-            s = tl.maximum(amax / FP8_MAX, MIN_SCALE)
+                nans += _nan_flags(y, 1)
+            s = _dynamic_scale(amax, nans, FP8_MAX, MIN_SCALE)
             tl.store(scale_ptr + rows, s, mask=row_mask)
         elif OUT_MODE == 1:
             s = tl.load(scale_ptr)
@@ -119,8 +120,7 @@ def _rms_norm_kernel(
                     q = y / s
                 else:
                     q = y / s[:, None]
-                q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-                tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=mask)
+                _store_fp8(out_ptrs, q, mask, FP8_MAX)
 
 
 def launch_rms_norm(x, residual, weight, out, scale, eps, out_mode, config):

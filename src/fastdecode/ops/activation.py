@@ -3,6 +3,10 @@
 For ``x = [gate | up]`` of width 2I: ``out = silu(gate) * up`` of width I, fp32 math rounded once.
 FP8 output: ``out = fp8(clamp(y / scale, -448, 448))``, ``real = fp8 * scale``; static per-tensor
 scale given, or dynamic per-token scales computed in the kernel and returned with shape ``(..., 1)``.
+
+NaN / Inf (both backends, docs/engine.md): a NaN propagates to its output column; with dynamic FP8 output the
+row's scale and all its FP8 values are NaN. An infinite output gives that row scale inf (values 0, NaN at the
+Inf): it dequantises to NaN.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ class Int4Weight:
     """A prepacked int4 weight of logical shape (N, K) in the kernel layout (module docstring).
 
     Build with :func:`quantize_int4`, :func:`prepack` or an importer; pass to ``fastdecode.int4_linear``.
+    Built by hand from stored tensors: call :meth:`check_values` once (the ops check shapes only).
     """
 
     qweight: torch.Tensor  # int32 (N, Kp // 8), Kp = K rounded up to 256, stride-32 interleave
@@ -111,6 +112,22 @@ class Int4Weight:
         if self.perm is not None and (self.perm.dtype != torch.int64 or tuple(self.perm.shape) != (K,)):
             raise ValueError(f"{what}: perm must be int64 ({K},), got {self.perm.dtype} {tuple(self.perm.shape)}")
 
+    def check_values(self, what: str = "int4 weight") -> None:
+        """:meth:`validate`, then the values no op checks: ``perm`` a permutation of 0..K-1 and ``zeros`` in
+        [0, 15]. A pass over those small tensors (a host sync), so it runs once where a weight is built or
+        loaded (:func:`prepack`, the importers, the checkpoint loader), never per call. Unchecked, a duplicate
+        perm entry leaves columns of :func:`dequantize_int4` unwritten (uninitialised memory: values that
+        change between calls) and an out-of-range one fails deep inside an op."""
+        self.validate(what)
+        if self.perm is not None:
+            check_perm(self.perm, self.K, f"{what}: perm")
+        if self.zeros is not None and self.zeros.numel():
+            zmax = int(self.zeros.max())  # uint8 (validate): never below 0
+            if zmax > 15:
+                n = int((self.zeros > 15).sum())
+                raise ValueError(f"{what}: zeros must hold 4-bit zero points in [0, 15], got {n} above 15 "
+                                 f"(maximum {zmax})")
+
     def check_format(self, *, group_size: Optional[int] = None, zero_mode: Optional[str] = None,
                      K: Optional[int] = None, what: str = "int4 weight") -> None:
         """Raise ValueError unless this weight has the layout, K, group size and zero mode asked for
@@ -183,6 +200,22 @@ def unpack_kernel_layout(words: torch.Tensor, K: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- prepack / dequantise
 
 
+def check_perm(perm: torch.Tensor, K: int, what: str = "perm") -> None:
+    """Raise ValueError unless the int64 (K,) tensor ``perm`` is a permutation of 0..K-1 (range, then
+    duplicates through one bincount)."""
+    if not perm.numel():
+        return
+    lo, hi = int(perm.min()), int(perm.max())
+    if lo < 0 or hi >= K:
+        raise ValueError(f"{what} must be a permutation of 0..{K - 1}: value {lo if lo < 0 else hi} out of range")
+    counts = torch.bincount(perm, minlength=K)
+    extra = int((counts - 1).clamp(min=0).sum())
+    if extra:
+        first = int(torch.nonzero(counts > 1)[0, 0])
+        raise ValueError(f"{what} must be a permutation of 0..{K - 1}: it has {extra} duplicate entries "
+                         f"({first} appears {int(counts[first])} times)")
+
+
 def _check_int(name, t, shape, lo=0, hi=15):
     if not isinstance(t, torch.Tensor) or t.is_floating_point() or tuple(t.shape) != tuple(shape):
         got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -235,7 +268,7 @@ def prepack(q: torch.Tensor, scales: torch.Tensor, *, group_size: int, zeros: Op
             perm = torch.sort(g_idx, stable=True).indices
             q = q[:, perm]
     w = Int4Weight(pack_kernel_layout(q), scales.contiguous(), zeros, mins, group_size, mode, perm, K)
-    w.validate("prepack")
+    w.check_values("prepack")
     return w
 
 

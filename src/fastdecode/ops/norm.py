@@ -8,6 +8,10 @@ Semantics (same as vLLM's fused_add_rms_norm)::
 FP8 output: ``out = fp8(clamp(y / scale, -448, 448))`` with ``real = fp8 * scale``; the scale is either
 given (static, per tensor) or computed per row (dynamic, per token) as
 ``max(amax(|y|) / 448, 1 / (448 * 512))`` and returned with shape ``(..., 1)`` in float32.
+
+NaN / Inf (both backends, docs/engine.md): a NaN in a row makes the whole normalised row NaN (so, with FP8
+output, a NaN scale and NaN FP8 values); an Inf makes it NaN where the Inf was and 0 elsewhere
+(``rsqrt(inf) = 0``), so with dynamic FP8 output the scale is NaN too. Other rows are unaffected.
 """
 
 from __future__ import annotations

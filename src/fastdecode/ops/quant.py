@@ -3,6 +3,10 @@
 Three modes: static per-tensor (scale given), dynamic per-tensor (scale = amax(|x|) / 448 over the
 whole tensor) and dynamic per-token (one scale per row, shape ``(..., 1)``). Dynamic scales are
 bounded below by ``1 / (448 * 512)`` so that zeros never divide by zero.
+
+NaN / Inf (both backends, docs/engine.md): a NaN propagates as in PyTorch: a row (per token) or tensor (per
+tensor) holding a NaN gets a NaN scale and NaN FP8 values; under a static scale a NaN value stays NaN. An Inf
+gives ``scale = inf`` and ``x / inf`` = 0 or NaN (inf / inf): the row dequantises to NaN.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ def quantize_fp8(x, scale=None, per_token: bool = False, *, out=None, backend: O
 
     scale given (float or 1-element fp32 tensor): static per-tensor. ``scale=None, per_token=False``:
     dynamic per-tensor, scale shape ``(1,)``. ``per_token=True``: dynamic per-row, scale ``(..., 1)``.
+    A NaN in a row gives that row (per tensor: the tensor) a NaN scale and NaN values; an Inf gives scale
+    inf, values 0 (NaN where x is +-inf), so the row dequantises to NaN (module docstring).
     """
     check_tensor("x", x)
     if x.dim() == 0:
