@@ -23,7 +23,24 @@ def _cmd_selfcheck(args) -> int:
 KERNELS_OUT = "benchmarks/results/norm_activation_quant.json"
 
 
+def _no_gpu(what: str, n: int = 1) -> int:
+    """0 when torch sees ``n`` CUDA GPUs; else print one ``error:`` line and return 2 (the GPU benchmarks and
+    tuners would fail deep inside with a CUDA traceback)."""
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have >= n:
+        return 0
+    need = "a CUDA GPU" if n == 1 else f"{n} CUDA GPUs"
+    why = "this torch is a CPU-only build" if torch.version.cuda is None else f"torch sees {have}"
+    hint = "; on the CPU, `fastdecode selfcheck` checks the kernels and `fastdecode bench decode` measures the engine"
+    print(f"error: `fastdecode {what}` needs {need} ({why}){hint}", file=sys.stderr)
+    return 2
+
+
 def _cmd_bench_kernels(args) -> int:
+    if _no_gpu(f"bench {args.bench_command}"):
+        return 2
     from fastdecode.bench import norm_activation_quant as nav
 
     # `kernels` (alias `all`, its name in earlier versions) runs every suite
@@ -32,6 +49,8 @@ def _cmd_bench_kernels(args) -> int:
 
 
 def _cmd_bench_linear(args) -> int:
+    if _no_gpu("bench linear"):
+        return 2
     from fastdecode.bench import linear as bl
 
     bl.run(args.out or "benchmarks/results/linear.json", quick=args.quick,
@@ -40,6 +59,8 @@ def _cmd_bench_linear(args) -> int:
 
 
 def _cmd_bench_int4(args) -> int:
+    if _no_gpu("bench int4"):
+        return 2
     from fastdecode.bench import int4 as bi
 
     bi.run(args.out or "benchmarks/results/int4_linear.json", quick=args.quick)
@@ -47,6 +68,8 @@ def _cmd_bench_int4(args) -> int:
 
 
 def _cmd_bench_allreduce(args) -> int:
+    if _no_gpu(f"bench allreduce --world {args.world}", max(args.world, 1)):
+        return 2
     from fastdecode.bench import allreduce as bar
 
     bar.run(args.world, args.out or "benchmarks/results/allreduce.json", quick=args.quick,
@@ -55,6 +78,8 @@ def _cmd_bench_allreduce(args) -> int:
 
 
 def _cmd_tune(args) -> int:
+    if _no_gpu(f"tune {args.what}"):
+        return 2
     if args.what == "int4":
         from fastdecode.bench import int4 as bi
 
@@ -135,7 +160,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for --tp relaunches (engine commands)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    return int(args.func(args) or 0)
+    from fastdecode.engine.cli import run_command
+
+    return run_command(args)  # Ctrl-C: "interrupted", 130; stdout closed (| head): quiet, 141
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import os
 import sys
 import time
@@ -29,7 +30,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="weights and activations (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="context (KV cache) length")
+    p.add_argument("--max-seq-len", type=positive_int, default=None,
+                   help="context (KV cache) length (default: the model's context, at most 4096; more than the "
+                        "model's context is capped to it with a warning; refused when the KV cache would not fit "
+                        "in the device's available memory)")
     p.add_argument("--backend", default=None, choices=["auto", "triton", "torch"],
                    help="op backend (default: torch on CPU, auto on GPU)")
     p.add_argument("--no-cuda-graph", action="store_true", help="launch the decode step eagerly")
@@ -45,7 +49,7 @@ def _add_quant_tp_args(p: argparse.ArgumentParser) -> None:
                         "weights, RTN group 128); quantised at load unless the checkpoint already is (FP8, GPTQ, "
                         "AWQ, GGUF Q4_0/Q4_1); default: as stored (GGUF Q4_0/Q4_1 run as int4 on CUDA)")
     add_quant_head_arg(p)
-    p.add_argument("--tp", type=int, default=None,
+    p.add_argument("--tp", type=positive_int, default=None,
                    help="tensor parallelism over N GPUs (relaunches under torchrun; or run under torchrun yourself)")
 
 
@@ -73,7 +77,9 @@ def relaunch_tp(n: int, argv: Optional[list] = None) -> int:
             skip = True
         elif not a.startswith("--tp="):
             out.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+    # torchrun without its failure report: the ranks print one ``error:`` line (rank 0) and exit 2 (tp.torchrun_main)
+    cmd = [sys.executable, "-c", "import sys; from fastdecode.engine.tp import torchrun_main; "
+           "sys.exit(torchrun_main(sys.argv[1:]))", "--standalone", f"--nproc-per-node={n}",
            "-m", "fastdecode", *out]
     return subprocess.call(cmd)
 
@@ -90,11 +96,54 @@ def _maybe_relaunch(args) -> Optional[int]:
     return relaunch_tp(args.tp, getattr(args, "argv", None))
 
 
+def positive_int(s: str) -> int:
+    """argparse ``type``: an integer >= 1 (argparse names the flag in its error)."""
+    return _int_at_least(s, 1)
+
+
+def _nonneg_int(s: str) -> int:
+    return _int_at_least(s, 0)
+
+
+def _int_at_least(s: str, lo: int) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < lo:
+        raise argparse.ArgumentTypeError(f"must be {'positive' if lo == 1 else f'>= {lo}'}, got {v}")
+    return v
+
+
+def _float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {s}")
+    return v
+
+
+def _temperature(s: str) -> float:
+    v = _float(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {s}")
+    return v
+
+
+def _top_p(s: str) -> float:
+    v = _float(s)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 keeps every token), got {s}")
+    return v
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=_nonneg_int, default=0, help="0 keeps every token")
+    p.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -110,8 +159,66 @@ _USER_ERRORS = (OSError, ValueError, ImportError)
 
 
 def _fail(e) -> int:
-    print(f"error: {e}", file=sys.stderr)
+    """Print ``error: e`` (under torchrun on rank 0 only: every rank fails alike) and return exit code 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {e}", file=sys.stderr)
     return 2
+
+
+def _warn(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {msg}", file=sys.stderr)
+
+
+def check_device(spec: Optional[str]) -> torch.device:
+    """The ``--device`` to run on (default: cuda when available); ValueError naming --device for a device this
+    torch cannot use (no CUDA build or GPU, an index past the GPUs there are, not cpu / cuda)."""
+    if spec is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device {spec!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {spec}: the engine runs on cpu or cuda[:N]")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"--device {spec}: {why} (torch {torch.__version__}); use --device cpu")
+        n = torch.cuda.device_count()
+        if device.index is not None and device.index >= n:
+            raise ValueError(f"--device {spec}: there {'is' if n == 1 else 'are'} only {n} CUDA device"
+                             f"{'' if n == 1 else 's'} (cuda:0 to cuda:{n - 1})")
+    return device
+
+
+def check_text(text: str, what: str) -> None:
+    """ValueError when ``text`` (argv or stdin, decoded by Python with surrogateescape) holds bytes that are not
+    UTF-8: they come back as lone surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = bytes(ord(c) - 0xDC00 for c in text[e.start:e.end] if 0xDC80 <= ord(c) <= 0xDCFF)
+        raise ValueError(f"{what} is not valid UTF-8 (byte{'s' if len(bad) > 1 else ''} "
+                         f"{bad.hex(' ') or '?'} at character {e.start}); pass UTF-8 text") from None
+
+
+def _check_args(args) -> None:
+    """What can be refused before loading anything (or relaunching under torchrun): --device, --backend, the
+    prompt. Raises ValueError naming the flag."""
+    device = check_device(args.device)  # (under torchrun each rank then takes its GPU, LOCAL_RANK)
+    if args.backend == "triton":
+        from fastdecode.ops._common import resolve_backend
+
+        try:
+            resolve_backend("triton", device, "--backend triton")
+        except RuntimeError as e:
+            reason = str(e).split(" but ", 1)[-1]
+            way = ("set TRITON_INTERPRET=1 to run the Triton kernels under the (slow) CPU interpreter"
+                   if device.type == "cpu" and "TRITON_INTERPRET" in reason else "install triton")
+            raise ValueError(f"--backend triton: {reason}; use --backend torch, or {way}") from None
+    if getattr(args, "prompt", None) is not None:
+        check_text(args.prompt, "the prompt")
 
 
 def _engine(args, max_batch: int = 1):
@@ -121,7 +228,10 @@ def _engine(args, max_batch: int = 1):
     from fastdecode.engine.loader import load
     from fastdecode.engine.tokenizer import Tokenizer
 
-    kw = dict(backend=args.backend, max_seq_len=args.max_seq_len, quant=args.quant,
+    from fastdecode.engine.generate import DEFAULT_MAX_SEQ_LEN
+
+    # the RoPE table: what was asked for (capped to the model's context below), else the default context
+    kw = dict(backend=args.backend, max_seq_len=args.max_seq_len or DEFAULT_MAX_SEQ_LEN, quant=args.quant,
               quant_head=getattr(args, "quant_head", None))
     t = time.perf_counter()
     if _under_torchrun():
@@ -131,7 +241,7 @@ def _engine(args, max_batch: int = 1):
         dtype = _dtype(args, device)
         loaded = load_tp(args.model, device=device, dtype=dtype, progress=False, **kw)
     else:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = check_device(args.device)
         dtype = _dtype(args, device)
         loaded = load(args.model, device=device, dtype=dtype, progress=sys.stderr.isatty(), **kw)
     tok = loaded.tokenizer
@@ -144,8 +254,17 @@ def _engine(args, max_batch: int = 1):
         why = loaded.tokenizer_error or f"{loaded.source} has no tokenizer"
         raise ValueError(f"{why}; generate and chat need one: pass --tokenizer PATH (a tokenizer.json, a HF "
                          "directory or a .gguf with a vocabulary)")
+    context = loaded.config.max_seq_len  # max_position_embeddings / GGUF context_length
+    if args.max_seq_len is None:
+        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, context)
+    elif args.max_seq_len > context:
+        _warn(f"--max-seq-len {args.max_seq_len} is more than the model's context ({context} positions, "
+              f"max_position_embeddings in its config); capped to {context}")
+        max_seq_len = context
+    else:
+        max_seq_len = args.max_seq_len
     eng = Engine(loaded.model, tok, max_batch=max_batch,
-                 max_seq_len=min(args.max_seq_len, loaded.model.rope_len),
+                 max_seq_len=min(max_seq_len, loaded.model.rope_len),  # KVCacheMemoryError if it does not fit
                  cuda_graph=False if args.no_cuda_graph else None)
     tp = loaded.model.tp
     if tp is None or tp.rank == 0:
@@ -180,6 +299,14 @@ def _finish_tp() -> None:
         dist.destroy_process_group()
 
 
+def _end_tp() -> None:
+    """Leave the process group without a barrier (every rank is failing alike)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _sampling(args):
     from fastdecode.engine.sampler import SamplingParams
 
@@ -199,12 +326,16 @@ def _stats(n_tokens: int, seconds: float) -> str:
 def _start(args):
     """(engine, sampling) for generate / chat, or the exit code when the command ends here: a --tp
     relaunch under torchrun returned, or a user error (bad path, option, checkpoint) was printed."""
+    from fastdecode.engine.tp import TPLoadError
+
     try:
+        _check_args(args)
         code = _maybe_relaunch(args)
         if code is not None:
             return code
         return _engine(args), _sampling(args)
-    except _USER_ERRORS as e:
+    except (*_USER_ERRORS, TPLoadError) as e:
+        _end_tp()
         return _fail(e)
 
 
@@ -221,6 +352,7 @@ def cmd_generate(args) -> int:
         [r] = eng.generate(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
                            chat=use_chat, stream=lambda _, s: (out.write(s), out.flush()))
     except ValueError as e:
+        _end_tp()
         return _fail(e)
     dt = time.perf_counter() - t
     out.write("\n")
@@ -241,14 +373,21 @@ def cmd_chat(args) -> int:
     main = _is_main(eng)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if main:
-        print("chat: empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr)
+        print("chat: empty line, Ctrl-D or Ctrl-C to quit (Ctrl-C during an answer stops it), /reset to clear "
+              "the history", file=sys.stderr)
     while True:
         user = ""
         if main:
             try:
                 user = input("> ")
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):  # quit
+                print(file=sys.stderr)
                 user = ""
+            try:
+                check_text(user, "the message")
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                continue
         user = _broadcast(user)  # under TP every rank runs the same turn
         if not user.strip():
             break
@@ -266,6 +405,13 @@ def cmd_chat(args) -> int:
             print(f"\nerror: {e}; /reset clears the history", file=sys.stderr)
             messages.pop()
             continue
+        except KeyboardInterrupt:
+            if eng.model.tp is not None:  # the ranks cannot agree on where the answer stopped: quit (exit 130)
+                raise
+            # Ctrl-C stops this answer: the turn is dropped (its partial answer too), the earlier history kept
+            print("\n[interrupted]", file=sys.stderr)
+            messages.pop()
+            continue
         if main:
             print()
             print(_stats(len(r.tokens), time.perf_counter() - t), file=sys.stderr)
@@ -279,7 +425,8 @@ def cmd_quantize(args) -> int:
 
     t = time.perf_counter()
     try:
-        fmt = quantize_checkpoint(args.src, args.dst, args.method, dtype=getattr(torch, args.dtype))
+        fmt = quantize_checkpoint(args.src, args.dst, args.method, dtype=getattr(torch, args.dtype),
+                                  overwrite=args.overwrite)
     except _USER_ERRORS as e:
         return _fail(e)
     print(f"[wrote {args.dst} ({fmt}) in {time.perf_counter() - t:.1f} s]", file=sys.stderr)
@@ -436,10 +583,14 @@ def add_subcommands(subparsers, bench: bool = True) -> None:
 
     q = subparsers.add_parser("quantize", help="write a quantised safetensors checkpoint (format recorded)")
     q.add_argument("src", help="a .gguf file, a Hugging Face directory or a preset")
-    q.add_argument("dst", help="output directory")
+    q.add_argument("dst", help="output directory: must not be or overlap SRC; written into a temporary "
+                               ".DST.tmp-* directory beside it, then renamed into place (a failure leaves DST as "
+                               "it was; a .DST.tmp-* left by a killed run is safe to delete)")
     q.add_argument("--method", required=True, choices=["fp8", "int4"])
     q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of what stays unquantised (embedding, norms, lm head)")
+    q.add_argument("--overwrite", action="store_true",
+                   help="replace an existing DST that is not an empty directory (atomically; refused without it)")
     q.set_defaults(func=cmd_quantize)
 
     e = subparsers.add_parser("eval-accuracy", help="perplexity and top-1 agreement of quantised formats vs the "
@@ -471,10 +622,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# exit codes of a command stopped from outside, as a shell reports a process killed by the signal (128 + N)
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT)
+EXIT_BROKEN_PIPE = 141  # stdout closed by the reader (SIGPIPE), e.g. ``fastdecode generate ... | head -c 20``
+
+
+def run_command(args) -> int:
+    """``args.func(args)`` as an exit code, without a traceback for the ways a user stops a command: Ctrl-C prints
+    ``interrupted`` and returns 130; a closed stdout (``| head``) ends quietly with 141, stdout pointed at
+    /dev/null so that the interpreter's last flush does not complain."""
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        try:
+            fd = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(fd, sys.stdout.fileno())
+            os.close(fd)
+        except (OSError, ValueError):  # no real file descriptor (e.g. captured by pytest)
+            pass
+        return EXIT_BROKEN_PIPE
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for --tp relaunches
-    return int(args.func(args) or 0)
+    return run_command(args)
 
 
 if __name__ == "__main__":

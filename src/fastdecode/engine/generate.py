@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from fastdecode.engine.kv_cache import KVCache
+from fastdecode.engine.kv_cache import KVCache, check_kv_memory
 from fastdecode.engine.sampler import Sampler, SamplingParams
 
 Prompt = Union[str, Sequence[int]]
@@ -75,6 +75,7 @@ class Engine:
             raise ValueError(f"max_seq_len ({max_seq_len}) exceeds the model's RoPE table ({model.rope_len}); "
                              "load the model with a larger max_seq_len")
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        check_kv_memory(model.config, max_batch, max_seq_len, self.dtype, self.device)  # before allocating
         self.cache = KVCache(model.config, max_batch, max_seq_len, dtype=self.dtype, device=self.device)
         if cuda_graph is None:
             cuda_graph = self.device.type == "cuda"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import torch
 
 from fastdecode.models.config import ModelConfig
@@ -39,3 +42,52 @@ class KVCache:
         """Bytes one decode step reads from the cache for sequences of these lengths (all layers, K and V)."""
         L, _, Hkv, _, D = self.k.shape
         return 2 * L * Hkv * D * self.k.element_size() * int(sum(int(s) for s in seq_lens))
+
+
+class KVCacheMemoryError(ValueError):
+    """The KV cache asked for would not fit in the device's available memory."""
+
+
+def kv_cache_bytes(cfg: ModelConfig, max_batch: int, max_seq_len: int, dtype=torch.bfloat16) -> int:
+    """Bytes of a ``KVCache``: layers x 2 (K, V) x KV heads x head dim x positions x batch x dtype bytes."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * max_seq_len * max_batch * esize
+
+
+def available_memory(device) -> Optional[int]:
+    """Bytes free for new tensors on ``device``: CUDA ``mem_get_info``'s free; the CPU's MemAvailable (from
+    /proc/meminfo, else free physical pages); None where unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n:,} bytes)" if n >= 2**30 else f"{n / 2**20:.1f} MiB ({n:,} bytes)"
+
+
+def check_kv_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, dtype, device) -> int:
+    """The KV cache's bytes; raises ``KVCacheMemoryError`` (naming the bytes needed and available) before
+    anything is allocated when they exceed ``available_memory(device)``."""
+    need = kv_cache_bytes(cfg, max_batch, max_seq_len, dtype)
+    have = available_memory(device)
+    if have is not None and need > have:
+        esize = torch.empty((), dtype=dtype).element_size()
+        raise KVCacheMemoryError(
+            f"the KV cache needs {_size(need)}: {cfg.n_layers} layers x 2 (K, V) x {cfg.n_kv_heads} KV heads x "
+            f"{cfg.head_dim} head dim x {max_seq_len} positions x batch {max_batch} x {esize} bytes, but only "
+            f"{_size(have)} is available on {torch.device(device)}; lower --max-seq-len (max_seq_len)")
+    return need

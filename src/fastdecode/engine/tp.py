@@ -236,7 +236,10 @@ def agree(error: Optional[str], group=None) -> None:
     dist.all_gather_object(errs, error, group=group)
     bad = [(r, e) for r, e in enumerate(errs) if e is not None]
     if bad:
-        msg = "; ".join(f"rank {r}: {e}" for r, e in bad)
+        by_msg: dict[str, list[int]] = {}
+        for r, e in bad:  # the same error on several ranks is said once
+            by_msg.setdefault(e, []).append(r)
+        msg = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {e}" for e, rs in by_msg.items())
         raise TPLoadError(f"loading failed on {len(bad)} of {len(errs)} ranks, stopping every rank: {msg}")
 
 
@@ -282,3 +285,39 @@ def init_distributed(device=None) -> tuple[int, int, torch.device]:
         if not dist.is_initialized():
             dist.init_process_group("gloo", rank=rank, world_size=world)
     return rank, world, device
+
+
+# the exit code of a rank that reported a user error (``error: ...`` on rank 0), as the CLI's commands return
+USER_ERROR_EXIT = 2
+
+
+def torchrun_main(argv: list) -> int:
+    """``torchrun`` (``torch.distributed.run``) on ``argv``, without its own failure report: ranks that end on a
+    user error exit with ``USER_ERROR_EXIT`` after rank 0 printed one ``error: ...`` line, and then this returns
+    that code and prints nothing more (torchrun would add its logs and a ChildFailedError traceback). Any
+    other failure (a crash, a signal) ends in one line naming the first rank that failed and its exit code."""
+    import signal
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for name in list(logging.root.manager.loggerDict):  # elastic's loggers set their own levels
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        if code == USER_ERROR_EXIT:
+            return code
+        how = f"exit code {code}"
+        if code < 0:
+            try:
+                how = f"signal {signal.Signals(-code).name}"
+            except ValueError:
+                pass
+        print(f"error: tensor-parallel rank {rank} failed ({how}); its output is above", file=sys.stderr)
+        return 1
+    return 0

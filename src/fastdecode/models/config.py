@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -60,6 +61,7 @@ class ModelConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"config {f} must be a positive integer, got {v!r}")
+        _check_eps(self.norm_eps, "norm_eps")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"config n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
@@ -99,12 +101,30 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict | str | os.PathLike) -> "ModelConfig":
         """From a Hugging Face ``config.json`` (path, directory or parsed dict)."""
+        where = "config.json"
         if not isinstance(cfg, dict):
             path = os.fspath(cfg)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
+            where = path
             with open(path) as f:
-                cfg = json.load(f)
+                try:
+                    cfg = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}:{e.colno}") from None
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{where}: expected a JSON object ({{...}}), got a JSON {_json_kind(cfg)}")
+        try:
+            return cls._from_hf_dict(cfg)
+        except KeyError as e:
+            raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    @classmethod
+    def _from_hf_dict(cls, cfg: dict) -> "ModelConfig":
         arch = (cfg.get("architectures") or [""])[0]
         model_type = cfg.get("model_type", "")
         if model_type not in ("llama", "qwen2", "mistral", "") and "Llama" not in arch:
@@ -132,7 +152,7 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             intermediate_size=cfg["intermediate_size"],
             head_dim=cfg.get("head_dim") or 0,
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            norm_eps=_check_eps(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
             rope_theta=float(theta),
             rope_scaling=_rope_scaling_from_hf(rs),
             max_seq_len=max_pos,
@@ -181,7 +201,8 @@ class ModelConfig:
             vocab_size=int(vocab),
             intermediate_size=int(get("feed_forward_length")),
             head_dim=int(meta.get(f"{arch}.attention.key_length", dim // n_heads)),
-            norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            norm_eps=_check_eps(get("attention.layer_norm_rms_epsilon", 1e-5),
+                                f"{arch}.attention.layer_norm_rms_epsilon"),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=rs,
             max_seq_len=int(get("context_length", 4096)),
@@ -196,6 +217,22 @@ class ModelConfig:
         if key not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
         return PRESETS[key]
+
+
+def _json_kind(v) -> str:
+    return {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(v), "null")
+
+
+def _check_eps(v, key: str) -> float:
+    """The RMSNorm epsilon ``v`` as a float; ValueError naming ``key`` unless it is a finite number > 0
+    (0 divides by zero on an all-zero row, NaN / inf poison every activation)."""
+    try:
+        eps = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"config {key} must be a number, got {v!r}") from None
+    if isinstance(v, bool) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"config {key} must be a finite number > 0, got {v!r}")
+    return eps
 
 
 def _rope_scaling_from_hf(rs: Optional[dict]) -> Optional[RopeScaling]:
