@@ -39,8 +39,11 @@ def test_info_json(capsys):
 def test_bench_decode_tiny_cpu(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "decode.json"
+    # --device cpu: on a GPU machine the CUDA runs are test_engine_gpu::test_bench_decode_ablation_rows' (here
+    # they cost 22 s of compiles on the H200 for no new check)
     rc = cli.main(["bench", "decode", "--preset", "tiny", "--batch", "1", "2", "--output-len", "6", "--iters", "3",
-                   "--warmup", "1", "--dtype", "float32", "--out", str(out), "--plot", str(tmp_path / "d.png")])
+                   "--warmup", "1", "--dtype", "float32", "--device", "cpu", "--out", str(out),
+                   "--plot", str(tmp_path / "d.png")])
     assert rc == 0
     rows = json.loads(out.read_text())
     eager = [r for r in rows if r["impl"] == "torch-eager"]

@@ -16,7 +16,7 @@ import torch
 import fastdecode.ops.int4 as I
 from fastdecode.quant import int4 as Q
 import helpers
-from helpers import gptq_qweight, k_loop, pack_words_along, poison_, sm90_ptx, strided_rows
+from helpers import gptq_qweight, interpreter_on, k_loop, pack_words_along, poison_, sm90_ptx, strided_rows
 
 
 def assert_close(actual, expected):
@@ -579,3 +579,14 @@ def test_sm90_code_converts_int4_without_float_conversions(cfg):
         # two packed FMAs per pair: q - zero (exact), then * scale (+ min)
         assert len(re.findall(rf"fma\.rn\.{ty}", body)) == values, "packed FMAs per pair of nibbles"
         assert "mma" in body
+
+
+def test_precompile_does_nothing_under_the_interpreter():
+    """kernels.compile.precompile is a compile-time speed-up: with the interpreter there is nothing to
+    compile, and it neither calls the warm-up nor fails."""
+    from fastdecode.kernels.compile import precompile
+
+    if not interpreter_on():
+        pytest.skip("the interpreter's case; the GPU's is tests/test_int4_gpu.py")
+    called = []
+    assert precompile(called.append, [{"a": 1}, {"a": 2}]) == 0 and called == []

@@ -8,6 +8,7 @@ config that cannot launch.
 """
 
 import dataclasses
+import itertools
 import logging
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 import fastdecode.ops.int4 as I
 from fastdecode.bench import int4 as B
 from fastdecode.bench.int4 import candidates
+from fastdecode.kernels.compile import precompile
 from fastdecode.quant import quantize_activation_fp8
 from fastdecode.quant import int4 as Q
 
@@ -54,11 +56,45 @@ def test_int4_linear_bf16_real_sizes(N, K, M, impl):
     _close(y, I.int4_linear_ref(x, w, b))
 
 
+def _warm(x, w, x_scale=None) -> None:
+    """Compile only: the kernel the dispatcher (int4_linear / int4_linear_fp8) would launch for x and w."""
+    op = "int4_linear" if x_scale is None else "int4_linear_fp8"
+    _, cfg = I.get_int4_config(x.shape[0], w.N, x.shape[1], w.group_size, x.device, op=op)
+    out = torch.empty(x.shape[0], w.N, device=x.device, dtype=torch.bfloat16 if x_scale is not None else x.dtype)
+    I._triton_int4_linear(x, w, None, out, cfg, None if x_scale is None else x_scale.reshape(-1), warmup=True)
+
+
+@pytest.fixture(scope="module")
+def compiled_dispatch():
+    """The kernels the parametrized dispatcher tests below launch, compiled first in parallel threads
+    (kernels.compile.precompile; each is ~0.9 s one after another on the H200's host): the tests then
+    launch and check every one of them as before."""
+    if not torch.cuda.is_available():
+        return
+    jobs = []
+    for g, fmt in itertools.product(GROUP_MODE_GS, GROUP_MODE_FMTS):
+        w = _packed(1024, 4096, g, fmt, torch.float16 if fmt == "zero" else torch.bfloat16)
+        for M in GROUP_MODE_MS:
+            for dt in (torch.bfloat16,) + ((torch.float16,) if M in (1, 48) else ()):
+                jobs.append((torch.empty(M, 4096, device=DEV, dtype=dt), w, None))
+    if torch.cuda.get_device_capability() >= (8, 9):
+        for fmt, g in W4A8_FMTS:
+            w = _packed(2048, 4096, g, fmt)
+            for M in W4A8_MS:
+                xq = torch.zeros(M, 4096, device=DEV).to(torch.float8_e4m3fn)
+                jobs += [(xq, w, torch.ones(M, 1, device=DEV)), (xq, w, torch.ones(1, device=DEV))]
+    precompile(lambda j: _warm(*j), jobs)
+
+
+GROUP_MODE_FMTS, GROUP_MODE_GS, GROUP_MODE_MS = ["sym", "zero", "min"], [32, 64, 128, 4096], [1, 5, 48, 300]
+W4A8_FMTS, W4A8_MS = [("sym", 128), ("zero", 32), ("min", 64)], [1, 7, 64, 512]
+
+
 @gpu
-@pytest.mark.parametrize("fmt", ["sym", "zero", "min"])
-@pytest.mark.parametrize("g", [32, 64, 128, 4096])
-@pytest.mark.parametrize("M", [1, 5, 48, 300])
-def test_int4_linear_every_group_and_mode(M, g, fmt):
+@pytest.mark.parametrize("fmt", GROUP_MODE_FMTS)
+@pytest.mark.parametrize("g", GROUP_MODE_GS)
+@pytest.mark.parametrize("M", GROUP_MODE_MS)
+def test_int4_linear_every_group_and_mode(M, g, fmt, compiled_dispatch):
     N, K = 1024, 4096
     w = _packed(N, K, g, fmt, torch.float16 if fmt == "zero" else torch.bfloat16)
     x = torch.randn(M, K, device=DEV).bfloat16()
@@ -108,10 +144,12 @@ def test_every_tuner_candidate(M, caplog):
     # smallest N tile at the fewest stages of each kind and BLOCK_M. Each config is a compile (~0.9 s on
     # the H200's host): the split variants of every tile cost the suite ~75 s for no new code.
     bn0, st0 = min(c["BLOCK_N"] for c in every), min(c.get("num_stages", 1) for c in every)
-    for cfg in every:
-        if cfg["SPLIT_K"] != 1 and not (cfg["SPLIT_K"] == 4 and cfg["BLOCK_N"] == bn0
-                                        and cfg.get("num_stages", 1) == st0):
-            continue
+    picked = [c for c in every if c["SPLIT_K"] == 1 or (c["SPLIT_K"] == 4 and c["BLOCK_N"] == bn0
+                                                        and c.get("num_stages", 1) == st0)]
+    # their compiles in parallel threads first, as the tuner does (kernels.compile.precompile)
+    precompile(lambda c: I._triton_int4_linear(x, w, None, torch.empty_like(ref, dtype=torch.bfloat16), c,
+                                               warmup=True), picked)
+    for cfg in picked:
         out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="fastdecode"):
@@ -129,10 +167,36 @@ def test_every_tuner_candidate(M, caplog):
 
 
 @gpu
+def test_precompile_fills_the_jit_cache_before_the_launches():
+    """kernels.compile.precompile: warmup launches under Triton's AsyncCompileMode compile in threads and
+    leave the kernels in the JIT's cache (the launches after it compile nothing); the results are right."""
+    from fastdecode.kernels.int4 import _int4_linear_kernel
+
+    def cached():
+        return sum(len(c[0]) for c in _int4_linear_kernel.device_caches.values())
+
+    N, K, M = 512, 1024, 2
+    w = _packed(N, K, 64, "zero")
+    x = torch.randn(M, K, device=DEV).bfloat16()
+    # num_warps 2 and these tiles: configs no other test compiles
+    cfgs = [dict(kind="fma", BLOCK_M=2, BLOCK_N=bn, BLOCK_K=256, SPLIT_K=1, num_warps=2, num_stages=1,
+                 PREFETCH=pf) for bn in (8, 16) for pf in (False, True)]
+    before = cached()
+    out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+    assert precompile(lambda c: I._triton_int4_linear(x, w, None, out, c, warmup=True), cfgs) == len(cfgs)
+    assert cached() == before + len(cfgs)
+    for c in cfgs:
+        y = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+        I._triton_int4_linear(x, w, None, y, c)
+        _close(y, I.int4_linear_ref(x, w))
+    assert cached() == before + len(cfgs)
+
+
+@gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="FP8")
-@pytest.mark.parametrize("fmt,g", [("sym", 128), ("zero", 32), ("min", 64)])
-@pytest.mark.parametrize("M", [1, 7, 64, 512])
-def test_w4a8(M, fmt, g):
+@pytest.mark.parametrize("fmt,g", W4A8_FMTS)
+@pytest.mark.parametrize("M", W4A8_MS)
+def test_w4a8(M, fmt, g, compiled_dispatch):
     N, K = 2048, 4096
     w = _packed(N, K, g, fmt)
     xq, xs = quantize_activation_fp8(torch.randn(M, K, device=DEV))

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from fastdecode.kernels.compile import precompile
 from fastdecode.bench.harness import env_info, geomean, make_row, print_table, rotation_count, time_cuda, write_rows
 from fastdecode.bench.linear import SHAPES  # the eight Llama projections (N x K), as the GEMM benchmark's
 
@@ -96,6 +97,13 @@ class _Operands:
                 raise ValueError(f"unknown impl {impl!r}")
             fns.append(fn)
         return fns
+
+    def warm(self, M: int, config: dict, fp8: bool = False) -> None:
+        """Compile (only) the kernel of ``config`` for these operands (``kernels.compile.precompile``)."""
+        from fastdecode.ops.int4 import _triton_int4_linear
+
+        x, xs = (self.xq_all[:M], self.xs_all[:M].reshape(-1)) if fp8 else (self.x_all[:M], None)
+        _triton_int4_linear(x, self.packed[0], None, self.out_all[0][:M], config, xs, warmup=True)
 
     def reference(self, M: int, fp8: bool = False) -> torch.Tensor:
         w = self.w_bf16[0].float()
@@ -197,10 +205,14 @@ def try_config(check, cfg: dict, what: str) -> bool:
     return True
 
 
-def fastest(cands, check, time, what: str) -> Optional[tuple[float, dict]]:
+def fastest(cands, check, time, what: str, warm=None) -> Optional[tuple[float, dict]]:
     """(time, config) of the fastest candidate that launches and is right (``try_config``), or None.
-    ``time(cfg)``: microseconds, called only for the configs that passed ``check``."""
+    ``time(cfg)``: microseconds, called only for the configs that passed ``check``; ``warm(cfg)``: a
+    compile-only launch (``kernels.compile.precompile``), or None."""
     best = None
+    cands = list(cands)
+    if warm is not None:  # every candidate's compile in parallel threads first
+        precompile(warm, cands)
     for cfg in cands:
         if not try_config(check, cfg, what):
             continue
@@ -236,7 +248,8 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
             for M in ms:
                 cands = candidates(M, N, K, is_fp8, quick, smem_limit=limit)[:max_candidates]
                 best = fastest(cands, lambda cfg: _ok(ops, M, impl, cfg, is_fp8),
-                               lambda cfg: _time(ops.calls(M, impl, cfg), M).median_us, f"{op} {sname} g{g} M={M}")
+                               lambda cfg: _time(ops.calls(M, impl, cfg), M).median_us, f"{op} {sname} g{g} M={M}",
+                               warm=lambda cfg: ops.warm(M, cfg, is_fp8))
                 best = None if best is None else (best[0], "triton", best[1])
                 if not is_fp8 and M >= 128:
                     t = _time(ops.calls(M, "dequant"), M).median_us

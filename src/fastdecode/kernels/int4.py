@@ -477,7 +477,7 @@ def fast_cvt_ok(x, uniform: bool, x_scale_mode: int = 0, scale_dtype=None) -> bo
 
 
 def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
-                       config: dict, x_scale=None, x_scale_mode: int = 0):
+                       config: dict, x_scale=None, x_scale_mode: int = 0, warmup: bool = False):
     """Launch on 2-D views: x (M, K) unit stride in K (kernel column order), qweight (N, Kp // 8) int32,
     scales / zm (N, K // group_size) contiguous (zm: zeros uint8, mins, or None), out (M, N) contiguous.
 
@@ -488,6 +488,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     then needs every 32-column slice of a tile in one group (BLOCK_K == 256 or a multiple of it
     dividing group_size). Optional config keys: PREFETCH (register double buffer of the weight words),
     fast_cvt (default True: the packed-pair PTX conversion where it applies).
+    ``warmup``: compile (or, under ``kernels.precompile``, queue the compile of) the kernel, launch nothing.
     """
     M, K = x.shape
     N = qweight.shape[0]
@@ -499,7 +500,8 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     # only the dot path reads FAST_CVT: skip the device checks on the decode (fma) launches
     fast_cvt = (config["kind"] == "dot" and bool(config.get("fast_cvt", True))
                 and fast_cvt_ok(x, spg > 0, x_scale_mode, scales.dtype))
-    _int4_linear_kernel[grid](
+    kernel = functools.partial(_int4_linear_kernel.warmup, grid=grid) if warmup else _int4_linear_kernel[grid]
+    kernel(
         x, qweight, scales, zm if zm is not None else scales, bias if bias is not None else out,
         x_scale if x_scale is not None else out, out, part if split > 1 else out, locks if split > 1 else out,
         M, N, K, scales.shape[1], qweight.shape[1], x.stride(0), out.stride(0), M * N, split,

@@ -32,7 +32,7 @@ from fastdecode.ops._common import (
 )
 from fastdecode.ops import _common
 from fastdecode.ops.gemm import _check_bias
-from fastdecode.ops.int4_format import LAYOUT, Int4Weight, dequantize_int4
+from fastdecode.ops.int4_format import LAYOUT, Int4Weight, dequantize_int4, packed_cols
 
 IMPLS = (None, "triton", "dequant")
 X_DTYPES = (torch.bfloat16, torch.float16)
@@ -71,7 +71,7 @@ def heuristic_config(M: int, N: int, K: int, group_size: int, num_sms: int = DEF
                "num_warps": 4 if bm < 128 else 8, "num_stages": 3 if bm < 128 else 2}
     cfg["BLOCK_K"] = max(256, min(cfg["BLOCK_K"], next_pow2(K)))  # whole 256-column layout tiles
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
-    kb_total = cdiv(cdiv(K, 256) * 256, cfg["BLOCK_K"])
+    kb_total = cdiv(packed_cols(K) * 8, cfg["BLOCK_K"])
     min_blocks = 2 if cfg["kind"] == "dot" else 1
     cfg["SPLIT_K"] = int(max(1, min(cdiv(4 * num_sms, tiles), kb_total // min_blocks, 16)))
     impl = "dequant" if (cuda and M > HEURISTIC_MAX_DOT_M) else "triton"
@@ -175,8 +175,9 @@ def _zm(w: Int4Weight) -> Optional[torch.Tensor]:
     return w.zeros if w.zero_mode == "zero" else (w.mins if w.zero_mode == "min" else None)
 
 
-def _triton_int4_linear(x, w: Int4Weight, bias, out, config: dict, x_scale=None) -> None:
-    """Run the kernel on 2-D views (x already in kernel column order) with an explicit config."""
+def _triton_int4_linear(x, w: Int4Weight, bias, out, config: dict, x_scale=None, warmup: bool = False) -> None:
+    """Run the kernel on 2-D views (x already in kernel column order) with an explicit config
+    (``warmup``: compile only, see ``kernels.precompile``)."""
     from fastdecode.kernels.int4 import launch_int4_linear, split_k_blocks
     from fastdecode.ops.gemm import _split_k_locks
 
@@ -194,7 +195,7 @@ def _triton_int4_linear(x, w: Int4Weight, bias, out, config: dict, x_scale=None)
             part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
     xs_mode = 0 if x_scale is None else (1 if x_scale.numel() == 1 else 2)
     launch_int4_linear(x, w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, bias, out, part, locks, config,
-                       x_scale, xs_mode)
+                       x_scale, xs_mode, warmup=warmup)
 
 
 def _dequant_cublas(x, w: Int4Weight, bias, out) -> None:
@@ -269,7 +270,7 @@ def _check_packed(packed, K: int) -> None:
         raise ValueError(f"packed must be a fastdecode.quant.int4.Int4Weight (see quantize_int4, prepack, "
                          f"from_gptq, from_awq, from_gguf_q4_0/1), got {type(packed).__name__}")
     packed.check_format(K=K, what="int4_linear")
-    kp8 = -(-K // 256) * 32
+    kp8 = packed_cols(K)
     if packed.qweight.dtype != torch.int32 or not packed.qweight.is_contiguous() or packed.qweight.shape[1] != kp8:
         raise ValueError(f"packed.qweight must be contiguous int32 (N, {kp8}) for K={K}, got "
                          f"{packed.qweight.dtype} {tuple(packed.qweight.shape)}")
