@@ -26,7 +26,7 @@ def smollm2_path(importorskip_gguf=True) -> str:
     ``importorskip_gguf``, when the gguf package is missing)."""
     if importorskip_gguf:
         pytest.importorskip("gguf")
-    from fastdecode.engine.loader import default_model_path
+    from fastdecode.engine.checkpoint.detect import default_model_path
 
     try:
         return default_model_path()
@@ -36,7 +36,7 @@ def smollm2_path(importorskip_gguf=True) -> str:
 
 def smollm2_tokenizer():
     """The embedded SmolLM2's tokenizer (from its GGUF metadata), or skip as ``smollm2_path`` does."""
-    from fastdecode.engine.loader import read_gguf
+    from fastdecode.engine.checkpoint.gguf_io import read_gguf
     from fastdecode.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf_metadata(read_gguf(smollm2_path())[0])
@@ -73,11 +73,11 @@ def prefill(model, ids, T=64, dtype=None):
 
 def record_reads(monkeypatch) -> list:
     """The tensors the loader reads from safetensors files (every slice taken through
-    ``_SafetensorsReader.get``), appended to the returned list while ``monkeypatch`` holds."""
-    from fastdecode.engine import loader
+    ``SafetensorsReader.get``), appended to the returned list while ``monkeypatch`` holds."""
+    from fastdecode.engine.checkpoint import safetensors_io
 
     read = []
-    orig = loader._SafetensorsReader.get
+    orig = safetensors_io.SafetensorsReader.get
 
     class Spy:
         def __init__(self, sl):
@@ -91,7 +91,7 @@ def record_reads(monkeypatch) -> list:
             read.append(t)
             return t
 
-    monkeypatch.setattr(loader._SafetensorsReader, "get", lambda self, files, name: Spy(orig(self, files, name)))
+    monkeypatch.setattr(safetensors_io.SafetensorsReader, "get", lambda self, files, name: Spy(orig(self, files, name)))
     return read
 
 

@@ -12,7 +12,8 @@ pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
 
 from fastdecode.engine.generate import Engine  # noqa: E402
 from fastdecode.engine.kv_cache import KVCache  # noqa: E402
-from fastdecode.engine.loader import default_model_path, load  # noqa: E402
+from fastdecode.engine.checkpoint.detect import default_model_path  # noqa: E402
+from fastdecode.engine.loader import load  # noqa: E402
 
 try:
     GGUF = default_model_path()

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from fastdecode.engine.tp import TPLoadError, check_tp, local_config, vocab_range
+from fastdecode.engine.sharding import check_tp, local_config, vocab_range
+from fastdecode.engine.tp import TPLoadError
 from fastdecode.models.config import ModelConfig
 from engine_helpers import greedy, record_reads, rel_rms, save_hf_llama, save_tiny_smollm2_vocab
 from helpers import run_ranks
@@ -82,7 +83,8 @@ def _tp_int4(rank, world, path, prompt):
     (hidden 256 / intermediate 512: wo and w2 shards of 128 and 256 columns, group 128) the shards are slices
     of the TP=1 int4 model, so TP changes only the summation order, as in fp32."""
     from fastdecode.engine.loader import load
-    from fastdecode.engine.tp import apply_tp, load_tp, shard_tensor
+    from fastdecode.engine.sharding import shard_tensor
+    from fastdecode.engine.tp import apply_tp, load_tp
     from fastdecode.quant.int4 import dequantize_int4
 
     full = load(path, dtype=torch.float32, progress=False, max_seq_len=64, quant="int4").model
@@ -135,7 +137,7 @@ def test_tp2_int4_shards_quantised_at_load(tmp_path):
 
 
 def test_int4_row_parallel_shard_must_hold_whole_groups():
-    from fastdecode.engine.tp import shard_int4
+    from fastdecode.engine.sharding import shard_int4
     from fastdecode.quant.int4 import quantize_int4
 
     w = quantize_int4(torch.randn(16, 256), 128)
@@ -190,7 +192,7 @@ def test_shard_loading_reads_only_the_shard(tmp_path, monkeypatch):
     """``load(tp=(rank, world))`` needs no process group: each rank's tensors equal the slices of the whole
     model, and the bytes read from the safetensors file are about 1/world of it."""
     from fastdecode.engine import loader
-    from fastdecode.engine.tp import shard_tensor
+    from fastdecode.engine.sharding import shard_tensor
 
     path = _hf_dir(str(tmp_path / "ckpt"), vocab=301, tie=False)
     full = loader.load(path, dtype=torch.float32, progress=False, max_seq_len=64).model
@@ -215,7 +217,7 @@ def test_gguf_shards_equal_slices_of_the_whole_model(tmp_path, native, monkeypat
     from test_engine_gguf_synthetic import _llama, _write
 
     from fastdecode.engine.loader import load
-    from fastdecode.engine.tp import apply_tp_structure, shard_tensor
+    from fastdecode.engine.sharding import apply_tp_structure, shard_tensor
     from fastdecode.models.llama import Int4Linear
 
     torch.manual_seed(int(torch.randint(0, 1000, ())))

@@ -10,7 +10,7 @@ group each), with a vocabulary that does not divide by 4 (padded per rank).
 import pytest
 import torch
 
-from fastdecode.engine.tp import vocab_range
+from fastdecode.engine.sharding import vocab_range
 from engine_helpers import greedy, save_hf_llama
 from helpers import run_ranks
 

@@ -8,7 +8,9 @@
 
 from fastdecode.engine.generate import Engine, GenerationResult
 from fastdecode.engine.kv_cache import KVCache
-from fastdecode.engine.loader import CheckpointError, default_model_path, load, random_model
+from fastdecode.engine.checkpoint.detect import default_model_path
+from fastdecode.engine.checkpoint.errors import CheckpointError
+from fastdecode.engine.loader import load, random_model
 from fastdecode.engine.sampler import SamplingParams
 
 __all__ = ["CheckpointError", "Engine", "GenerationResult", "KVCache", "SamplingParams", "default_model_path",

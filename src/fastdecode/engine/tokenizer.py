@@ -81,7 +81,7 @@ class Tokenizer:
             raise FileNotFoundError(f"tokenizer path {path!r} does not exist (a tokenizer.json, a directory "
                                     "holding one, or a .gguf file)")
         if path.endswith(".gguf"):
-            from fastdecode.engine.loader import read_gguf
+            from fastdecode.engine.checkpoint.gguf_io import read_gguf
 
             return cls.from_gguf_metadata(read_gguf(path)[0])
         if path.endswith(".json"):

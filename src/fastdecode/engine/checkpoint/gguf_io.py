@@ -1,0 +1,173 @@
+"""GGUF files: a checked reader (truncation named by tensor), lazy tensors (a shard dequantises only its own
+bytes of the memory-mapped file), llama.cpp's q / k row order undone, and a GGUF file opened as a ``Checkpoint``
+(llama / qwen2 architectures; Q4_0 / Q4_1 block projections as int4 weights with ``native``)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from fastdecode.engine.checkpoint.errors import CheckpointError
+from fastdecode.engine.checkpoint.int4 import GGUFQ4Source
+from fastdecode.engine.checkpoint.spec import Checkpoint, model_spec
+from fastdecode.models.config import ModelConfig
+from fastdecode.quant.int4 import Int4Weight
+
+GGUF_NAMES = {
+    "embed": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight",
+    "attn_norm": "blk.{i}.attn_norm.weight", "ffn_norm": "blk.{i}.ffn_norm.weight",
+    "q": "blk.{i}.attn_q.weight", "k": "blk.{i}.attn_k.weight", "v": "blk.{i}.attn_v.weight",
+    "o": "blk.{i}.attn_output.weight",
+    "q_bias": "blk.{i}.attn_q.bias", "k_bias": "blk.{i}.attn_k.bias", "v_bias": "blk.{i}.attn_v.bias",
+    "gate": "blk.{i}.ffn_gate.weight", "up": "blk.{i}.ffn_up.weight", "down": "blk.{i}.ffn_down.weight",
+}
+GGUF_IGNORE = (r"^rope_freqs\.weight$",)
+
+
+def read_gguf(path: str):
+    """(metadata dict, reader) of a GGUF file; checks that every tensor's bytes lie inside the file."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError("loading GGUF files needs the gguf package: pip install gguf") from e
+    size = os.path.getsize(path)
+    try:
+        reader = _checked_gguf_reader(gguf)(path)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); truncated or corrupt?") from e
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise CheckpointError(f"{path}: file is truncated: tensor {t.name!r} ends at byte {end}, file has {size}")
+    meta = {}
+    for key, field in reader.fields.items():
+        try:
+            meta[key] = field.contents()
+        except Exception:  # unusual value types: skip, the config reader asks for what it needs
+            continue
+    return meta, reader
+
+
+def _checked_gguf_reader(gguf):
+    """GGUFReader that names the first tensor whose bytes run past the end of the file.
+
+    (The plain reader fails on a truncated file with a numpy reshape error naming no tensor.)
+    Reads the tensor-info fields' layout of gguf-py (name, n_dims, dims, type, offset); if that layout
+    ever changes, the check is skipped and the generic error remains.
+    """
+    import numpy as np
+
+    class _Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            size = len(self.data)
+            for field in fields:
+                try:
+                    _, name_data, _, dims, raw_dtype, offset = field.parts
+                    name = bytes(name_data).decode("utf-8")
+                    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_dtype[0]))]
+                    end = int(start_offs + offset[0]) + int(np.prod(dims)) * type_size // block
+                except Exception:
+                    continue
+                if end > size:
+                    raise CheckpointError(f"{getattr(self.data, 'filename', 'GGUF file')}: file is truncated: "
+                                          f"tensor {name!r} ends at byte {end}, file has {size}")
+            return super()._build_tensors(start_offs, fields)
+
+    return _Reader
+
+
+class GGUFTensor:
+    """A GGUF tensor read lazily, like a safetensors slice: ``[a:b]`` (rows) and ``[:, a:b]`` (columns)
+    dequantise only those bytes of the memory-mapped file (quantised types: blocks run along K within a row,
+    so a column range on block boundaries is a byte range; otherwise whole rows, then the columns);
+    ``[...]`` the whole tensor. Values as float32 tensors (copies: the mapping is read-only)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def get_shape(self) -> tuple:
+        return tuple(int(v) for v in reversed(self.t.shape))  # GGUF lists dims innermost first
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        import gguf
+        import numpy as np
+
+        rows, cols = (idx, slice(None)) if isinstance(idx, slice) else (slice(None), slice(None))
+        if isinstance(idx, tuple) and len(idx) == 2 and all(isinstance(i, slice) for i in idx):
+            rows, cols = idx
+        elif idx is not Ellipsis and not isinstance(idx, slice):
+            raise TypeError(f"a GGUF tensor takes [...], [a:b] or [:, a:b], got {idx!r}")
+        data, after = self.t.data[rows], slice(None)
+        if cols != slice(None):
+            K = self.get_shape()[-1]
+            k0, k1, step = cols.indices(K)
+            block, nbytes = gguf.GGML_QUANT_SIZES[self.t.tensor_type]
+            if step != 1:
+                raise TypeError("a GGUF tensor takes column ranges with step 1")
+            if data.dtype != np.uint8:  # F32 / F16: elements
+                data = data[:, k0:k1]
+            elif k0 % block == 0 and (k1 % block == 0 or k1 == K):  # whole blocks: a byte range
+                data = data[:, k0 // block * nbytes:-(-k1 // block) * nbytes]
+            else:
+                after = slice(k0, k1)
+        arr = gguf.quants.dequantize(data, self.t.tensor_type)
+        return torch.from_numpy(np.array(arr[..., after] if after != slice(None) else arr, dtype=np.float32))
+
+
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved-pair RoPE) back to HF's half-split order.
+
+    Within each head llama.cpp orders rows (0, D/2, 1, D/2+1, ...); HF orders them (0, 1, ..., D-1).
+    """
+    rows = w.shape[0]
+    d = rows // n_heads
+    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_qkv_transform(arch: str, head_dim: int, name: str, t):
+    """A llama GGUF's q / k rows (a tensor or an ``Int4Weight``; whole, or a TP shard of whole heads) back in
+    HF order; anything else as it is."""
+    from fastdecode.quant.int4 import take_rows
+
+    if arch != "llama" or ".bias" in name or not (".attn_q." in name or ".attn_k." in name):
+        return t  # qwen2 GGUFs keep HF order (NeoX RoPE in llama.cpp)
+    rows = t.N if isinstance(t, Int4Weight) else t.shape[0]
+    heads = rows // head_dim  # all of q's / k's heads, or a TP shard's (whole heads)
+    if isinstance(t, Int4Weight):  # the same row permutation; groups run along K, so rows move whole
+        return take_rows(t, unpermute_rope(torch.arange(t.N), heads))
+    return unpermute_rope(t, heads)
+
+
+def _lazy_tensor(tensors: dict, name: str) -> GGUFTensor:
+    return GGUFTensor(tensors[name])  # lazy: a shard dequantises only its own bytes
+
+
+def open_gguf(path: str, *, quant: Optional[str] = None, device="cpu", native: Optional[bool] = None) -> Checkpoint:
+    """A GGUF file (llama / qwen2 architectures), every tensor dequantised to the model dtype, except, with
+    ``native``, the Q4_0 / Q4_1 block projections, which become int4 weights as they are (group 32; Q4_0
+    zero mode "sym", Q4_1 "min"). ``native`` None: when ``quant="int4"``, or ``quant`` is None on CUDA.
+    Other types (F16, Q8_0, K-quants) are dequantised, and re-quantised with RTN under ``quant="int4"``."""
+    import gguf  # noqa: F401  (as load_gguf did: a missing package fails here)
+
+    if native is None:
+        native = quant == "int4" or (quant is None and torch.device(device).type == "cuda")
+    elif native and quant == "fp8":
+        raise ValueError("gguf_native=True loads int4 weights; it cannot be combined with quant='fp8'")
+    meta, reader = read_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    arch = meta.get("general.architecture")
+    if (f"{arch}.vocab_size" not in meta and not meta.get("tokenizer.ggml.tokens")
+            and "token_embd.weight" in tensors):  # no vocabulary: the embedding's rows say how many tokens
+        meta[f"{arch}.vocab_size"] = int(tensors["token_embd.weight"].shape[-1])  # dims innermost first
+    cfg = ModelConfig.from_gguf(meta, set(tensors))  # raises unless arch is llama / qwen2
+    get = functools.partial(_lazy_tensor, tensors)
+    int4 = GGUFQ4Source(tensors) if native else None
+    freq = get("rope_freqs.weight")[...] if "rope_freqs.weight" in tensors else None
+    return Checkpoint("gguf", path, cfg, model_spec(cfg, GGUF_NAMES), get, set(tensors), ignore=GGUF_IGNORE,
+                      qkv_transform=functools.partial(gguf_qkv_transform, arch, cfg.head_dim),
+                      rope_freq_factors=freq, int4=int4, meta=meta)
