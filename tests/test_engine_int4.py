@@ -76,7 +76,7 @@ def test_int4_model_close_to_fp32_and_ops_equal_ref():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the Triton interpreter (no GPU)")
 def test_int4_triton_interpreter_equals_torch_backend_fp16():
-    """fp16 (the interpreter's bf16 tl.dot is wrong, DESIGN.md): the dot path at prefill, fma at decode."""
+    """fp16 (the interpreter's bf16 tl.dot is wrong, docs/architecture.md, "The Triton interpreter"): the dot path at prefill, fma at decode."""
     q = quantize_model_int4(random_model(CFG, device="cpu", dtype=torch.float16, backend="torch", max_seq_len=64,
                                          std=0.08, seed=int(torch.randint(0, 1000, ()))))
     assert q.layers[0].feed_forward.w13.scales.dtype == torch.float16  # scales in the model dtype
@@ -263,7 +263,7 @@ def test_tp_shard_of_int4_checkpoint_reads_only_its_shard(tmp_path, fmt, monkeyp
     rank's weights must be the bits the whole model's sharding gives, from about half the bytes. Hidden 512:
     the row-parallel shards of 256 columns are whole tiles of the kernel layout (fastdecode) and groups."""
     from fastdecode.engine.export import quantize_checkpoint
-    from fastdecode.engine.tp import apply_tp_structure
+    from fastdecode.engine.sharding import apply_tp_structure
 
     src = _hf_dir(tmp_path, hidden_size=512, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     if fmt == "fastdecode":

@@ -2,7 +2,7 @@
 
 Importer fixtures are packed here with plain torch loops written from the published layouts (GPTQ,
 AWQ), or produced by the ``gguf`` package itself (GGUF), never by the code under test. Kernels run
-under the Triton interpreter; ``tl.dot`` on bf16 is wrong there (DESIGN.md), so the dot path is
+under the Triton interpreter; ``tl.dot`` on bf16 is wrong there (docs/architecture.md, "The Triton interpreter"), so the dot path is
 tested in fp16 and bf16 only on the FMA path; the GPU suite is test_int4_gpu.py.
 """
 
@@ -390,7 +390,7 @@ def test_act_order_through_the_op_strided_and_nd():
 
 
 def test_split_k_is_deterministic_and_resets_its_counters():
-    from fastdecode.ops.gemm import _LOCKS
+    from fastdecode.ops._tuned import SPLIT_K_LOCKS as _LOCKS
 
     w = _packed("min", 40, 512, 32)
     x = _x(3, 512)

@@ -1,7 +1,7 @@
 """Skinny linear (BF16/FP16 and FP8 W8A8), its dispatcher and the FP8 weight helpers, on the CPU.
 
 The Triton kernels run under the interpreter (conftest.py sets TRITON_INTERPRET=1 without a GPU).
-Under the interpreter ``tl.dot`` on bf16 is wrong (DESIGN.md), so dot-path cases use fp16/fp32
+Under the interpreter ``tl.dot`` on bf16 is wrong (docs/architecture.md, "The Triton interpreter"), so dot-path cases use fp16/fp32
 here; bf16 and the real tensor-core paths are in test_linear_gpu.py.
 """
 

@@ -77,9 +77,9 @@ def test_head_logits_equal_the_dequantised_head(fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_head_triton_interpreter_equals_torch_backend_fp16(fmt):
-    """fp16 (the interpreter's bf16 tl.dot is wrong, DESIGN.md); blocks int4 with an int4 head, dense with fp8.
+    """fp16 (the interpreter's bf16 tl.dot is wrong, docs/architecture.md, "The Triton interpreter"); blocks int4 with an int4 head, dense with fp8.
 
-    FP8: the interpreter's fp32 -> e4m3 cast loses carries on ~2% of elements (DESIGN.md; up to half a value),
+    FP8: the interpreter's fp32 -> e4m3 cast loses carries on ~2% of elements (docs/architecture.md, "The Triton interpreter"; up to half a value),
     so the FP8 head is checked op by op on the Triton run's own inputs: the final norm's FP8 output against
     ``rms_norm_fp8_ref`` within one e4m3 step, the head's logits against ``linear_fp8_ref`` of that output."""
     if torch.cuda.is_available():

@@ -55,6 +55,7 @@ from typing import Optional, Sequence
 import torch
 
 from fastdecode.models.llama import KERNELS
+from fastdecode.quant.formats import METHODS
 
 IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdecode-graph-cublas", "fastdecode-graph")
 # not in the default list: every GEMM through the skinny Triton kernels (the table's best Triton config), and
@@ -401,9 +402,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS + EXTRA_IMPLS + ABLATIONS)
     p.add_argument("--ablate", action="store_true",
                    help="add fastdecode-graph with each kernel switched off in turn, and fastdecode-eager")
-    p.add_argument("--quant", default=None, choices=["fp8", "int4"],
+    p.add_argument("--quant", default=None, choices=list(METHODS),
                    help="quantise the model: fp8 (W8A8) or int4 (W4A16, RTN group 128)")
-    p.add_argument("--quant-head", default=None, choices=["fp8", "int4"],
+    p.add_argument("--quant-head", default=None, choices=list(METHODS),
                    help="quantise the lm head too: fp8 (W8A8) or int4 (W4A16, RTN group 128)")
     p.add_argument("--tp", type=int, default=None, help="tensor parallelism over N GPUs (relaunches under torchrun)")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (big presets)")

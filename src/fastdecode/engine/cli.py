@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from fastdecode.quant.formats import METHODS
+
 
 # ----------------------------------------------------------------------------- shared options
 
@@ -44,7 +46,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_quant_tp_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant", default=None, choices=["fp8", "int4"],
+    p.add_argument("--quant", default=None, choices=list(METHODS),
                    help="fp8: W8A8 (per-channel weights, per-token activations); int4: W4A16 (group-wise int4 "
                         "weights, RTN group 128); quantised at load unless the checkpoint already is (FP8, GPTQ, "
                         "AWQ, GGUF Q4_0/Q4_1); default: as stored (GGUF Q4_0/Q4_1 run as int4 on CUDA)")
@@ -54,7 +56,7 @@ def _add_quant_tp_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_quant_head_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant-head", default=None, choices=["fp8", "int4"],
+    p.add_argument("--quant-head", default=None, choices=list(METHODS),
                    help="also quantise the lm head: fp8 (per-channel weights, the final norm's per-token FP8 "
                         "activation) or int4 (W4A16, RTN group 128); tied embeddings keep the dense table for "
                         "the lookup (default: the head stays in the model dtype)")
@@ -524,7 +526,7 @@ def info_dict() -> dict:
         gpu = (p.name, (p.major, p.minor))
     d["engine_backends"] = engine_backends(gpu, resolve_backend(None, dev, "info") == "triton")
     try:
-        from fastdecode.engine.loader import default_model_path
+        from fastdecode.engine.checkpoint.detect import default_model_path
 
         d["default_model"] = default_model_path()
     except FileNotFoundError as e:
@@ -586,7 +588,7 @@ def add_subcommands(subparsers, bench: bool = True) -> None:
     q.add_argument("dst", help="output directory: must not be or overlap SRC; written into a temporary "
                                ".DST.tmp-* directory beside it, then renamed into place (a failure leaves DST as "
                                "it was; a .DST.tmp-* left by a killed run is safe to delete)")
-    q.add_argument("--method", required=True, choices=["fp8", "int4"])
+    q.add_argument("--method", required=True, choices=list(METHODS))
     q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of what stays unquantised (embedding, norms, lm head)")
     q.add_argument("--overwrite", action="store_true",
@@ -596,9 +598,9 @@ def add_subcommands(subparsers, bench: bool = True) -> None:
     e = subparsers.add_parser("eval-accuracy", help="perplexity and top-1 agreement of quantised formats vs the "
                                                     "unquantised model, on the text shipped with fastdecode")
     e.add_argument("--model", default=None, help="as for generate (default: the embedded SmolLM2-135M-Instruct)")
-    e.add_argument("--quant", nargs="+", default=None, choices=["fp8", "int4"],
+    e.add_argument("--quant", nargs="+", default=None, choices=list(METHODS),
                    help="block formats to evaluate (default: fp8; none with --quant-head alone)")
-    e.add_argument("--quant-head", default=None, choices=["fp8", "int4"],
+    e.add_argument("--quant-head", default=None, choices=list(METHODS),
                    help="also evaluate each format with the lm head quantised (alone: the head only)")
     e.add_argument("--device", default=None)
     e.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])

@@ -60,13 +60,14 @@ from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_m
 from fastdecode.ops.allreduce import all_reduce, all_reduce_add_rms_norm
 from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref
 from fastdecode.ops.int4 import int4_linear, int4_linear_ref
-from fastdecode.ops.int4_format import KTILE, LAYOUT, Int4Weight
+from fastdecode.ops.int4_format import LAYOUT, Int4Weight, packed_cols
 from fastdecode.ops.attention import decode_attention, decode_attention_ref, rope_kv_write, rope_kv_write_ref
 from fastdecode.ops.norm import (
     fused_add_rms_norm, fused_add_rms_norm_fp8, fused_add_rms_norm_fp8_ref, fused_add_rms_norm_ref, rms_norm,
     rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref,
 )
 from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref
+from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
 KERNELS = ("fused_norm", "fused_act", "skinny_gemm", "fused_allreduce", "int4_gemm")
@@ -179,7 +180,7 @@ class Int4Linear(nn.Module):
             raise ValueError(f"group_size {group_size} does not divide in_features {in_features}")
         self.in_features, self.out_features = in_features, out_features
         self.group_size, self.zero_mode, self.layout = group_size, zero_mode, layout
-        G, kw = in_features // group_size, -(-in_features // KTILE) * KTILE // 8
+        G, kw = in_features // group_size, packed_cols(in_features)
 
         def param(shape, dt):
             return nn.Parameter(torch.empty(shape, device=device, dtype=dt), requires_grad=False)
@@ -413,7 +414,7 @@ class Transformer(nn.Module):
         self.rope_freq_factors = rope_freq_factors
         self.quant_format: Optional[str] = None  # the format recorded on export (models.quantize); sets ``quant``
         self.head_quant: Optional[str] = None  # "fp8" / "int4" after models.quantize.quantize_head
-        self.tp = None  # fastdecode.engine.tp.TPState after apply_tp
+        self.tp = None  # fastdecode.engine.sharding.TPState after apply_tp
         self.kernels = dict.fromkeys(KERNELS, True)
         self.rope_len = rope_len or cfg.max_seq_len
         rope_dev = None if device is None or torch.device(device).type == "meta" else device
@@ -422,8 +423,6 @@ class Transformer(nn.Module):
     @property
     def quant(self) -> Optional[str]:
         """"fp8" / "int4" after quantize_model or a quantised load (the method of ``quant_format``), else None."""
-        from fastdecode.models.quantize import method_of
-
         return method_of(self.quant_format)
 
     @property

@@ -6,7 +6,8 @@
     quantize_model(model, "int4", head="int4")  # ... and the lm head too (``quantize_head``; also head alone)
 
 Formats are named by strings recorded in quantised checkpoints (``fastdecode quantize``), so that loading
-a checkpoint with the wrong kernels is refused rather than silently wrong:
+a checkpoint with the wrong kernels is refused rather than silently wrong (the names, the methods and
+``method_of`` live in ``fastdecode.quant.formats``; they are re-exported here):
 
 * ``fp8-w8a8-channel``: FP8 e4m3 weights with one float32 scale per output channel; activations are
   quantised per token at run time (by the fused norm / SiLU-and-mul kernels). The embedding, the norms
@@ -38,35 +39,15 @@ from typing import Optional
 import torch
 
 from fastdecode.models.llama import Fp8Linear, Int4Linear, Linear, Transformer
+from fastdecode.quant.formats import (  # noqa: F401  (re-exported: the names' old home)
+    FORMATS, FP8_FORMAT, HEAD_METHODS, INT4_FAMILY, INT4_FORMAT, INT4_GROUP, INT4_SYMMETRIC, METHODS, QUANT_METHODS,
+    check_head, int4_format, method_of,
+)
 from fastdecode.quant.fp8 import quantize_weight_fp8
 from fastdecode.quant.int4 import SCALE_DTYPES, quantize_int4, rtn_group_size
 
-QUANT_METHODS = ("fp8", "int4")
-HEAD_METHODS = ("fp8", "int4")
-FP8_FORMAT = "fp8-w8a8-channel"
-INT4_GROUP = 128
-INT4_SYMMETRIC = False  # zero points: measured more accurate (module docstring)
-INT4_FAMILY = "int4-w4a16"  # every int4 format name starts with this
-
-
-def int4_format(group_size: int = INT4_GROUP, symmetric: bool = INT4_SYMMETRIC) -> str:
-    return f"{INT4_FAMILY}-g{group_size}-{'sym' if symmetric else 'zero'}"
-
-
-INT4_FORMAT = int4_format()
-#: method -> the format string a checkpoint records
-FORMATS = {"fp8": FP8_FORMAT, "int4": INT4_FORMAT}
 # the projections of a block that are quantised (the lm head and the embedding are not)
 BLOCK_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
-
-
-def method_of(fmt: Optional[str]) -> Optional[str]:
-    """The quant method ("fp8" / "int4") of a recorded format name, None when unquantised or unknown."""
-    if fmt in (FP8_FORMAT, "fp8"):
-        return "fp8"
-    if isinstance(fmt, str) and (fmt == "int4" or fmt.startswith(INT4_FAMILY)):
-        return "int4"
-    return None
 
 
 def int4_scale_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -148,11 +129,6 @@ def quantize_model_int4(model: Transformer, group_size: int = INT4_GROUP,
     model.quant_format = int4_format(group_size, symmetric)
     model.set_kernels()  # int4_gemm switch; no FP8 activations
     return model
-
-
-def check_head(head: Optional[str], name: str = "head") -> None:
-    if head is not None and head not in HEAD_METHODS:
-        raise ValueError(f"{name} must be one of {HEAD_METHODS} or None, got {head!r}")
 
 
 def quantize_head(model: Transformer, method: str, group_size: int = INT4_GROUP,

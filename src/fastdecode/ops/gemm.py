@@ -4,14 +4,15 @@
     linear_fp8:  out = (x_fp8 * x_scale) @ (weight_fp8 * weight_scale).T + bias
                  computed as acc(x_fp8 @ weight_fp8.T) * x_scale[m] * weight_scale[n] + bias[n]
 
-Scales are dequantisation scales (``real = fp8 * scale``, DESIGN.md): ``x_scale`` per tensor
+Scales are dequantisation scales (``real = fp8 * scale``, docs/architecture.md, "Numerical conventions"): ``x_scale`` per tensor
 (one element) or per token (``(..., 1)``, as the fused norm / activation kernels return it);
 ``weight_scale`` per tensor (one element) or per output channel (``(N,)`` or ``(N, 1)``).
 
 Dispatcher. For every call on a GPU the implementation is picked per (dtype, N, K, M): our skinny
 Triton kernel (``fastdecode.kernels.linear``) or cuBLAS (``torch.mm`` / ``torch._scaled_mm``), from
 tuned data in ``fastdecode/configs/linear_<gpu>.json`` (written by ``fastdecode tune linear``):
-the exact (N, K) entry, the tuned M nearest on a log scale (above the largest tuned M: cuBLAS).
+the exact (N, K) entry, the tuned M nearest on a log scale (above the largest tuned M: cuBLAS; the
+rule and the table machinery are shared with the int4 GEMMs, ``fastdecode.ops._tuned``).
 Without a file for this GPU or an entry for the shape: a heuristic (Triton for M <= 16, else
 cuBLAS) with one log warning (one for the missing file; one per missing (GPU, dtype, N, K) entry).
 Nothing is timed at call time, so calls are safe in graph capture.
@@ -20,7 +21,6 @@ The choice happens inside the registered op, so ``torch.compile`` sees one opaqu
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 from typing import Optional
@@ -30,33 +30,30 @@ import torch
 from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
 from fastdecode.ops._common import (
     cdiv, next_pow2,
-    FP8_DTYPE, as_rows, check_out, check_same_device, check_tensor, load_config_table,
+    FP8_DTYPE, as_rows, check_out, check_same_device, check_tensor,
     require_sm, resolve_backend, warn_once,
 )
-from fastdecode.ops import _common
+from fastdecode.ops._tuned import (  # noqa: F401  (clear_config_cache, DEFAULT_NUM_SMS: this module's API too)
+    DEFAULT_NUM_SMS, SPLIT_K_LOCKS, clear_config_cache, device_info, load_table, lookup_cache, nearest_m,
+    split_k_locks, table_path,
+)
 
 IMPLS = (None, "triton", "cublas")
 LINEAR_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: CPU interpreter tests
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEURISTIC_MAX_TRITON_M = 16  # without tuned data: Triton up to here, cuBLAS above
-DEFAULT_NUM_SMS = 132  # H100 SXM / H200; the CPU interpreter has no SM count
 
 # ----------------------------------------------------------------------------- configs
 
 
 def config_path(gpu_name: str) -> Path:
-    return _common.config_path("linear", gpu_name)
+    """The tuned table of the linear family on ``gpu_name``: ``configs/linear_<gpu>.json``."""
+    return table_path("linear", gpu_name)
 
 
 def dtype_key(dtype: torch.dtype) -> str:
     """Tuned-table key of a weight dtype: 'bf16' (also used for fp16), 'fp8', 'fp32'."""
     return {torch.float8_e4m3fn: "fp8", torch.float32: "fp32"}.get(dtype, "bf16")
-
-
-def clear_config_cache() -> None:
-    """Forget loaded tables and lookups (after ``tune`` wrote a new file)."""
-    load_config_table.cache_clear()
-    _lookup.cache_clear()
 
 
 def fma_tile(M: int, elem: int, num_warps: int = 4, acc_regs: int = 64) -> dict:
@@ -92,16 +89,7 @@ def heuristic_config(M: int, N: int, K: int, dkey: str, num_sms: int = DEFAULT_N
     return with_split_k(cfg, M, N, K, num_sms, 4)
 
 
-def _nearest_m(entries: dict, M: int) -> Optional[dict]:
-    """Entry of the tuned M nearest to M on a log scale; None above the largest tuned M."""
-    ms = sorted(int(m) for m in entries)
-    if not ms or M > ms[-1]:
-        return None
-    best = min(ms, key=lambda m: (abs(math.log2(m) - math.log2(M)), m))
-    return entries[str(best)]
-
-
-@functools.lru_cache(maxsize=4096)
+@lookup_cache
 def _lookup(gpu_name: str, num_sms: int, dkey: str, M: int, N: int, K: int,
             path: Optional[str] = None) -> tuple[str, dict]:
     """(impl, Triton config) for one call shape; cached, so the hot path is one dict lookup.
@@ -109,7 +97,7 @@ def _lookup(gpu_name: str, num_sms: int, dkey: str, M: int, N: int, K: int,
     The config is returned even where cuBLAS wins (the tuned best Triton config, or the heuristic)
     so that an explicit ``impl="triton"`` runs the best known one. Treat it as read-only.
     """
-    table = load_config_table(path or str(config_path(gpu_name)))
+    table = load_table("linear", gpu_name, path)
     entry = None
     heuristic = heuristic_config(M, N, K, dkey, num_sms)
     if table is None:
@@ -122,8 +110,8 @@ def _lookup(gpu_name: str, num_sms: int, dkey: str, M: int, N: int, K: int,
                        f"({Path(path).name if path else config_path(gpu_name).name}); using heuristics "
                        f"(run `fastdecode tune linear --shapes {N}x{K}`)")
         else:
-            entry = _nearest_m(shape, M)
-            if entry is None:  # above the largest tuned M
+            entry = nearest_m(shape, M)
+            if entry is None:  # above the largest tuned M: cuBLAS (the rule of ops._tuned)
                 return "cublas", heuristic
     if entry is None:
         return ("cublas" if M > HEURISTIC_MAX_TRITON_M else "triton"), heuristic
@@ -135,9 +123,7 @@ def _dispatch(M: int, N: int, K: int, dtype: torch.dtype, device, path: Optional
     if device is None or device.type != "cuda":
         if path is None:
             return "triton", heuristic_config(M, N, K, dtype_key(dtype))
-        name, sms = "cpu", DEFAULT_NUM_SMS
-    else:
-        name, sms = _device_info(device.index if device.index is not None else torch.cuda.current_device())
+    name, sms = device_info(device)
     return _lookup(name, sms, dtype_key(dtype), int(M), int(N), int(K), path)
 
 
@@ -153,36 +139,9 @@ def get_linear_config(M: int, N: int, K: int, dtype: torch.dtype, device=None,
     return (impl, dict(cfg)) if impl == "triton" else ("cublas", None)
 
 
-@functools.cache
-def _device_info(index: int) -> tuple[str, int]:
-    return torch.cuda.get_device_name(index), torch.cuda.get_device_properties(index).multi_processor_count
-
-
 # ----------------------------------------------------------------------------- execution
 
-_LOCKS: dict = {}  # device -> zeroed int32 tile counters shared by all split-K launches on it
-_LOCKS_RETIRED: list = []  # outgrown buffers stay alive: captured graphs may still point at them
-_LOCKS_MIN = 1 << 16
-
-
-def _split_k_locks(device: torch.device, n: int) -> Optional[torch.Tensor]:
-    """Tile counters of the split-K fix-up; they return to 0 after every launch.
-
-    Allocated on first use outside graph capture (a buffer born inside a capture would belong to
-    the graph's private pool). Launches on one stream never overlap; do not run split-K linears
-    concurrently on two streams of one device.
-    """
-    key = (device.type, device.index)
-    buf = _LOCKS.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    if key in _LOCKS:
-        _LOCKS_RETIRED.append(_LOCKS[key])
-    buf = torch.zeros(max(n, _LOCKS_MIN), dtype=torch.int32, device=device)
-    _LOCKS[key] = buf
-    return buf
+_LOCKS = SPLIT_K_LOCKS  # the split-K counters (ops._tuned); tests/test_linear*.py read them as gemm._LOCKS
 
 
 def _triton_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, config: dict) -> None:
@@ -195,7 +154,7 @@ def _triton_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, confi
     part = locks = None
     if split > 1:
         tiles = cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"])
-        locks = _split_k_locks(x.device, tiles)
+        locks = split_k_locks(x.device, tiles)
         if locks is None:
             warn_once("fastdecode: linear split-K counters were not allocated before CUDA-graph "
                        "capture; this capture runs without split-K (call linear once before capturing)")
@@ -345,8 +304,9 @@ def _check_weight(weight, K: int, dtypes, name: str = "weight", x_name: str = "x
     return weight.shape[0]
 
 
-def _check_bias(bias, N: int, dtypes, weight_name: str = "weight"):
-    """The bias, contiguous (the kernels and _scaled_mm read it at unit stride), or None."""
+def check_bias(bias, N: int, dtypes, weight_name: str = "weight"):
+    """Validate an optional (N,) bias of one of ``dtypes`` for a GEMM whose weight (named ``weight_name`` in
+    errors) has N rows; return it contiguous (the kernels and _scaled_mm read it at unit stride), or None."""
     if bias is None:
         return None
     check_tensor("bias", bias, dtypes=dtypes, ndim=1)
@@ -370,7 +330,7 @@ def linear(x, weight, bias=None, *, out=None, backend: Optional[str] = None,
     N = _check_weight(weight, K, LINEAR_DTYPES)
     if weight.dtype != x.dtype:
         raise ValueError(f"weight must have the dtype of x ({x.dtype}), got {weight.dtype}")
-    bias = _check_bias(bias, N, (x.dtype,))
+    bias = check_bias(bias, N, (x.dtype,))
     check_same_device(x=x, weight=weight, bias=bias)
     out_shape = (*x.shape[:-1], N)
     check_out("out", out, out_shape, x.dtype, x.device)
@@ -385,7 +345,9 @@ def linear(x, weight, bias=None, *, out=None, backend: Optional[str] = None,
     return out
 
 
-def _x_scale_rows(x_scale, lead: tuple, M: int, device) -> torch.Tensor:
+def x_scale_rows(x_scale, lead: tuple, M: int, device) -> torch.Tensor:
+    """Validate the float32 dequantisation scale of an FP8 activation with leading dims ``lead`` (M rows)
+    on ``device``: per tensor ((1,) / ()) -> (1,), per token ((*lead, 1) or (M, 1)) -> contiguous (M,)."""
     check_tensor("x_scale", x_scale, dtypes=(torch.float32,))
     if x_scale.device != device:
         raise ValueError(f"x_scale is on {x_scale.device} but x_fp8 is on {device}")
@@ -433,9 +395,9 @@ def linear_fp8(x_fp8, x_scale, weight_fp8, weight_scale, bias=None, *, out_dtype
     """
     K, lead, M = check_fp8_activation(x_fp8, out_dtype)
     N = _check_weight(weight_fp8, K, (FP8_DTYPE,), "weight_fp8", "x_fp8")
-    bias = _check_bias(bias, N, (torch.bfloat16, torch.float16, torch.float32), "weight_fp8")
+    bias = check_bias(bias, N, (torch.bfloat16, torch.float16, torch.float32), "weight_fp8")
     check_same_device(x_fp8=x_fp8, weight_fp8=weight_fp8, bias=bias)
-    xs = _x_scale_rows(x_scale, lead, M, x_fp8.device)
+    xs = x_scale_rows(x_scale, lead, M, x_fp8.device)
     ws = _w_scale_vec(weight_scale, N, x_fp8.device)
     out_shape = (*lead, N)
     check_out("out", out, out_shape, out_dtype, x_fp8.device)

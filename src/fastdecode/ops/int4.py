@@ -12,31 +12,31 @@ Dispatcher. Two Triton paths: "fma" (weight streaming with split-K, small M) and
 scratch buffer and calls cuBLAS (large M, where the GEMM is compute bound and the conversion is
 amortised). The choice per (N, K, group, M) comes from tuned data in
 ``fastdecode/configs/int4_linear_<gpu>.json`` (written by ``fastdecode.bench.int4.tune``): the
-exact (N, K, group) entry, the tuned M nearest on a log scale. Without it: a heuristic (fma for
-M <= 4, dot up to M = 1024, dequant + cuBLAS above on CUDA) and one log warning. Nothing is timed
-at call time (safe under CUDA-graph capture).
+exact (N, K, group) entry, the tuned M nearest on a log scale; above the largest tuned M, dequant +
+cuBLAS (W4A8, which has no cuBLAS path: the heuristic Triton config), as ``ops.gemm`` falls back to
+cuBLAS there (the shared rule and table machinery: ``fastdecode.ops._tuned``). Without an entry: a
+heuristic (fma for M <= 4, dot up to M = 1024, dequant + cuBLAS above on CUDA) and, without a table
+for the GPU, one log warning. Nothing is timed at call time (safe under CUDA-graph capture).
 """
 
 from __future__ import annotations
 
-import functools
-import math
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from fastdecode.ops._common import (
-    as_rows, cdiv, check_out, check_same_device, check_tensor, load_config_table, next_pow2, resolve_backend,
-    warn_once,
+    as_rows, cdiv, check_out, check_same_device, check_tensor, next_pow2, resolve_backend, warn_once,
 )
-from fastdecode.ops import _common
-from fastdecode.ops.gemm import _check_bias
+from fastdecode.ops._tuned import (  # noqa: F401  (clear_config_cache, DEFAULT_NUM_SMS: this module's API too)
+    DEFAULT_NUM_SMS, clear_config_cache, device_info, load_table, lookup_cache, nearest_m, split_k_locks, table_path,
+)
+from fastdecode.ops.gemm import check_bias
 from fastdecode.ops.int4_format import LAYOUT, Int4Weight, dequantize_int4, packed_cols
 
 IMPLS = (None, "triton", "dequant")
 X_DTYPES = (torch.bfloat16, torch.float16)
-DEFAULT_NUM_SMS = 132
 HEURISTIC_MAX_FMA_M = 4
 HEURISTIC_MAX_DOT_M = 1024  # dequant + cuBLAS above: its N*K*2-byte write is amortised there
 
@@ -45,12 +45,8 @@ HEURISTIC_MAX_DOT_M = 1024  # dequant + cuBLAS above: its N*K*2-byte write is am
 
 
 def config_path(gpu_name: str) -> Path:
-    return _common.config_path("int4_linear", gpu_name)
-
-
-def clear_config_cache() -> None:
-    load_config_table.cache_clear()
-    _lookup.cache_clear()
+    """The tuned table of the int4 family on ``gpu_name``: ``configs/int4_linear_<gpu>.json``."""
+    return table_path("int4_linear", gpu_name)
 
 
 def heuristic_config(M: int, N: int, K: int, group_size: int, num_sms: int = DEFAULT_NUM_SMS,
@@ -111,40 +107,29 @@ def smem_limit(device) -> Optional[int]:
     return int(limit)
 
 
-def _nearest_m(entries: dict, M: int) -> Optional[dict]:
-    ms = sorted(int(m) for m in entries)
-    if not ms:
-        return None
-    best = min(ms, key=lambda m: (abs(math.log2(m) - math.log2(max(M, 1))), m))
-    return entries[str(best)]
-
-
 def table_key(N: int, K: int, group_size: int) -> str:
     return f"{N},{K},{'K' if group_size == K else group_size}"
 
 
-@functools.lru_cache(maxsize=4096)
+@lookup_cache
 def _lookup(gpu_name: str, num_sms: int, M: int, N: int, K: int, group_size: int,
             path: Optional[str] = None, op: str = "int4_linear") -> tuple[str, dict]:
     impl, heuristic = heuristic_config(M, N, K, group_size, num_sms, cuda=gpu_name != "cpu")
     if op != "int4_linear":
         impl = "triton"  # W4A8 has no dequant + cuBLAS path
-    table = load_config_table(path or str(config_path(gpu_name)))
+    table = load_table("int4_linear", gpu_name, path)
     if table is None:
         if gpu_name != "cpu":
             warn_once(f"fastdecode: no tuned int4_linear configs for {gpu_name!r} "
                        f"({config_path(gpu_name).name}); using heuristics")
         return impl, heuristic
-    entry = table.get(op, {}).get(table_key(N, K, group_size))
-    entry = _nearest_m(entry, M) if entry else None
-    if entry is None:
+    entries = table.get(op, {}).get(table_key(N, K, group_size))
+    if not entries:  # no entry for the shape: the heuristic
         return impl, heuristic
+    entry = nearest_m(entries, M)
+    if entry is None:  # above the largest tuned M: the large-M path (the rule of ops._tuned)
+        return ("dequant" if op == "int4_linear" else "triton"), heuristic
     return entry["impl"], dict(entry.get("config") or heuristic)
-
-
-@functools.cache
-def _device_info(index: int) -> tuple[str, int]:
-    return torch.cuda.get_device_name(index), torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def get_int4_config(M: int, N: int, K: int, group_size: int, device=None, *,
@@ -153,11 +138,7 @@ def get_int4_config(M: int, N: int, K: int, group_size: int, device=None, *,
 
     ``op``: "int4_linear" (W4A16) or "int4_linear_fp8" (W4A8; its own table section, always "triton").
     CPU (or None) means the interpreter: heuristics (or ``path``), never "dequant"."""
-    device = torch.device(device) if device is not None else None
-    if device is None or device.type != "cuda":
-        name, sms = "cpu", DEFAULT_NUM_SMS
-    else:
-        name, sms = _device_info(device.index if device.index is not None else torch.cuda.current_device())
+    name, sms = device_info(torch.device(device) if device is not None else None)
     impl, cfg = _lookup(name, sms, int(M), int(N), int(K), int(group_size), path, op)
     if name == "cpu" and impl == "dequant":
         impl = "triton"
@@ -179,14 +160,13 @@ def _triton_int4_linear(x, w: Int4Weight, bias, out, config: dict, x_scale=None,
     """Run the kernel on 2-D views (x already in kernel column order) with an explicit config
     (``warmup``: compile only, see ``kernels.precompile``)."""
     from fastdecode.kernels.int4 import launch_int4_linear, split_k_blocks
-    from fastdecode.ops.gemm import _split_k_locks
 
     M, K = x.shape
     N = w.N
     _, split = split_k_blocks(K, config)
     part = locks = None
     if split > 1:
-        locks = _split_k_locks(x.device, cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]))
+        locks = split_k_locks(x.device, cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]))
         if locks is None:
             warn_once("fastdecode: int4_linear split-K counters were not allocated before CUDA-graph "
                        "capture; this capture runs without split-K (call int4_linear once before capturing)")
@@ -291,7 +271,7 @@ def int4_linear(x, packed: Int4Weight, bias=None, *, out=None, backend: Optional
     K = x.shape[-1]
     _check_packed(packed, K)
     N = packed.N
-    bias = _check_bias(bias, N, (x.dtype,), "the weight")  # contiguous: the kernel reads it at unit stride
+    bias = check_bias(bias, N, (x.dtype,), "the weight")  # contiguous: the kernel reads it at unit stride
     check_same_device(x=x, qweight=packed.qweight, scales=packed.scales, bias=bias)
     out_shape = (*x.shape[:-1], N)
     check_out("out", out, out_shape, x.dtype, x.device)
@@ -323,14 +303,14 @@ def int4_linear_fp8(x_fp8, x_scale, packed: Int4Weight, bias=None, *, out_dtype=
     x_fp8: (..., K) float8_e4m3fn; bias: (N,) float or None. Returns (..., N) in ``out_dtype``.
     """
     from fastdecode.ops._common import require_sm
-    from fastdecode.ops.gemm import _x_scale_rows, check_fp8_activation
+    from fastdecode.ops.gemm import check_fp8_activation, x_scale_rows
 
     K, lead, M = check_fp8_activation(x_fp8, out_dtype)
     _check_packed(packed, K)
     N = packed.N
-    bias = _check_bias(bias, N, (torch.bfloat16, torch.float16, torch.float32), "the weight")
+    bias = check_bias(bias, N, (torch.bfloat16, torch.float16, torch.float32), "the weight")
     check_same_device(x_fp8=x_fp8, qweight=packed.qweight, scales=packed.scales, bias=bias)
-    xs = _x_scale_rows(x_scale, lead, M, x_fp8.device)
+    xs = x_scale_rows(x_scale, lead, M, x_fp8.device)
     out_shape = (*lead, N)
     check_out("out", out, out_shape, out_dtype, x_fp8.device)
     be = resolve_backend(backend, x_fp8.device, "int4_linear_fp8")

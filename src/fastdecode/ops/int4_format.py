@@ -20,6 +20,12 @@ KTILE, KSTRIDE = 256, 32  # layout: tiles of 256 columns, word j holds columns 3
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ: nibble p of a word holds column 8c + AWQ_ORDER[p]
 
 
+def packed_cols(K: int) -> int:
+    """int32 words per row of the kernel layout for K columns: K rounded up to the 256-column layout tile
+    (``KTILE``, padding the kernels never read), 8 nibbles per word. ``qweight`` is (N, packed_cols(K))."""
+    return -(-int(K) // KTILE) * KTILE // 8
+
+
 @dataclass
 class Int4Weight:
     """A prepacked int4 weight of logical shape (N, K) in the kernel layout (module docstring).
@@ -182,7 +188,7 @@ def unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
 def pack_kernel_layout(q: torch.Tensor) -> torch.Tensor:
     """(N, K) ints 0..15 -> int32 (N, Kp // 8) in the kernel layout (module docstring), zero-padded."""
     N, K = q.shape
-    Kp = -(-K // KTILE) * KTILE
+    Kp = packed_cols(K) * 8
     if Kp != K:
         q = torch.cat([q, q.new_zeros(N, Kp - K)], dim=1)
     # (N, tile, p, j) -> (N, tile, j, p): word (tile, j) holds columns 256 tile + 32 p + j

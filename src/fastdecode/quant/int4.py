@@ -43,8 +43,8 @@ from typing import Optional
 import torch
 
 from fastdecode.ops.int4_format import (  # noqa: F401  (re-exported: the format lives with the op)
-    LAYOUT, ZERO_MODES, SCALE_DTYPES, GROUP_SIZES, AWQ_ORDER, Int4Weight, pack_nibbles, unpack_nibbles, pack_kernel_layout, unpack_kernel_layout, _check_int, prepack, dequantize_int4,
-    check_perm,
+    AWQ_ORDER, GROUP_SIZES, LAYOUT, SCALE_DTYPES, ZERO_MODES, Int4Weight, check_perm, dequantize_int4,
+    pack_kernel_layout, pack_nibbles, packed_cols, prepack, unpack_kernel_layout, unpack_nibbles,
 )
 
 GGUF_Q4_0_BYTES, GGUF_Q4_1_BYTES, GGUF_BLOCK = 18, 20, 32  # bytes per 32-value block

@@ -1,0 +1,85 @@
+"""The tuned-config machinery shared by the GEMM dispatchers (fastdecode.ops._tuned), on the CPU.
+
+Pins the rule above the largest tuned M for both op families: the table is not extrapolated; the op's
+large-M path runs (cuBLAS for linear, dequant + cuBLAS for int4_linear, the heuristic Triton config for
+W4A8 and under the interpreter).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import fastdecode.ops.gemm as L
+import fastdecode.ops.int4 as I
+from fastdecode.ops import _tuned
+
+FMA = dict(kind="fma", BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=2)
+DOT = dict(kind="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=2)
+
+
+def test_nearest_m_log_scale_ties_and_above_the_largest():
+    entries = {"1": "one", "16": "sixteen"}
+    assert _tuned.nearest_m(entries, 1) == "one"
+    assert _tuned.nearest_m(entries, 0) == "one"  # M = 0 counts as 1
+    assert _tuned.nearest_m(entries, 4) == "one"  # log2 distance 2 to both: the smaller M
+    assert _tuned.nearest_m(entries, 5) == "sixteen"
+    assert _tuned.nearest_m(entries, 16) == "sixteen"
+    assert _tuned.nearest_m(entries, 17) is None  # above the largest tuned M: no entry
+    assert _tuned.nearest_m({}, 1) is None and _tuned.nearest_m(None, 1) is None
+
+
+def test_linear_above_the_largest_tuned_m_is_cublas(tmp_path):
+    p = tmp_path / "linear_rule.json"
+    p.write_text(json.dumps({"linear": {"bf16": {"64,64": {"1": {"impl": "triton", "config": FMA},
+                                                           "8": {"impl": "triton", "config": DOT}}}}}))
+    L.clear_config_cache()
+    get = lambda M: L.get_linear_config(M, 64, 64, torch.bfloat16, "cpu", path=str(p))  # noqa: E731
+    assert get(8) == ("triton", DOT)
+    # the largest entry is Triton and the heuristic would say Triton (M <= 16): still cuBLAS
+    assert get(9) == ("cublas", None)
+    assert get(4096) == ("cublas", None)
+    L.clear_config_cache()
+
+
+def test_int4_above_the_largest_tuned_m_is_the_large_m_path(tmp_path):
+    entries = {"1": {"impl": "triton", "config": FMA}, "16": {"impl": "triton", "config": DOT}}
+    p = tmp_path / "int4_rule.json"
+    p.write_text(json.dumps({"int4_linear": {"64,256,128": entries}, "int4_linear_fp8": {"64,256,128": entries}}))
+    path = str(p)
+    I.clear_config_cache()
+    assert I.get_int4_config(16, 64, 256, 128, path=path) == ("triton", DOT)
+    heuristic = I.heuristic_config(17, 64, 256, 128, cuda=False)[1]
+    # on a GPU: dequant + cuBLAS with the heuristic config (for impl="triton"), not the M=16 tile
+    assert I._lookup("NVIDIA test", 132, 17, 64, 256, 128, path) == ("dequant", I.heuristic_config(17, 64, 256, 128)[1])
+    # the interpreter has no cuBLAS: Triton with the heuristic config
+    assert I.get_int4_config(17, 64, 256, 128, path=path) == ("triton", heuristic)
+    # W4A8 has no cuBLAS path: the heuristic Triton config
+    assert I.get_int4_config(4096, 64, 256, 128, path=path, op="int4_linear_fp8") == (
+        "triton", I.heuristic_config(4096, 64, 256, 128, cuda=False)[1])
+    I.clear_config_cache()
+
+
+def test_one_clear_forgets_both_families(tmp_path):
+    p = tmp_path / "both.json"
+    p.write_text(json.dumps({"int4_linear": {"64,256,128": {"16": {"impl": "triton", "config": DOT}}},
+                             "linear": {"bf16": {"64,64": {"8": {"impl": "triton", "config": DOT}}}}}))
+    I.clear_config_cache()
+    assert I.get_int4_config(16, 64, 256, 128, path=str(p)) == ("triton", DOT)
+    assert L.get_linear_config(8, 64, 64, torch.bfloat16, "cpu", path=str(p)) == ("triton", DOT)
+    p.write_text(json.dumps({"int4_linear": {"64,256,128": {"16": {"impl": "triton", "config": FMA}}},
+                             "linear": {"bf16": {"64,64": {"8": {"impl": "triton", "config": FMA}}}}}))
+    assert L.clear_config_cache is I.clear_config_cache is _tuned.clear_config_cache
+    L.clear_config_cache()
+    assert I.get_int4_config(16, 64, 256, 128, path=str(p)) == ("triton", FMA)
+    assert L.get_linear_config(8, 64, 64, torch.bfloat16, "cpu", path=str(p)) == ("triton", FMA)
+    L.clear_config_cache()
+
+
+def test_split_k_locks_are_one_buffer_per_device():
+    a = _tuned.split_k_locks(torch.device("cpu"), 8)
+    assert a is _tuned.split_k_locks(torch.device("cpu"), 16) and a.numel() >= 16 and a.dtype == torch.int32
+    assert L._LOCKS is _tuned.SPLIT_K_LOCKS and _tuned.SPLIT_K_LOCKS[("cpu", None)] is a
+    assert _tuned.device_info(None) == ("cpu", _tuned.DEFAULT_NUM_SMS)
+    assert _tuned.device_info(torch.device("cpu")) == ("cpu", _tuned.DEFAULT_NUM_SMS)
