@@ -1,5 +1,7 @@
 """FP8 e4m3 quantisation kernels: static per-tensor, dynamic per-token, dynamic per-tensor."""
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -16,15 +18,26 @@ QUANT_FROM_AMAX = 3  # per-tensor: amax_ptr holds the float bits of amax(|x|); s
 # NaN (inf / inf), as in the reference; such a row dequantises to NaN.
 
 
+# The interpreter's fp32 -> e4m3 cast turns a NaN into 256; only there is the NaN byte patched in (a
+# module constexpr, so the compiled kernels carry none of it).
+_INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
 @triton.jit
 def _store_fp8(ptrs, q, mask, FP8_MAX: tl.constexpr):
-    """Store fp8(clamp(q, -FP8_MAX, FP8_MAX)) with NaN kept NaN: tl.minimum / tl.maximum turn a NaN into
-    +-FP8_MAX, and the interpreter's fp32 -> e4m3 cast turns it into 256 (PTX's cvt gives a NaN); OR-ing
-    0x7F into the byte of a NaN gives 0x7F / 0xFF, the NaNs of e4m3fn."""
+    """Store fp8(clamp(q, -FP8_MAX, FP8_MAX)) with NaN kept NaN (tl.minimum / tl.maximum turn a NaN into
+    +-FP8_MAX). Compiled: the clamp skips NaN and the cast (cvt.rn.satfinite) gives the e4m3 NaN. Under the
+    interpreter, whose cast turns NaN into 256, 0x7F is OR-ed into the byte (0x7F / 0xFF: the NaNs of
+    e4m3fn). (Doing that bitcast on the GPU too left NaN bytes in test_norm::test_fp8_norm_strided_rows'
+    output on the H200 with finite inputs; not diagnosed, the compiled path keeps the plain cast.)"""
     c = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-    b = c.to(ptrs.dtype.element_ty).to(tl.uint8, bitcast=True)
-    b = tl.where(q != q, (b | 0x7F).to(tl.uint8), b)
-    tl.store(ptrs, b.to(ptrs.dtype.element_ty, bitcast=True), mask=mask)
+    if _INTERPRET:
+        b = c.to(ptrs.dtype.element_ty).to(tl.uint8, bitcast=True)
+        b = tl.where(q != q, (b | 0x7F).to(tl.uint8), b)
+        tl.store(ptrs, b.to(ptrs.dtype.element_ty, bitcast=True), mask=mask)
+    else:
+        c = tl.where(q != q, q, c)
+        tl.store(ptrs, c.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
