@@ -59,9 +59,12 @@ def assert_fp8_close(q, q_ref, scale=None, scale_ref=None, *, max_mismatch=0.05)
     bad, _ = fp8_mismatches(q, q_ref, lost_carry_ok=interpreter_on())
     assert bad == 0, f"{bad} of {a.numel()} FP8 values differ by more than one e4m3 step"
     mismatch = (a != b).float().mean().item()
-    if interpreter_on() and a.numel() < 2000:
-        # ~2-3% of elements round differently there; over a hundred elements that fraction is noisy
-        max_mismatch = max(max_mismatch, 0.15)
+    if interpreter_on():
+        # The interpreter's fp32 -> e4m3 cast: besides the lost carries (~2.4%), ~3% of values land one step
+        # off. test_activation_quant::test_fp8_bf16_input (per-tensor quantize_fp8, 8,064 values) reached
+        # 5.95% in all over 40 seeds (5.4% failed the CI once against the 5% the GPU keeps); over a hundred
+        # elements the fraction is noisier still.
+        max_mismatch = max(max_mismatch, 0.15 if a.numel() < 2000 else 0.10)
     assert mismatch <= max_mismatch, f"{mismatch:.1%} of FP8 values differ from the reference"
 
 
