@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
-from fastdecode.models.llama import Fp8Linear, Int4Linear, Linear, Transformer, step_read_bytes
+from fastdecode.models.llama import (Fp8Linear, Int4Linear, Linear, Transformer, step_read_bytes,
+                                     unique_param_bytes)
 from fastdecode.quant.fp8 import FP8_DTYPE, dequantize_fp8, quantize_weight_fp8
 from fastdecode.quant.int4 import dequantize_int4
 
@@ -323,12 +324,7 @@ class PeerLlama(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of all parameters (each tensor once): what one step reads."""
-        seen, total = set(), 0
-        for p in self.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel() * p.element_size()
-        return total
+        return unique_param_bytes(self.parameters())
 
     def decode_step_bytes(self, batch: int) -> int:
         """Weight bytes one step of ``batch`` sequences reads: as ``Transformer.decode_step_bytes`` (only

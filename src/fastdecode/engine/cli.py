@@ -160,15 +160,20 @@ def _dtype(args, device: torch.device) -> torch.dtype:
 _USER_ERRORS = (OSError, ValueError, ImportError)
 
 
+def _rank0() -> bool:
+    """Not under torchrun, or its rank 0: the process that speaks for all ranks."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _fail(e) -> int:
     """Print ``error: e`` (under torchrun on rank 0 only: every rank fails alike) and return exit code 2."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _rank0():
         print(f"error: {e}", file=sys.stderr)
     return 2
 
 
 def _warn(msg: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _rank0():
         print(f"warning: {msg}", file=sys.stderr)
 
 
@@ -636,7 +641,7 @@ def run_command(args) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if _rank0():
             print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:

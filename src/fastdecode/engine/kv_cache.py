@@ -50,8 +50,7 @@ class KVCacheMemoryError(ValueError):
 
 def kv_cache_bytes(cfg: ModelConfig, max_batch: int, max_seq_len: int, dtype=torch.bfloat16) -> int:
     """Bytes of a ``KVCache``: layers x 2 (K, V) x KV heads x head dim x positions x batch x dtype bytes."""
-    esize = torch.empty((), dtype=dtype).element_size()
-    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * max_seq_len * max_batch * esize
+    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * max_seq_len * max_batch * dtype.itemsize
 
 
 def available_memory(device) -> Optional[int]:
@@ -85,9 +84,8 @@ def check_kv_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, dtype, d
     need = kv_cache_bytes(cfg, max_batch, max_seq_len, dtype)
     have = available_memory(device)
     if have is not None and need > have:
-        esize = torch.empty((), dtype=dtype).element_size()
         raise KVCacheMemoryError(
             f"the KV cache needs {_size(need)}: {cfg.n_layers} layers x 2 (K, V) x {cfg.n_kv_heads} KV heads x "
-            f"{cfg.head_dim} head dim x {max_seq_len} positions x batch {max_batch} x {esize} bytes, but only "
+            f"{cfg.head_dim} head dim x {max_seq_len} positions x batch {max_batch} x {dtype.itemsize} bytes, but only "
             f"{_size(have)} is available on {torch.device(device)}; lower --max-seq-len (max_seq_len)")
     return need

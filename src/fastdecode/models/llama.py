@@ -74,6 +74,17 @@ KERNELS = ("fused_norm", "fused_act", "skinny_gemm", "fused_allreduce", "int4_ge
 INT4_ACT_DTYPES = (torch.bfloat16, torch.float16)  # what the int4 kernels take; fp32 runs the reference
 
 
+def unique_param_bytes(params, seen: Optional[set] = None) -> int:
+    """Bytes of ``params``, each tensor counted once; ``seen``: ids of tensors already counted (updated)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
 def step_read_bytes(weight_bytes: int, embedding: torch.Tensor, head: nn.Module, batch: int) -> int:
     """Bytes one decode step of ``batch`` sequences reads out of a model's ``weight_bytes``: all of them,
     except that an embedding table the head does not share adds only ``batch`` of its rows (a head tied to
@@ -568,11 +579,7 @@ class Transformer(nn.Module):
             if isinstance(m, Int4Linear):
                 seen |= {id(p) for p in m.parameters()}
                 total += m.weight_bytes()
-        for p in self.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel() * p.element_size()
-        return total
+        return total + unique_param_bytes(self.parameters(), seen)
 
     def decode_step_bytes(self, batch: int) -> int:
         """Weight bytes one decode step of ``batch`` sequences reads: every block weight, the final norm and

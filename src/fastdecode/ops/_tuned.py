@@ -4,8 +4,8 @@
 Both pick an implementation and a Triton config per call shape from a JSON table written by a tuner
 (``fastdecode tune linear``, ``fastdecode.bench.int4.tune``). What they share lives here:
 
-* where a table lives: :func:`table_path` (``configs/<family>_<gpu>.json``, one per op family and GPU;
-  ``FASTDECODE_CONFIG_DIR`` overrides it, see ``_common.config_path``) and its cached load (:func:`load_table`);
+* where a table lives: ``_common.config_path`` (``configs/<family>_<gpu>.json``, one per op family and GPU;
+  ``FASTDECODE_CONFIG_DIR`` overrides it) and its cached load (:func:`load_table`);
 * the cache of each op's per-shape lookups (:func:`lookup_cache`); :func:`clear_config_cache` forgets the
   tables and every op's lookups at once (after a tuner wrote a new file);
 * the device-info cache (:func:`device_info`: GPU name and SM count, "cpu" for the interpreter);
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import math
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -50,15 +49,10 @@ DEFAULT_NUM_SMS = 132  # H100 SXM / H200; the CPU interpreter has no SM count
 # ----------------------------------------------------------------------------- tables
 
 
-def table_path(family: str, gpu_name: str) -> Path:
-    """The table of one op family (``"linear"``, ``"int4_linear"``) on one GPU: ``configs/<family>_<gpu>.json``."""
-    return _common.config_path(family, gpu_name)
-
-
 def load_table(family: str, gpu_name: str, path: Optional[str] = None) -> Optional[dict]:
     """The table at ``path`` (tests, tuning), else the family's table for ``gpu_name``; None when there is
     none. Cached (:func:`clear_config_cache`)."""
-    return load_config_table(path or str(table_path(family, gpu_name)))
+    return load_config_table(path or str(_common.config_path(family, gpu_name)))
 
 
 _LOOKUPS: list = []  # every op's cached lookup, cleared together with the tables
@@ -133,4 +127,4 @@ def split_k_locks(device: torch.device, n: int) -> Optional[torch.Tensor]:
 
 
 __all__ = ["DEFAULT_NUM_SMS", "SPLIT_K_LOCKS", "clear_config_cache", "device_info", "load_table", "lookup_cache",
-           "nearest_m", "split_k_locks", "table_path"]
+           "nearest_m", "split_k_locks"]

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
+from fastdecode.ops import _common
 from fastdecode.ops._common import (
     cdiv, next_pow2,
     FP8_DTYPE, as_rows, check_out, check_same_device, check_tensor,
@@ -35,7 +36,7 @@ from fastdecode.ops._common import (
 )
 from fastdecode.ops._tuned import (  # noqa: F401  (clear_config_cache, DEFAULT_NUM_SMS: this module's API too)
     DEFAULT_NUM_SMS, SPLIT_K_LOCKS, clear_config_cache, device_info, load_table, lookup_cache, nearest_m,
-    split_k_locks, table_path,
+    split_k_locks,
 )
 
 IMPLS = (None, "triton", "cublas")
@@ -48,7 +49,7 @@ HEURISTIC_MAX_TRITON_M = 16  # without tuned data: Triton up to here, cuBLAS abo
 
 def config_path(gpu_name: str) -> Path:
     """The tuned table of the linear family on ``gpu_name``: ``configs/linear_<gpu>.json``."""
-    return table_path("linear", gpu_name)
+    return _common.config_path("linear", gpu_name)
 
 
 def dtype_key(dtype: torch.dtype) -> str:

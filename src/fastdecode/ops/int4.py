@@ -26,11 +26,12 @@ from typing import Optional
 
 import torch
 
+from fastdecode.ops import _common
 from fastdecode.ops._common import (
     as_rows, cdiv, check_out, check_same_device, check_tensor, next_pow2, resolve_backend, warn_once,
 )
 from fastdecode.ops._tuned import (  # noqa: F401  (clear_config_cache, DEFAULT_NUM_SMS: this module's API too)
-    DEFAULT_NUM_SMS, clear_config_cache, device_info, load_table, lookup_cache, nearest_m, split_k_locks, table_path,
+    DEFAULT_NUM_SMS, clear_config_cache, device_info, load_table, lookup_cache, nearest_m, split_k_locks,
 )
 from fastdecode.ops.gemm import check_bias
 from fastdecode.ops.int4_format import LAYOUT, Int4Weight, dequantize_int4, packed_cols
@@ -46,7 +47,7 @@ HEURISTIC_MAX_DOT_M = 1024  # dequant + cuBLAS above: its N*K*2-byte write is am
 
 def config_path(gpu_name: str) -> Path:
     """The tuned table of the int4 family on ``gpu_name``: ``configs/int4_linear_<gpu>.json``."""
-    return table_path("int4_linear", gpu_name)
+    return _common.config_path("int4_linear", gpu_name)
 
 
 def heuristic_config(M: int, N: int, K: int, group_size: int, num_sms: int = DEFAULT_NUM_SMS,
