@@ -203,6 +203,12 @@ def _fsync(path: str, directory: bool = False) -> None:
         os.close(fd)
 
 
+def _named(e: OSError, what: str) -> OSError:
+    """``e`` as an OSError of the same errno whose message starts with ``what`` (the path the user named)."""
+    msg = f"{what}: {e.strerror or e}"
+    return OSError(e.errno, msg) if e.errno is not None else OSError(msg)
+
+
 def write_dir_atomically(dst: str, write: Callable[[str], None], *, overwrite: bool = False) -> None:
     """Run ``write(tmp)`` on a fresh temporary directory beside ``dst`` (``.DSTNAME.tmp-<pid>-XXXX``), fsync
     its files, then rename it to ``dst`` (``check_dst`` refusals first). ``overwrite``: an existing ``dst`` is
@@ -215,8 +221,7 @@ def write_dir_atomically(dst: str, write: Callable[[str], None], *, overwrite: b
         _remove_stale(parent, name, path)
         tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-{os.getpid()}-")
     except OSError as e:
-        msg = f"cannot write DST {dst!r}: {e.strerror or e}"
-        raise (OSError(e.errno, msg) if e.errno is not None else OSError(msg)) from e
+        raise _named(e, f"cannot write DST {dst!r}") from e
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -242,8 +247,7 @@ def write_dir_atomically(dst: str, write: Callable[[str], None], *, overwrite: b
     except BaseException as e:
         _remove(tmp)
         if isinstance(e, OSError):
-            msg = f"writing DST {dst!r} failed, DST left unchanged: {e.strerror or e}"
-            raise (OSError(e.errno, msg) if e.errno is not None else OSError(msg)) from e
+            raise _named(e, f"writing DST {dst!r} failed, DST left unchanged") from e
         raise
     _fsync(parent, directory=True)
 
