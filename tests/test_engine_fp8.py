@@ -97,45 +97,62 @@ GEMM_REL_RMS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32:
 def shadowed_by_refs():
     """While active, every fastdecode op the model calls (its names in ``fastdecode.models.llama``) also runs
     its ``*_ref`` on the same inputs (copies of those it updates in place), and the two results are compared at
-    once: FP8 pairs with ``assert_fp8_close`` (scales to rtol 1e-5, values within one e4m3 step, and at most
-    0.1% of them moved, 0.5% on a GPU), in-place residuals with ``assert_rounding_equal``, GEMM outputs by relative RMS error
+    once: FP8 pairs with ``assert_fp8_close`` (scales to rtol 1e-5, values within one e4m3 step) and no value
+    moved unless it sits at a rounding boundary (see ``fp8``), in-place residuals with ``assert_rounding_equal``, GEMM outputs by relative RMS error
     (``GEMM_REL_RMS``), other float outputs and KV-cache writes with ``assert_close``. The model
     sees only the kernels' results, so each check starts from the Triton path's own activations and nothing
     compounds. Yields a Counter of the checked calls per op name."""
     import fastdecode.models.llama as L
     from fastdecode.ops import activation as act, attention as att, gemm, norm, quant
 
-    def fp8(got, want):
+    def fp8(got, want, y64):
+        """``y64``: the op's unrounded output in float64 from the same inputs, or None."""
         assert_fp8_close(got[0], want[0], got[1], want[1])
-        # tighter than assert_fp8_close's 5%: from fp32 values a few ulps apart (summation order, rsqrt) the two
-        # casts differ on ~1e-5 of the values; an input rounded to bf16 on one side only moves ~3% of them, to
-        # fp16 ~0.8%. The interpreter's own cast drops carries into the next power of two, rounds subnormals its
-        # own way (all the differences it showed from fp32 inputs) and rounds exact ties to odd, not to even (up
-        # to 0.3% of the values from fp16 inputs): there those are not counted (a tie: the kernel's value odd,
-        # the reference's even).
+        # Tighter than assert_fp8_close's 5%. A value moves by one step only when its quotient y / s lies within
+        # the fp32 noise of the two paths (summation order, tl.rsqrt, div.full: each ~1e-7 relative) of an e4m3
+        # rounding boundary; those are not counted. With a dynamic scale and a norm weight of 1 the quotient is
+        # 448 v / amax(v) for bf16 v (rstd cancels), an exact boundary on ~0.4% of values, which fp32 noise then
+        # decides either way: what the H200 showed (0.13%-0.5% moved, against ~1e-5 elsewhere). The window is
+        # 1e-5 relative, ~50x that noise; an input rounded to bf16 on one side (~3% moved) or fp16 (~0.8%) stays
+        # far outside it. The interpreter's own cast drops carries into the next power of two, rounds subnormals
+        # its own way and rounds exact ties to odd, not to even: there those are not counted either.
         a, b = got[0].float(), want[0].float()
         moved = a != b
+        mid = (a.double() + b.double()) / 2
+        near_boundary = (y64 / want[1].double() - mid).abs() <= 1e-5 * mid.abs()
+        explained = moved & near_boundary
         if interpreter_on():
             lost_carry = (torch.log2(a.abs()) % 1 == 0) & ((2 * a - b).abs() <= e4m3_step(b) * 1.0001)
             tie = (got[0].view(torch.uint8) & 1 == 1) & (want[0].view(torch.uint8) & 1 == 0)
-            moved &= ~lost_carry & ~tie & (a.abs() >= 2**-6) & (b.abs() >= 2**-6)
-        # On the H200 (be77d6d + this check, prefill of 2 x 9 tokens at 8B shapes) 98 of 73,728 values of an
-        # add+RMSNorm -> FP8 (0.13%) moved by one step, more than the CPU's ~1e-5 and not explained yet; 0.5%
-        # there still fails an input rounded to bf16 (~3%) or fp16 (~0.8%) on one side.
-        limit = max(2, a.numel() // (200 if a.is_cuda else 1000))
-        assert int(moved.sum()) <= limit, f"{int(moved.sum())} of {a.numel()} FP8 values differ (at most {limit})"
+            explained |= moved & (lost_carry | tie | (a.abs() < 2**-6) | (b.abs() < 2**-6))
+        unexplained = int((moved & ~explained).sum())
+        limit = max(2, a.numel() // 10000)
+        assert unexplained <= limit, (
+            f"{unexplained} of {a.numel()} FP8 values moved away from a rounding boundary (at most {limit}; "
+            f"{int(explained.sum())} more moved at a boundary)")
+
+    def norm64(v, w, eps):
+        v = v.double()
+        return v * torch.rsqrt(v.pow(2).mean(dim=-1, keepdim=True) + eps) * w.double()
+
+    def silu64(x):
+        g, u = x.double().chunk(2, dim=-1)
+        return g / (1.0 + torch.exp(-g)) * u
 
     def add_norm(ref, is_fp8):
         def check(got, args, saved, kw):
             *want, r = ref(args[0], saved[1], *args[2:], **kw)
             assert_rounding_equal(args[1], r)  # the residual updated in place
-            fp8(got, want) if is_fp8 else assert_close(got, want[0])
+            if is_fp8:
+                fp8(got, want, norm64(r, args[2], args[3] if len(args) > 3 else kw.get("eps", 1e-6)))
+            else:
+                assert_close(got, want[0])
         return check
 
-    def plain(ref, is_fp8=False):
+    def plain(ref, y64=None):
         def check(got, args, saved, kw):
             want = ref(*args, **kw)
-            fp8(got, want) if is_fp8 else assert_close(got, want)
+            fp8(got, want, y64(*args, **kw)) if y64 else assert_close(got, want)
         return check
 
     def gemm_check(ref):
@@ -157,12 +174,12 @@ def shadowed_by_refs():
 
     checks = {  # name -> (check, positions of the arguments the op updates in place)
         "rms_norm": (plain(norm.rms_norm_ref), ()),
-        "rms_norm_fp8": (plain(norm.rms_norm_fp8_ref, True), ()),
+        "rms_norm_fp8": (plain(norm.rms_norm_fp8_ref, lambda x, w, eps=1e-6, **_: norm64(x, w, eps)), ()),
         "fused_add_rms_norm": (add_norm(norm.fused_add_rms_norm_ref, False), (1,)),
         "fused_add_rms_norm_fp8": (add_norm(norm.fused_add_rms_norm_fp8_ref, True), (1,)),
         "silu_and_mul": (plain(act.silu_and_mul_ref), ()),
-        "silu_and_mul_fp8": (plain(act.silu_and_mul_fp8_ref, True), ()),
-        "quantize_fp8": (plain(quant.quantize_fp8_ref, True), ()),
+        "silu_and_mul_fp8": (plain(act.silu_and_mul_fp8_ref, lambda x, **_: silu64(x)), ()),
+        "quantize_fp8": (plain(quant.quantize_fp8_ref, lambda x, **_: x.double()), ()),
         "linear_fp8": (gemm_check(gemm.linear_fp8_ref), ()),
         "linear": (gemm_check(gemm.linear_ref), ()),
         "rope_kv_write": (rope, (3, 4)),
@@ -489,6 +506,8 @@ def test_fp8_llama8b_shapes_triton_graph_equals_torch_gpu():
     cfg = ModelConfig.from_preset("llama-3.1-8b").replace(n_layers=2)
     m = quantize_model_fp8(random_model(cfg, device="cuda", dtype=torch.bfloat16, max_seq_len=128,
                                         seed=int(torch.randint(0, 1000, ()))))
+    for norm in [m.norm] + [n for layer in m.layers for n in (layer.attention_norm, layer.ffn_norm)]:
+        norm.weight.copy_(1 + 0.1 * torch.randn(cfg.dim))  # random_model's are all 1: the weight would go unchecked
     ids = torch.randint(0, cfg.vocab_size, (2, 9), device="cuda")
     nxt = torch.randint(0, cfg.vocab_size, (2,), device="cuda")
     pos = torch.tensor([9, 9], device="cuda")
