@@ -17,6 +17,8 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``tune``    ``fastdecode tune linear`` (``--tune-dtypes``) into ``<out-dir>/configs/``, starting from a
               copy of the package's table; the suites after it in the same run read that table
               (``FASTDECODE_CONFIG_DIR``, recorded in their rows). Commit the table only from such a run.
+* ``tune-int4`` ``fastdecode.bench.int4 tune --merge --quick`` (``--tune-int4-ms``, default every M) into
+              ``<out-dir>/configs/``, from a copy of the package's int4 table, read by the suites after it.
 * ``tp``      multi-GPU: the all-reduce tests, the all-reduce benchmark, 70B decode at TP = all GPUs.
 
 What it never does: copy files into ``src/`` (tuned tables are written only by
@@ -57,11 +59,15 @@ def _decode(out: Path, *args: str) -> list[str]:
 
 
 def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "int4"),
-                   tune_dtypes=("bf16", "fp8"), gpu="nvidia_h200") -> list[tuple[str, list[str], int]]:
+                   tune_dtypes=("bf16", "fp8"), gpu="nvidia_h200", tune_int4_ms=None) -> list[tuple[str, list[str], int]]:
     """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests)."""
     if name == "tune":
         return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes,
                                     "--out", str(out / "configs" / f"linear_{gpu}.json")), 420)]
+    if name == "tune-int4":
+        ms = ["--ms", ",".join(map(str, tune_int4_ms))] if tune_int4_ms else []
+        return [("tune int4", [PY, "-m", "fastdecode.bench.int4", "tune", "--merge", "--quick", *ms,
+                               "--out", str(out / "configs" / f"int4_linear_{gpu}.json")], 480)]
     if name == "kernels":
         return [("bench kernels", _fd("bench", "kernels", "--out", str(out / "norm_activation_quant.json")), 420)]
     if name == "linear":
@@ -97,7 +103,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     raise ValueError(f"unknown suite {name!r}")
 
 
-SUITES = ("tests", "tune", "kernels", "linear", "int4", "decode", "profile", "tp")
+SUITES = ("tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "tp")
 
 
 class Log:
@@ -253,6 +259,7 @@ def main(argv=None) -> int:
                    help="tests: pytest-xdist workers, for diagnosis only (the record says so); default one process")
     p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4"], choices=["bf16", "fp8", "int4"],
                    help="decode: the weight formats to run")
+    p.add_argument("--tune-int4-ms", default=None, help="tune-int4: comma-separated token counts (default all)")
     p.add_argument("--tune-dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                    help="tune: the linear table's sections to tune (the others are kept)")
     a = p.parse_args(argv)
@@ -276,7 +283,7 @@ def main(argv=None) -> int:
     from fastdecode.ops._common import gpu_key
 
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
-    suites = [s for s in SUITES if s not in ("tp", "tune") or (s == "tp" and n_gpu >= 2)] \
+    suites = [s for s in SUITES if s not in ("tp", "tune", "tune-int4") or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")
     summary, worst = [], 0
@@ -289,15 +296,17 @@ def main(argv=None) -> int:
                 summary.append(("  FAILED", f["test"], f["message"][:120]))
             worst = max(worst, 1 if bad or r["exit_code"] else 0)
             continue
-        if s == "tune":  # start from the package's table: the sections not tuned are kept
+        if s in ("tune", "tune-int4"):  # start from the package's tables: what is not tuned is kept
             import shutil
 
             cfg_dir = out / "configs"
             cfg_dir.mkdir(exist_ok=True)
-            table = ROOT / "src" / "fastdecode" / "configs" / f"linear_{gpu}.json"
-            if table.is_file():
-                shutil.copy(table, cfg_dir)
-        steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu)
+            for family in ("linear", "int4_linear"):
+                table = ROOT / "src" / "fastdecode" / "configs" / f"{family}_{gpu}.json"
+                if table.is_file() and not (cfg_dir / table.name).exists():
+                    shutil.copy(table, cfg_dir)
+        int4_ms = [int(m) for m in a.tune_int4_ms.split(",")] if a.tune_int4_ms else None
+        steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms)
         if not steps:
             summary.append((s, f"not run: needs 2+ GPUs, this machine has {n_gpu}", 0))
         for label, cmd, timeout in steps:
@@ -305,7 +314,7 @@ def main(argv=None) -> int:
             tail = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] or [""]
             summary.append((label, f"rc={rc} {tail[0][:150]}", round(dt)))
             worst = max(worst, 1 if rc else 0)
-            if s == "tune" and rc == 0:  # the suites after it read the table it wrote
+            if s in ("tune", "tune-int4") and rc == 0:  # the suites after it read the tables it wrote
                 env["FASTDECODE_CONFIG_DIR"] = str(out / "configs")
     print(f"\ngpu.py  git {sha}  {n_gpu} GPU(s)  results in {out}")
     for label, what, dt in summary:

@@ -85,6 +85,28 @@ def test_decode_formats_and_tune_sections_are_chosen(gpu, tmp_path):
     assert Path(argv[argv.index("--out") + 1]) == tmp_path / "configs" / "linear_nvidia_h200.json"
 
 
+def test_tune_int4_merges_into_a_copy_of_the_package_table(gpu, tmp_path):
+    [(label, argv, _)] = gpu.suite_commands("tune-int4", tmp_path, 1, tune_int4_ms=[1, 2, 4, 8])
+    assert argv[1:4] == ["-m", "fastdecode.bench.int4", "tune"] and "--merge" in argv
+    assert argv[argv.index("--ms") + 1] == "1,2,4,8"
+    assert Path(argv[argv.index("--out") + 1]) == tmp_path / "configs" / "int4_linear_nvidia_h200.json"
+    assert "--ms" not in gpu.suite_commands("tune-int4", tmp_path, 1)[0][1]  # default: every M
+
+
+def test_int4_tune_merge_keeps_the_entries_it_does_not_tune(tmp_path):
+    from fastdecode.bench.int4 import start_table
+
+    path = tmp_path / "t.json"
+    old = {"gpu": "NVIDIA H200", "env": {"git_sha": "old"}, "int4_linear": {"4096,4096,128": {"16": {"impl": "x"}}},
+           "int4_linear_fp8": {}}
+    path.write_text(json.dumps(old))
+    t = start_table(path, "NVIDIA H200", 132, merge=True)
+    assert t["int4_linear"] == old["int4_linear"] and t["merged_into"] == {"git_sha": "old"}
+    assert start_table(path, "NVIDIA H200", 132, merge=False)["int4_linear"] == {}
+    with pytest.raises(ValueError, match="tuned on 'NVIDIA H200', not on this 'NVIDIA H100'"):
+        start_table(path, "NVIDIA H100", 132, merge=True)
+
+
 def test_a_killed_run_still_names_what_failed_and_where_it_was(gpu, tmp_path, monkeypatch):
     """The JUnit report comes only at the end: a run killed at its limit is read from pytest -v's lines."""
     text = ("tests/test_a.py::test_ok PASSED [ 10%]\ntests/test_b.py::test_bad[2] FAILED [ 20%]\n"

@@ -140,7 +140,11 @@ def _ok(ops: _Operands, M: int, impl: str, config=None, fp8: bool = False) -> Op
 
 def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
                smem_limit: Optional[int] = None) -> list[dict]:
-    """A small config list per M: fma tiles for M <= 8, dot tiles for M >= 8, split-K 1..16.
+    """A small config list per M: fma tiles for M <= 8, dot tiles at every M (16-row tiles below M = 16, the
+    rows past M masked), split-K 1..16 below M = 8, 1..8 up to M = 256.
+
+    Dot tiles below M = 8: the H200 table of the fma-only candidates had the 16-row dot tile at M = 16 as
+    fast as or faster than the fma tile at M = 1 on 6 of 8 shapes, and 2x faster than it at M = 4.
 
     fma tiles keep BLOCK_K = 256 (one layout tile: the per-group scaling of the kernel needs it);
     ``quick``: 4 warps only and fewer dot tiles (a tuning run that fits a few device minutes).
@@ -159,20 +163,19 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
             for sk in splits:
                 out.append({"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
                             "num_warps": nw, "num_stages": 1, "PREFETCH": pf})
-    if M >= 8:
-        bms = [16] if M <= 16 else ([16, 32] if M <= 32 else ([16, 32, 64] if M <= 64 else [64, 128]))
-        for bm, bn, st, pf in itertools.product(bms, (64, 128) if quick else (32, 64, 128),
-                                                (3,) if quick else (2, 3, 4), (True, False)):
-            if bm == 128 and bn == 128:
-                st = 2  # 3 stages of 128 x 128 x 256 exceed the 227 KB of shared memory
-            if pf and bm > 32:
-                continue  # the register double buffer is for the weight-streaming tiles
-            nw = 8 if bm * bn >= 128 * 128 else 4
-            for sk in (splits[:4] if M <= 256 else (1,)):
-                c = {"kind": "dot", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
-                     "num_warps": nw, "num_stages": st, "PREFETCH": pf}
-                if c not in out:
-                    out.append(c)
+    bms = [16] if M <= 16 else ([16, 32] if M <= 32 else ([16, 32, 64] if M <= 64 else [64, 128]))
+    for bm, bn, st, pf in itertools.product(bms, (64, 128) if quick else (32, 64, 128),
+                                            (3,) if quick else (2, 3, 4), (True, False)):
+        if bm == 128 and bn == 128:
+            st = 2  # 3 stages of 128 x 128 x 256 exceed the 227 KB of shared memory
+        if pf and bm > 32:
+            continue  # the register double buffer is for the weight-streaming tiles
+        nw = 8 if bm * bn >= 128 * 128 else 4
+        for sk in (splits if M < 8 else splits[:4] if M <= 256 else (1,)):
+            c = {"kind": "dot", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
+                 "num_warps": nw, "num_stages": st, "PREFETCH": pf}
+            if c not in out:
+                out.append(c)
     if smem_limit is not None:
         out = [c for c in out if smem_bytes(c, 1 if fp8 else 2) <= smem_limit]
     return out
@@ -222,21 +225,35 @@ def fastest(cands, check, time, what: str, warm=None) -> Optional[tuple[float, d
     return best
 
 
+def start_table(path: Path, gpu_name: str, num_sms: int, merge: bool) -> dict:
+    """The table a tuning run fills: empty, or with ``merge`` the entries of the table at ``path`` (tuned on
+    the same GPU; ``merged_into`` keeps that run's env)."""
+    table = {"gpu": gpu_name, "num_sms": num_sms, "env": env_info(), "int4_linear": {}, "int4_linear_fp8": {}}
+    if merge and path.exists():
+        old = json.loads(path.read_text())
+        if old.get("gpu") != gpu_name:
+            raise ValueError(f"{path} was tuned on {old.get('gpu')!r}, not on this {gpu_name!r}: not merging")
+        table.update({op: old.get(op, {}) for op in ("int4_linear", "int4_linear_fp8")})
+        table["merged_into"] = old.get("env")
+    return table
+
+
 def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, groups=(GROUP,), fp8: bool = True,
-         max_candidates: int = 60, quick: bool = False) -> dict:
+         max_candidates: Optional[int] = None, quick: bool = False, merge: bool = False) -> dict:
     """Time candidates per (N, K, group, M) and write the dispatcher table (returns it).
 
     Candidates over this GPU's shared memory (by ``ops.int4.smem_bytes``) are not tried; one that still
-    cannot launch, or gives wrong values, is skipped with one log line (``try_config``)."""
+    cannot launch, or gives wrong values, is skipped with one log line (``try_config``). ``merge``: start
+    from the table already at ``out_path`` (same GPU) and replace only the (shape, M) entries tuned here,
+    e.g. a run over ``ms=(1, 2, 4, 8)``; the table's ``env`` then names this run."""
     from fastdecode.ops.int4 import clear_config_cache, config_path, smem_limit, table_key
 
     shapes = dict(SHAPES) if shapes is None else shapes
     ms = tuple(ms or (QUICK_TUNE_MS if quick else TUNE_MS))
     name = torch.cuda.get_device_name()
-    table = {"gpu": name, "num_sms": torch.cuda.get_device_properties(0).multi_processor_count,
-             "env": env_info(), "int4_linear": {}, "int4_linear_fp8": {}}
-    limit = smem_limit(torch.device("cuda"))
     path = Path(out_path) if out_path else config_path(name)
+    table = start_table(path, name, torch.cuda.get_device_properties(0).multi_processor_count, merge)
+    limit = smem_limit(torch.device("cuda"))
     path.parent.mkdir(parents=True, exist_ok=True)
     for (sname, (N, K)), g in itertools.product(shapes.items(), groups):
         ops = _Operands(N, K, g, max(ms))
@@ -246,7 +263,11 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
             entries = table[op].setdefault(table_key(N, K, g), {})
             impl = "triton_fp8" if is_fp8 else "triton"
             for M in ms:
-                cands = candidates(M, N, K, is_fp8, quick, smem_limit=limit)[:max_candidates]
+                cands = candidates(M, N, K, is_fp8, quick, smem_limit=limit)
+                if max_candidates is not None and len(cands) > max_candidates:
+                    log.warning(f"fastdecode tune int4: {op} {sname} M={M}: timing the first {max_candidates} "
+                                f"of {len(cands)} candidates")
+                    cands = cands[:max_candidates]
                 best = fastest(cands, lambda cfg: _ok(ops, M, impl, cfg, is_fp8),
                                lambda cfg: _time(ops.calls(M, impl, cfg), M).median_us, f"{op} {sname} g{g} M={M}",
                                warm=lambda cfg: ops.warm(M, cfg, is_fp8))
@@ -327,10 +348,27 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-if __name__ == "__main__":  # python -m fastdecode.bench.int4 [out.json] [--quick] [--tune]
-    import sys
+def main(argv=None) -> int:
+    """``python -m fastdecode.bench.int4 bench [--out F] [--quick]`` or ``... tune --out F [--ms 1,2,4,8]
+    [--merge] [--quick] [--no-fp8]`` (``benchmarks/gpu.py``'s int4 suites)."""
+    import argparse
 
-    args = sys.argv[1:]
-    if "--tune" in args:
-        tune()
-    run(next((a for a in args if a.endswith(".json")), "benchmarks/results/int4_linear.json"), quick="--quick" in args)
+    p = argparse.ArgumentParser(prog="python -m fastdecode.bench.int4", description=main.__doc__)
+    p.add_argument("what", choices=["bench", "tune"])
+    p.add_argument("--out", default=None, help="bench: rows (default benchmarks/results/int4_linear.json); "
+                                               "tune: the table (default the package's)")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--ms", default=None, help="tune: comma-separated token counts (default all)")
+    p.add_argument("--merge", action="store_true", help="tune: replace only the entries tuned, keep the rest")
+    p.add_argument("--no-fp8", action="store_true", help="tune: skip the W4A8 section")
+    a = p.parse_args(argv)
+    if a.what == "tune":
+        ms = tuple(int(m) for m in a.ms.split(",")) if a.ms else None
+        tune(a.out, ms=ms, quick=a.quick, merge=a.merge, fp8=not a.no_fp8)
+    else:
+        run(a.out or "benchmarks/results/int4_linear.json", quick=a.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
