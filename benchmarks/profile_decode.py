@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     a = p.parse_args()
 
-    from fastdecode.engine.bench_decode import _Runner
+    from fastdecode.bench.decode import DecodeRunner
     from fastdecode.engine.kv_cache import KVCache
     from fastdecode.engine.loader import random_model
     from fastdecode.models.config import ModelConfig
@@ -40,7 +40,7 @@ def main() -> None:
 
         quantize_model(model, a.quant)
     cache = KVCache(model.config, a.batch, 256, dtype=torch.bfloat16, device=dev)
-    runner = _Runner(a.impl, model, cache, a.batch)
+    runner = DecodeRunner(a.impl, model, cache, a.batch)
     tok = torch.zeros(a.batch, dtype=torch.long, device=dev)
     pos = torch.full((a.batch,), 64, dtype=torch.long, device=dev)
     for _ in range(5):

@@ -25,7 +25,7 @@ import time
 import torch
 
 from fastdecode.bench.harness import make_row, time_cuda, write_rows
-from fastdecode.bench.linear import SHAPES, _check, _compile_job, _Operands
+from fastdecode.bench.gemm import SHAPES, _check, _compile_job, _Operands
 
 
 def fma_candidates(M: int, N: int, K: int, num_sms: int) -> list[dict]:
@@ -39,7 +39,7 @@ def fma_candidates(M: int, N: int, K: int, num_sms: int) -> list[dict]:
         tiles = -(-N // bn) * -(-M // bm)
         splits = sorted({max(1, min(kb, -(-per * num_sms // tiles))) for per in (2, 4, 8, 16)})
         for s in splits:
-            s = -(-kb // -(-kb // s))  # no empty split (kernels.linear.split_k_blocks)
+            s = -(-kb // -(-kb // s))  # no empty split (kernels.gemm.split_k_blocks)
             out.append({"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s,
                         "num_warps": warps, "num_stages": 1})
     uniq = []
@@ -67,7 +67,7 @@ def dot_candidates(M: int, N: int, K: int, num_sms: int) -> list[dict]:
 
 
 def precompile(jobs: dict, workers: int) -> None:
-    """The tuner's own parallel compile (``bench.linear._compile_job``: the same row-wise scale modes)."""
+    """The tuner's own parallel compile (``bench.gemm._compile_job``: the same row-wise scale modes)."""
     items = list(jobs.values())
     chunks = [("fp8", items[i:i + 6]) for i in range(0, len(items), 6)]
     t0 = time.time()
@@ -83,7 +83,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--top", type=int, default=3, help="best configs per shape re-timed with EVICT / PREFETCH")
     a = p.parse_args()
-    from fastdecode.kernels.linear import split_k_blocks
+    from fastdecode.kernels.gemm import split_k_blocks
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = {n: SHAPES[n] for n in a.shapes.split(",")}

@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from fastdecode.engine import bench_decode, cli
+from fastdecode import cli
+from fastdecode.bench import decode, decode_results
 
 RUN = ["bench", "decode", "--preset", "tiny", "--output-len", "3", "--iters", "1", "--warmup", "0",
        "--dtype", "float32", "--device", "cpu"]
@@ -27,20 +28,20 @@ def test_cpu_run_without_out_writes_no_file(tmp_path, monkeypatch, capsys):
 
 def test_default_out_is_the_results_file_on_cuda_only(monkeypatch):
     ns = lambda **k: argparse.Namespace(**{"out": None, "device": None, **k})  # noqa: E731
-    assert bench_decode.results_path(ns(device="cpu")) is None
-    assert bench_decode.results_path(ns(device="cuda:0")) == bench_decode.DEFAULT_OUT
-    assert bench_decode.results_path(ns(device="cpu", out="r.json")) == "r.json"
-    assert bench_decode.results_path(ns(device="cuda", out="")) is None  # '' writes nothing
+    assert decode_results.results_path(ns(device="cpu")) is None
+    assert decode_results.results_path(ns(device="cuda:0")) == decode_results.DEFAULT_OUT
+    assert decode_results.results_path(ns(device="cpu", out="r.json")) == "r.json"
+    assert decode_results.results_path(ns(device="cuda", out="")) is None  # '' writes nothing
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert bench_decode.results_path(ns()) == bench_decode.DEFAULT_OUT
+    assert decode_results.results_path(ns()) == decode_results.DEFAULT_OUT
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench_decode.results_path(ns()) is None
+    assert decode_results.results_path(ns()) is None
 
 
 def test_failed_and_skipped_rows_are_printed_not_written(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     # the peer fails to build: its row carries an error; torch-graph is skipped on a CPU
-    monkeypatch.setattr(bench_decode, "_try_build_peer", lambda *a, **k: (None, "RuntimeError: no peer today"))
+    monkeypatch.setattr(decode, "_try_build_peer", lambda *a, **k: (None, "RuntimeError: no peer today"))
     out = tmp_path / "r.json"
     committed = {"op": "decode", "impl": "fastdecode-graph", "median_us": 4000.0, "tokens_per_s": 250.0,
                  "gpu": "NVIDIA H200", "shape": {"model": "llama-3.1-8b", "batch": 1}}

@@ -284,7 +284,7 @@ def test_build_peer_rejects_bad_arguments():
 
 
 def _bench_rows(tmp_path, *extra):
-    from fastdecode.engine.cli import main
+    from fastdecode.cli import main
 
     out = str(tmp_path / "d.json")
     assert main(["bench", "decode", "--preset", "tiny", "--impl", "peer-eager", "torch-eager", "peer-compile",
@@ -331,7 +331,7 @@ def test_bench_decode_quantised_peer_rows_cpu(tmp_path, quant):
 
 
 def test_speedup_vs_peer_on_fastdecode_rows():
-    from fastdecode.engine.bench_decode import add_speedup_vs_peer
+    from fastdecode.bench.decode_results import add_speedup_vs_peer
 
     rows = [{"impl": "torch-compile", "tokens_per_s": 150.0}, {"impl": "peer-compile", "tokens_per_s": 200.0},
             {"impl": "fastdecode-graph-cublas", "tokens_per_s": 250.0},

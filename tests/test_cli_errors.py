@@ -1,6 +1,7 @@
 """Mistakes and interruptions end in one ``error: ...`` line (exit 2), never a traceback (issue 14): bad --device,
 --backend, config.json, prompt bytes and sampling flags; GPU-only benchmarks on the CPU; ``| head``; Ctrl-C;
---tp failures; a KV cache larger than the model's context or the memory available."""
+--tp failures; a KV cache larger than the model's context or the memory available (generate, bench decode,
+eval-accuracy)."""
 
 import json
 import math
@@ -11,8 +12,7 @@ import sys
 import pytest
 import torch
 
-from fastdecode import cli as top_cli
-from fastdecode.engine import cli
+from fastdecode import cli
 from engine_helpers import save_tiny_smollm2_vocab
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
@@ -144,7 +144,7 @@ def test_bad_flags_refused_by_argparse(flag, value, no_load, capsys):
                                   ["bench", "norm"], ["bench", "allreduce"]])
 def test_gpu_commands_on_cpu(argv, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert top_cli.main(argv) == 2
+    assert cli.main(argv) == 2
     _one_error(capsys.readouterr().err, f"`fastdecode {argv[0]} {argv[1]}", "needs ")
 
 
@@ -246,6 +246,46 @@ def test_kv_cache_larger_than_memory_is_refused_before_allocating(tiny, monkeypa
     # 2 layers x 2 x 2 KV heads x 16 x 256 positions x batch 1 x 4 bytes (float32)
     _one_error(capsys.readouterr().err, "KV cache needs 0.1 MiB (131,072 bytes)", "only 0.1 MiB (100,000 bytes)",
                "--max-seq-len")
+
+
+def _no_kv_alloc(monkeypatch, available: int = 100_000) -> None:
+    """Report ``available`` bytes free on every device, and fail the test if a KV cache gets allocated."""
+    from fastdecode.engine import kv_cache
+
+    def no_alloc(*a, **k):
+        raise AssertionError("the KV cache was allocated")
+
+    monkeypatch.setattr(kv_cache, "available_memory", lambda device: available)
+    monkeypatch.setattr(kv_cache, "KVCache", no_alloc)  # what bench decode and eval-accuracy allocate through
+
+
+def test_bench_decode_kv_cache_larger_than_memory_is_refused_before_allocating(monkeypatch, capsys):
+    from fastdecode.bench import decode
+
+    def no_peer(*a, **k):
+        raise AssertionError("the peer (and its KV cache) was built")
+
+    _no_kv_alloc(monkeypatch)
+    monkeypatch.setattr(decode, "_try_build_peer", no_peer)
+    assert cli.main(["bench", "decode", "--preset", "tiny", "--batch", "2", "--input-len", "1", "--output-len", "127",
+                     "--impl", "torch-eager", "peer-eager", "--dtype", "float32", "--device", "cpu", "--out", ""]) == 2
+    # 2 layers x 2 x 2 KV heads x 16 x 128 positions x batch 2 x 4 bytes (float32)
+    _one_error(capsys.readouterr().err, "KV cache needs 0.1 MiB (131,072 bytes)", "x 128 positions x batch 2 x",
+               "only 0.1 MiB (100,000 bytes)", "lower --batch, --input-len or --output-len")
+
+
+def test_eval_accuracy_kv_cache_larger_than_memory_is_refused_before_allocating(tiny, monkeypatch, capsys):
+    from fastdecode.engine import loader
+
+    loads, orig = [], loader.load
+    monkeypatch.setattr(loader, "load", lambda *a, **k: (loads.append(k.get("quant")), orig(*a, **k))[1])
+    _no_kv_alloc(monkeypatch)
+    assert cli.main(["eval-accuracy", "--model", tiny, "--device", "cpu", "--dtype", "float32", "--window", "256",
+                     "--quant", "fp8", "int4"]) == 2
+    # one window: 2 layers x 2 x 2 KV heads x 16 x 256 positions x batch 1 x 4 bytes (float32)
+    _one_error(capsys.readouterr().err, "KV cache needs 0.1 MiB (131,072 bytes)", "x 256 positions x batch 1 x",
+               "only 0.1 MiB (100,000 bytes)", "lower --window")
+    assert loads == [None]  # refused after the reference loaded, before the quantised copies
 
 
 def test_kv_cache_bytes_match_the_allocation():

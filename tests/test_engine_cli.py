@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fastdecode.engine import cli
+from fastdecode import cli
 from engine_helpers import smollm2_path
 
 
@@ -33,7 +33,7 @@ def test_info_json(capsys):
     assert d["torch"] == torch.__version__
     assert d["backend"].startswith(("torch on", "triton on"))
     if not torch.cuda.is_available():  # the engine's CPU path: the torch reference of every op
-        assert d["engine_backends"] == cli.engine_backends(None, False)
+        assert d["engine_backends"] == cli.info.engine_backends(None, False)
 
 
 def test_bench_decode_tiny_cpu(tmp_path, capsys):
@@ -77,7 +77,7 @@ def test_every_graph_row_of_the_decode_bench_replays_a_graph(impl):
     graph row must refuse to run rather than silently time eager code."""
     import torch
 
-    from fastdecode.engine.bench_decode import _Runner
+    from fastdecode.bench.decode import DecodeRunner
     from fastdecode.engine.kv_cache import KVCache
     from fastdecode.engine.loader import random_model
     from fastdecode.models.config import ModelConfig
@@ -86,7 +86,7 @@ def test_every_graph_row_of_the_decode_bench_replays_a_graph(impl):
     model = random_model(cfg, device=torch.device("cpu"), dtype=torch.float32, max_seq_len=16)
     cache = KVCache(model.config, 1, 16, dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        _Runner(impl, model, cache, 1)
+        DecodeRunner(impl, model, cache, 1)
 
 
 @pytest.mark.parametrize("argv", [["generate", "hi", "--model", "/nonexistent/m.gguf"],
@@ -102,7 +102,7 @@ def test_load_errors_print_error_and_exit_2(argv, capsys):
 
 def test_info_lists_the_backends_each_op_runs_on():
     """Regression: info said "GEMMs: F.linear" also on CUDA, where Linear goes through the GEMM dispatcher."""
-    from fastdecode.engine.cli import engine_backends
+    from fastdecode.cli.info import engine_backends
 
     cpu = engine_backends(None, False)
     assert "GEMM bf16/fp16: F.linear (torch reference)" in cpu
@@ -119,7 +119,7 @@ def test_info_lists_the_backends_each_op_runs_on():
 
 def test_bench_decode_out_merges_rows_instead_of_clobbering(tmp_path, capsys):
     """Regression: bench decode replaced the committed benchmarks/results/decode.json with the rows of one run."""
-    from fastdecode.engine.bench_decode import merge_rows
+    from fastdecode.bench.decode_results import merge_rows
 
     out = tmp_path / "decode.json"
     committed = {"op": "decode", "impl": "fastdecode-graph", "median_us": 4000.0, "gpu": "NVIDIA H200",

@@ -357,7 +357,7 @@ def test_compressed_tensors_int4_checkpoint_is_refused_by_name(tmp_path, with_co
 
 
 def test_quantize_command_round_trip_and_refusals(tmp_path):
-    from fastdecode.engine.cli import main
+    from fastdecode.cli import main
 
     src = _hf_dir(tmp_path)
     dst = str(tmp_path / "q")
@@ -425,7 +425,7 @@ def test_smollm2_fp8_top1_agreement_and_quantize_round_trip(smollm2_text_ids, tm
 def test_eval_accuracy_command_on_tiny_model(tmp_path):
     """Rows per format; the reference perplexity recomputed by hand from the model's own logits."""
     from fastdecode.engine.accuracy import accuracy_text
-    from fastdecode.engine.cli import main
+    from fastdecode.cli import main
 
     d, tok = save_tiny_smollm2_vocab(tmp_path / "m")
     out = str(tmp_path / "acc.json")
@@ -468,7 +468,7 @@ def test_eval_accuracy_reference_is_not_loaded_as_native_int4(monkeypatch):
 
 
 def test_bench_decode_quant_fp8_ablation_rows_cpu(tmp_path, capsys):
-    from fastdecode.engine.cli import main
+    from fastdecode.cli import main
 
     out = str(tmp_path / "d.json")
     assert main(["bench", "decode", "--preset", "tiny", "--quant", "fp8", "--output-len", "3", "--iters", "2",

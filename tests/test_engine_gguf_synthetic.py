@@ -203,7 +203,7 @@ def test_gguf_without_vocabulary_loads_and_generate_takes_tokenizer(tmp_path, ca
     """A GGUF without tokenizer metadata still loads (bench decode needs no tokenizer); generate refuses it
     with a message naming --tokenizer, and with --tokenizer (here another GGUF's vocabulary) generates the
     same text as the file that carries the vocabulary."""
-    from fastdecode.engine.cli import main
+    from fastdecode.cli import main
 
     hf = _llama()
     full, bare = str(tmp_path / "m.gguf"), str(tmp_path / "bare.gguf")

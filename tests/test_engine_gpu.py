@@ -142,7 +142,7 @@ def test_seeded_sampling_on_gpu_is_reproducible():
 
 
 def test_bench_decode_ablation_rows():
-    from fastdecode.engine.bench_decode import IMPLS, bench_decode
+    from fastdecode.bench.decode import IMPLS, bench_decode
 
     rows = bench_decode("llama-3.1-8b", batch=1, input_len=1, output_len=8, iters=3, warmup=1, layers=2,
                         log=lambda m: None)

@@ -124,7 +124,7 @@ def _hf_dir(tmp_path, name="src", **config):
 
 
 def test_load_quant_int4_equals_quantize_model_and_export_round_trip(tmp_path):
-    from fastdecode.engine.cli import main
+    from fastdecode.cli import main
 
     src = _hf_dir(tmp_path)
     a = load(src, dtype=torch.float32, progress=False, max_seq_len=64, quant="int4").model
@@ -332,7 +332,7 @@ def test_gguf_q4_native_equals_dequantised(tmp_path):
 
 
 def test_bench_decode_quant_int4_rows_cpu(tmp_path, capsys):
-    from fastdecode.engine.cli import main
+    from fastdecode.cli import main
 
     out = str(tmp_path / "d.json")
     assert main(["bench", "decode", "--preset", "tiny", "--quant", "int4", "--output-len", "3", "--iters", "2",

@@ -172,7 +172,7 @@ def test_cli_tp2_relaunch_under_torchrun_matches_tp1(tmp_path, capsys):
     import subprocess
     import sys
 
-    from fastdecode.engine.cli import main
+    from fastdecode.cli import main
 
     d, _ = save_tiny_smollm2_vocab(tmp_path / "tiny", name="tiny-smol-vocab")
     args = ["generate", "Once upon a time", "--model", d, "--raw", "--max-new-tokens", "10", "--device", "cpu",

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from fastdecode.engine import cli, export
+from fastdecode import cli
+from fastdecode.engine import export
 from fastdecode.engine.loader import load, random_model
 from fastdecode.models.config import ModelConfig
 
@@ -198,7 +199,7 @@ def killed(*a, **k):  # the process dies in the middle of writing (config.json a
     os.kill(os.getpid(), signal.SIGKILL)
 
 safetensors.torch.save_file = killed
-from fastdecode.engine.cli import main
+from fastdecode.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

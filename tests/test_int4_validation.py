@@ -110,7 +110,7 @@ def test_shape_errors_still_come_first():
 
 
 def _fastdecode_checkpoint(tmp_path):
-    from fastdecode.engine.cli import main
+    from fastdecode.cli import main
     from engine_helpers import save_hf_llama
 
     src = save_hf_llama(tmp_path / "src")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from fastdecode.engine import cli
+from fastdecode import cli
 from fastdecode.engine.loader import load, random_model
 from fastdecode.models.config import ModelConfig
 from fastdecode.models.llama import Fp8Linear, Int4Linear, Linear
@@ -182,7 +182,7 @@ def test_load_quant_head_and_bad_values(capsys):
     with pytest.raises(ValueError, match="already quantised"):
         quantize_head(m, "int4")
     from fastdecode.engine.accuracy import eval_accuracy
-    from fastdecode.engine.bench_decode import bench_decode
+    from fastdecode.bench.decode import bench_decode
     from fastdecode.engine.export import save_checkpoint
 
     with pytest.raises(ValueError, match="quant_head must be one of .* got 'int3'"):

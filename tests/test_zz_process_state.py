@@ -1,6 +1,6 @@
 """Guards against test modules that change process-wide state (the GPU-suite regression).
 
-``tests/test_int4.py`` and ``tests/test_linear.py`` once set ``TRITON_INTERPRET=1`` at import when
+``tests/test_int4.py`` and ``tests/test_gemm.py`` once set ``TRITON_INTERPRET=1`` at import when
 conftest had not, which is on every GPU machine: every test collected after them then ran its Triton
 kernels in the interpreter, on CUDA tensors, and nearly the whole GPU suite failed, slowly. Each file
 passed when run alone. conftest.py alone decides the interpreter, once, before anything imports triton.

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from fastdecode.bench.harness import env_info, geomean, make_row, print_table, rotation_count, time_cuda, write_rows
-from fastdecode.bench.linear import SHAPES  # the eight Llama projections (N x K), as the GEMM benchmark's
+from fastdecode.bench.gemm import SHAPES  # the eight Llama projections (N x K), as the GEMM benchmark's
 from fastdecode.kernels.compile import precompile
 
 MS = (1, 16, 64, 256, 1024, 4096)

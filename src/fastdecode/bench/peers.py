@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
-from fastdecode.models.llama import (Fp8Linear, Int4Linear, Linear, Transformer, step_read_bytes,
-                                     unique_param_bytes)
+from fastdecode.models.int4 import Int4Linear
+from fastdecode.models.llama import Fp8Linear, Linear, Transformer, step_read_bytes, unique_param_bytes
 from fastdecode.quant.fp8 import FP8_DTYPE, dequantize_fp8, quantize_weight_fp8
 from fastdecode.quant.int4 import dequantize_int4
 

@@ -1,4 +1,4 @@
-"""Decode engine: loading, tokenizer, KV cache, generate loop, sampler, CUDA-graph runner, benchmark.
+"""Decode engine: loading, tokenizer, KV cache, generate loop, sampler, CUDA-graph runner, TP, export, accuracy.
 
     from fastdecode.engine import Engine, load
     m = load()                                   # the embedded SmolLM2-135M-Instruct (GGUF)

@@ -14,6 +14,9 @@ measures the RTN method (``int4-w4a16-g128-zero``) on the reference's weights, s
 tensors loaded natively as int4 weights are reported as one more row (``int4-w4a16-gguf``), which should
 match the reference up to summation order: the same weights, through the int4 path.
 
+The KV cache of one window is checked against the device's available memory before anything is
+evaluated (``engine.kv_cache.check_kv_memory``): too large a ``window`` raises ``KVCacheMemoryError``.
+
 ``head="fp8" | "int4"`` (``--quant-head``) adds, for each format, a row with the lm head quantised as well
 (``models.quantize.quantize_head``; labelled ``<format>+head-<head>``), and with no block format a row with
 the head alone (``head-<head>``): the difference between the two rows is the head's accuracy cost.
@@ -48,6 +51,15 @@ def _window_logits(model, ids: list[int], device) -> torch.Tensor:
     cache = KVCache(model.config, 1, len(ids), dtype=model.tok_embeddings.weight.dtype, device=device)
     logits = model.prefill(torch.tensor([ids], device=device), cache)[0]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _check_kv_memory(model, window: int, device) -> None:
+    """``KVCacheMemoryError`` (a ValueError: one ``error:`` line from the CLI) when one window's KV cache, which
+    ``_window_logits`` allocates, would not fit in the device's available memory."""
+    from fastdecode.engine.kv_cache import check_kv_memory
+
+    check_kv_memory(model.config, 1, window, model.tok_embeddings.weight.dtype, device,
+                    fix="lower --window (window)")
 
 
 def compare(ref_model, models: dict, ids: list[int], *, window: int = 512, device="cpu") -> list[dict]:
@@ -93,6 +105,8 @@ def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), 
     ids = ref.tokenizer.encode(text if text is not None else accuracy_text())
     if max_tokens:
         ids = ids[:max_tokens]
+    longest = max((len(w) for w in _windows(ids, window)), default=1)
+    _check_kv_memory(ref.model, longest, device)  # early: before the quantised copies are loaded
     models = {}
     for q in quants:
         if q not in FORMATS:
@@ -113,6 +127,7 @@ def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), 
     if head is not None and not quants:
         mh = quantize_head(copy.deepcopy(ref.model), head)
         models[mh.format_label] = mh
+    _check_kv_memory(ref.model, longest, device)  # again with every model loaded, before compare allocates
     rows = compare(ref.model, models, ids, window=window, device=device)
     dt = str(next(ref.model.parameters()).dtype).replace("torch.", "")
     for r in rows:

@@ -33,7 +33,8 @@ import torch
 
 import fastdecode
 from fastdecode.models.config import ModelConfig
-from fastdecode.models.llama import Fp8Linear, Int4Linear, Transformer
+from fastdecode.models.int4 import Int4Linear
+from fastdecode.models.llama import Fp8Linear, Transformer
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

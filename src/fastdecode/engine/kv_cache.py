@@ -78,14 +78,15 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB ({n:,} bytes)" if n >= 2**30 else f"{n / 2**20:.1f} MiB ({n:,} bytes)"
 
 
-def check_kv_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, dtype, device) -> int:
-    """The KV cache's bytes; raises ``KVCacheMemoryError`` (naming the bytes needed and available) before
-    anything is allocated when they exceed ``available_memory(device)``."""
+def check_kv_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, dtype, device, *,
+                    fix: str = "lower --max-seq-len (max_seq_len)") -> int:
+    """The KV cache's bytes; raises ``KVCacheMemoryError`` (naming the bytes needed and available, and ``fix``:
+    what the caller's user can lower) before anything is allocated when they exceed ``available_memory(device)``."""
     need = kv_cache_bytes(cfg, max_batch, max_seq_len, dtype)
     have = available_memory(device)
     if have is not None and need > have:
         raise KVCacheMemoryError(
             f"the KV cache needs {_size(need)}: {cfg.n_layers} layers x 2 (K, V) x {cfg.n_kv_heads} KV heads x "
             f"{cfg.head_dim} head dim x {max_seq_len} positions x batch {max_batch} x {dtype.itemsize} bytes, but only "
-            f"{_size(have)} is available on {torch.device(device)}; lower --max-seq-len (max_seq_len)")
+            f"{_size(have)} is available on {torch.device(device)}; {fix}")
     return need

@@ -157,7 +157,8 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, rank: int, world:
 def apply_tp_structure(model, rank: int, world: int) -> None:
     """Shard every parameter of ``model`` (real or ``meta``) in place and fix the per-rank shapes;
     no communication (``engine.tp.attach_comm`` adds the workspace)."""
-    from fastdecode.models.llama import Fp8Linear, Int4Linear, Linear
+    from fastdecode.models.int4 import Int4Linear
+    from fastdecode.models.llama import Fp8Linear, Linear
     from fastdecode.quant.int4 import concat_n, split_n
 
     if model.tp is not None:

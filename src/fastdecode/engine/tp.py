@@ -3,7 +3,8 @@
 The sharding rules themselves (which dimension each weight is split on, shard slicing, ``apply_tp_structure``)
 are ``fastdecode.engine.sharding``, with no communication; this module adds the process group and the
 ``CommWorkspace``: ``init_distributed``, ``apply_tp`` (shard a whole model, attach a workspace), ``attach_comm``,
-``load_tp``, ``agree`` and the ``torchrun`` helpers.
+``load_tp``, ``agree`` and the ``torchrun`` helpers: ``under_torchrun``, ``maybe_relaunch`` / ``relaunch_tp`` (what
+the CLI's ``--tp N`` does: the same command line again under torchrun) and ``torchrun_main``.
 
 Every rank sees the same logits (identical bits), so greedy and seeded sampling agree across ranks.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -116,13 +118,51 @@ def init_distributed(device=None) -> tuple[int, int, torch.device]:
 USER_ERROR_EXIT = 2
 
 
+def under_torchrun() -> bool:
+    """This process is one rank of several (torchrun's ``WORLD_SIZE`` > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def relaunch_tp(n: int, argv: Optional[list] = None) -> int:
+    """Run ``python -m fastdecode <argv without --tp>`` under torchrun with ``n`` processes; its exit code."""
+    import subprocess
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--tp":
+            skip = True
+        elif not a.startswith("--tp="):
+            out.append(a)
+    # torchrun without its failure report: the ranks print one ``error:`` line (rank 0) and exit 2 (torchrun_main)
+    cmd = [sys.executable, "-c", "import sys; from fastdecode.engine.tp import torchrun_main; "
+           "sys.exit(torchrun_main(sys.argv[1:]))", "--standalone", f"--nproc-per-node={n}",
+           "-m", "fastdecode", *out]
+    return subprocess.call(cmd)
+
+
+def maybe_relaunch(tp: Optional[int], argv: Optional[list] = None) -> Optional[int]:
+    """``--tp N`` (``tp``) outside torchrun: relaunch ``argv`` (default ``sys.argv[1:]``) under torchrun and return
+    its exit code; inside torchrun, or without ``--tp``: None (carry on). ValueError for a ``tp`` that disagrees
+    with the torchrun world, or is < 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp is not None and world > 1 and tp != world:
+        raise ValueError(f"--tp {tp} under torchrun with {world} processes; drop --tp or make them equal")
+    if tp is None or tp == 1 or world > 1:
+        return None
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    return relaunch_tp(tp, argv)
+
+
 def torchrun_main(argv: list) -> int:
     """``torchrun`` (``torch.distributed.run``) on ``argv``, without its own failure report: ranks that end on a
     user error exit with ``USER_ERROR_EXIT`` after rank 0 printed one ``error: ...`` line, and then this returns
     that code and prints nothing more (torchrun would add its logs and a ChildFailedError traceback). Any
     other failure (a crash, a signal) ends in one line naming the first rank that failed and its exit code."""
     import signal
-    import sys
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

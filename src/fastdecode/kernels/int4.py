@@ -23,7 +23,7 @@ so its x operand is a plain 2-D load. Two inner products (constexpr ``USE_DOT``)
 * DOT (larger M): ``acc += tl.dot(x[BLOCK_M, BLOCK_K // 8], slice^T)`` per shift (tensor cores on
   the GPU; 8 MMAs of K = BLOCK_K // 8 per step).
 
-Split-K: as ``kernels/linear.py`` (fp32 partials, a per-tile arrival counter, the last program sums
+Split-K: as ``kernels/gemm.py`` (fp32 partials, a per-tile arrival counter, the last program sums
 the partials in split order: deterministic; one launch, counters reset by the kernel).
 """
 
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdecode.kernels.linear import _epilogue, _fma_rows, _split_k_partial
+from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
 
 ZERO_SYM, ZERO_INT, ZERO_MIN = 0, 1, 2  # constexpr ZERO_MODE: "sym", "zero", "min"
 _ZERO_MODES = {"sym": ZERO_SYM, "zero": ZERO_INT, "min": ZERO_MIN}

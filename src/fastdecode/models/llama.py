@@ -29,9 +29,10 @@ becomes an ``Fp8Linear`` (the final norm then emits FP8 + per-token scales) or a
 dtype (the head gets a quantised copy).
 
 Int4 W4A16 (``fastdecode.models.quantize.quantize_model_int4``, or int4 checkpoints: GPTQ, AWQ, GGUF Q4_0 /
-Q4_1, ``fastdecode quantize``): a block projection becomes ``Int4Linear`` (a prepacked ``Int4Weight``, group-wise
-scales); activations stay in the model dtype, so no norm emits FP8 before it. Projections of one model may
-differ in format (group size, zero mode) or stay dense; each module dispatches its own kernel.
+Q4_1, ``fastdecode quantize``): a block projection becomes ``Int4Linear`` (``fastdecode.models.int4``: a
+prepacked ``Int4Weight``, group-wise scales); activations stay in the model dtype, so no norm emits FP8
+before it. Projections of one model may differ in format (group size, zero mode) or stay dense; each module
+dispatches its own kernel.
 
 Tensor parallelism (``fastdecode.engine.tp.apply_tp``): the norm after each row-parallel layer owns the
 all-reduce (``RMSNorm.comm``), fused with the residual add and the norm; ``model.tp`` makes the embedding
@@ -44,6 +45,10 @@ as dequantise + cuBLAS).
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
 ``torch.compile`` sees (and fuses) ordinary PyTorch code: the gpt-fast-style baseline.
+
+Beside this module: ``fastdecode.models.int4`` (``Int4Linear``) and ``fastdecode.models.rope`` (the RoPE
+tables), both importable from here too. ``Linear``, ``Fp8Linear``, ``RMSNorm`` and the layers stay here: they
+call the ops by their names in this module (tests/test_engine_fp8.py shadows those names with reference checks).
 """
 
 from __future__ import annotations
@@ -56,11 +61,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdecode.models.config import ModelConfig
+from fastdecode.models.int4 import Int4Linear
+from fastdecode.models.rope import apply_rope, rope_cache, rope_inv_freq  # noqa: F401  (rope_inv_freq: re-exported)
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
 from fastdecode.ops.allreduce import all_reduce, all_reduce_add_rms_norm
 from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref
-from fastdecode.ops.int4 import int4_linear, int4_linear_ref
-from fastdecode.ops.int4_format import LAYOUT, Int4Weight, packed_cols
 from fastdecode.ops.attention import decode_attention, decode_attention_ref, rope_kv_write, rope_kv_write_ref
 from fastdecode.ops.norm import (
     fused_add_rms_norm, fused_add_rms_norm_fp8, fused_add_rms_norm_fp8_ref, fused_add_rms_norm_ref, rms_norm,
@@ -71,7 +76,6 @@ from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
 KERNELS = ("fused_norm", "fused_act", "skinny_gemm", "fused_allreduce", "int4_gemm")
-INT4_ACT_DTYPES = (torch.bfloat16, torch.float16)  # what the int4 kernels take; fp32 runs the reference
 
 
 def unique_param_bytes(params, seen: Optional[set] = None) -> int:
@@ -169,87 +173,6 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, fp8 w8a8"
 
 
-class Int4Linear(nn.Module):
-    """W4A16: ``y = x @ dequantize_int4(W, x.dtype).T (+ b)`` on a prepacked int4 weight, fp32 accumulation.
-
-    Holds the tensors of a ``fastdecode.quant.int4.Int4Weight`` as parameters, so that ``.to(device)``,
-    ``state_dict`` and sharding see them: ``qweight`` int32 (N, Kp // 8) in the kernel layout, ``scales``
-    (N, K // group_size) bf16/fp16, ``zeros`` uint8 (zero mode "zero") or ``mins`` (zero mode "min") of the
-    same shape, ``perm`` int64 (K,) for GPTQ act-order; ``bias`` in the model dtype. The activation stays
-    bf16/fp16 (never an FP8 pair: the norms before an int4 projection keep their float output); fp32
-    activations (the CPU engine) run ``int4_linear_ref``. ``impl``: None (the int4 dispatcher: our kernels,
-    or dequantise + cuBLAS at large M) or "dequant" (ablation ``int4_gemm`` off: dequantise + cuBLAS always).
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int,
-                 zero_mode: str = "sym", act_order: bool = False, device=None, dtype=torch.bfloat16,
-                 scale_dtype=torch.bfloat16, layout: str = LAYOUT):
-        super().__init__()
-        if zero_mode not in ("sym", "zero", "min"):
-            raise ValueError(f"zero_mode must be 'sym', 'zero' or 'min', got {zero_mode!r}")
-        if in_features % group_size:
-            raise ValueError(f"group_size {group_size} does not divide in_features {in_features}")
-        self.in_features, self.out_features = in_features, out_features
-        self.group_size, self.zero_mode, self.layout = group_size, zero_mode, layout
-        G, kw = in_features // group_size, packed_cols(in_features)
-
-        def param(shape, dt):
-            return nn.Parameter(torch.empty(shape, device=device, dtype=dt), requires_grad=False)
-
-        self.qweight = param((out_features, kw), torch.int32)
-        self.scales = param((out_features, G), scale_dtype)
-        self.zeros = param((out_features, G), torch.uint8) if zero_mode == "zero" else None
-        self.mins = param((out_features, G), scale_dtype) if zero_mode == "min" else None
-        self.perm = param((in_features,), torch.int64) if act_order else None
-        self.bias = param((out_features,), dtype) if bias else None
-        self.impl: Optional[str] = None
-
-    @classmethod
-    def from_weight(cls, w: Int4Weight, bias: Optional[torch.Tensor] = None, *, device=None,
-                    dtype=torch.bfloat16) -> "Int4Linear":
-        """A module holding ``w`` (tensors shared, not copied); ``device="meta"``: the structure only."""
-        meta = device is not None and torch.device(device).type == "meta"
-        m = cls(w.K, w.N, bias=bias is not None, group_size=w.group_size, zero_mode=w.zero_mode,
-                act_order=w.perm is not None, device="meta", dtype=dtype if bias is None else bias.dtype,
-                scale_dtype=w.scales.dtype, layout=w.layout)
-        if not meta:
-            for name in ("qweight", "scales", "zeros", "mins", "perm"):
-                t = getattr(w, name)
-                if t is not None:
-                    setattr(m, name, nn.Parameter(t, requires_grad=False))
-            if bias is not None:
-                m.bias = nn.Parameter(bias, requires_grad=False)
-        return m
-
-    @property
-    def packed(self) -> Int4Weight:
-        """The weight as the int4 ops take it (a view of the parameters)."""
-        return Int4Weight(self.qweight, self.scales, self.zeros, self.mins, self.group_size, self.zero_mode,
-                          self.perm, self.in_features, self.layout)
-
-    def forward(self, x, backend: str = "ref") -> torch.Tensor:
-        if isinstance(x, tuple):
-            raise ValueError("Int4Linear is W4A16: it takes a bf16/fp16 (or fp32) activation, got an (fp8, scale) "
-                             "pair; the norm / activation before an int4 projection must not emit FP8")
-        w = self.packed
-        if backend == "ref" or x.dtype not in INT4_ACT_DTYPES:
-            return int4_linear_ref(x, w, self.bias)
-        # impl applies to the Triton backend on CUDA (the torch backend has one path; no cuBLAS on the CPU)
-        impl = self.impl if x.is_cuda and backend != "torch" else None
-        return int4_linear(x, w, self.bias, backend=backend, impl=impl)
-
-    def weight_bytes(self) -> int:
-        """Bytes a forward reads: N * K / 2 of nibbles (not the layout's padding past K, which the kernels
-        mask), scales, zeros / mins, the act-order permutation and the bias."""
-        extra = sum(t.numel() * t.element_size() for t in (self.scales, self.zeros, self.mins, self.perm, self.bias)
-                    if t is not None)
-        return self.out_features * self.in_features // 2 + extra
-
-    def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
-                f"{self.packed.format} w4a16")
-
-
 class RMSNorm(nn.Module):
     """RMSNorm; ``fp8_out``: return ``(fp8, per-token scale)`` for an ``Fp8Linear``; ``comm``: a
     ``CommWorkspace`` when the input of ``add_forward`` is a tensor-parallel partial sum (all-reduced first,
@@ -296,45 +219,6 @@ class RMSNorm(nn.Module):
         if self.fp8_out:
             return fused_add_rms_norm_fp8(x, residual, self.weight, self.eps, backend=backend), residual
         return fused_add_rms_norm(x, residual, self.weight, self.eps, backend=backend), residual
-
-
-def rope_inv_freq(cfg: ModelConfig, freq_factors: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Inverse frequencies [D/2] in float64, with Llama 3.1 / linear scaling or GGUF ``rope_freqs`` divisors."""
-    D = cfg.head_dim
-    # on the CPU in float64 whatever the default device (models are built under torch.device("meta"))
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64, device="cpu") / D))
-    if freq_factors is not None:
-        return inv / freq_factors.to("cpu", torch.float64)
-    rs = cfg.rope_scaling
-    if rs is None:
-        return inv
-    if rs.type == "linear":
-        return inv / rs.factor
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, a linear blend in between
-    wavelen = 2 * math.pi / inv
-    low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor)
-    blended = (1 - smooth) * inv / rs.factor + smooth * inv
-    out = torch.where(wavelen > low_wl, inv / rs.factor, inv)
-    return torch.where((wavelen >= high_wl) & (wavelen <= low_wl), blended, out)
-
-
-def rope_cache(cfg: ModelConfig, max_seq_len: int, freq_factors=None, device=None) -> torch.Tensor:
-    """[T, D/2, 2] float32 table of (cos, sin) per position and frequency."""
-    inv = rope_inv_freq(cfg, freq_factors)
-    t = torch.arange(max_seq_len, dtype=torch.float64, device="cpu")
-    ang = torch.outer(t, inv)  # [T, D/2]
-    return torch.stack([ang.cos(), ang.sin()], dim=-1).to(device=device, dtype=torch.float32)
-
-
-def apply_rope(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
-    """Half-split (HF / NeoX) rotation. x: [B, S, H, D]; cs: [B, S, D/2, 2] fp32 -> [B, S, H, D] in x.dtype."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h].float(), x[..., h:].float()
-    cos, sin = cs[..., 0].unsqueeze(2), cs[..., 1].unsqueeze(2)  # [B, S, 1, D/2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- layers

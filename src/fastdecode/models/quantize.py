@@ -38,7 +38,8 @@ from typing import Optional
 
 import torch
 
-from fastdecode.models.llama import Fp8Linear, Int4Linear, Linear, Transformer
+from fastdecode.models.int4 import Int4Linear
+from fastdecode.models.llama import Fp8Linear, Linear, Transformer
 from fastdecode.quant.formats import (  # noqa: F401  (re-exported: the names' old home)
     FORMATS, FP8_FORMAT, HEAD_METHODS, INT4_FAMILY, INT4_FORMAT, INT4_GROUP, INT4_SYMMETRIC, METHODS, QUANT_METHODS,
     check_head, int4_format, method_of,

@@ -27,7 +27,7 @@ largest M may be a Triton tile and split-K factor chosen for a memory-bound prob
 100x that M has no measured bound on how slow it is, while cuBLAS's worst case there is small. The shipped
 H200 tables agree: at their largest tuned M every bf16 / fp8 ``linear`` shape chose cuBLAS and every
 W4A16 shape chose dequantise + cuBLAS. ``ops.gemm`` already followed this rule, and its test pins it
-(tests/test_linear.py ``test_dispatcher_nearest_m_on_log_scale``: ``get(4096) == ("cublas", None)``
+(tests/test_gemm.py ``test_dispatcher_nearest_m_on_log_scale``: ``get(4096) == ("cublas", None)``
 "above the largest tuned M"); ``ops.int4`` used to take the nearest entry and now follows it too
 (tests/test_tuned.py pins the rule for both).
 """

@@ -9,7 +9,7 @@ Scales are dequantisation scales (``real = fp8 * scale``, docs/architecture.md, 
 ``weight_scale`` per tensor (one element) or per output channel (``(N,)`` or ``(N, 1)``).
 
 Dispatcher. For every call on a GPU the implementation is picked per (dtype, N, K, M): our skinny
-Triton kernel (``fastdecode.kernels.linear``) or cuBLAS (``torch.mm`` / ``torch._scaled_mm``), from
+Triton kernel (``fastdecode.kernels.gemm``) or cuBLAS (``torch.mm`` / ``torch._scaled_mm``), from
 tuned data in ``fastdecode/configs/linear_<gpu>.json`` (written by ``fastdecode tune linear``):
 the exact (N, K) entry, the tuned M nearest on a log scale (above the largest tuned M: cuBLAS; the
 rule and the table machinery are shared with the int4 GEMMs, ``fastdecode.ops._tuned``).
@@ -142,12 +142,12 @@ def get_linear_config(M: int, N: int, K: int, dtype: torch.dtype, device=None,
 
 # ----------------------------------------------------------------------------- execution
 
-_LOCKS = SPLIT_K_LOCKS  # the split-K counters (ops._tuned); tests/test_linear*.py read them as gemm._LOCKS
+_LOCKS = SPLIT_K_LOCKS  # the split-K counters (ops._tuned); tests/test_gemm*.py read them as gemm._LOCKS
 
 
 def _triton_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, config: dict) -> None:
     """Run the skinny kernel on 2-D views with an explicit config (the tuner calls this too)."""
-    from fastdecode.kernels.linear import launch_skinny_linear, split_k_blocks
+    from fastdecode.kernels.gemm import launch_skinny_linear, split_k_blocks
 
     M, K = x.shape
     N = weight.shape[0]
@@ -202,7 +202,7 @@ def _cublas_linear_fp8(x, x_scale, x_mode, weight, w_scale, w_mode, bias, out) -
     """``torch._scaled_mm`` with the bias in its epilogue: ``acc * x_scale * w_scale + bias`` in fp32,
     one rounding, as our kernel (cublas_fp8_supported admits only a bias of out's dtype). Adding the
     bias to the rounded output instead rounded twice: up to half an ulp of the pre-bias value off,
-    0.0078 at |x @ w.T| in [2, 4) with the bias cancelling it (tests/test_linear_gpu.py)."""
+    0.0078 at |x @ w.T| in [2, 4) with the bias cancelling it (tests/test_gemm_gpu.py)."""
     M, N = out.shape
     if x_mode == SCALE_TENSOR and w_mode == SCALE_TENSOR:
         sa, sb = x_scale.reshape(()), w_scale.reshape(())

@@ -22,7 +22,8 @@ import torch
 from fastdecode.engine.checkpoint.errors import CheckpointError
 from fastdecode.engine.checkpoint.spec import BLOCK_LINEARS, Checkpoint, scale_name
 from fastdecode.engine.sharding import apply_tp_structure, shard_int4, shard_part, shard_rule
-from fastdecode.models.llama import Int4Linear, Transformer
+from fastdecode.models.int4 import Int4Linear
+from fastdecode.models.llama import Transformer
 from fastdecode.quant.int4 import Int4Weight
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")

@@ -2,7 +2,7 @@
 
 The Triton kernels run under the interpreter (conftest.py sets TRITON_INTERPRET=1 without a GPU).
 Under the interpreter ``tl.dot`` on bf16 is wrong (docs/architecture.md, "The Triton interpreter"), so dot-path cases use fp16/fp32
-here; bf16 and the real tensor-core paths are in test_linear_gpu.py.
+here; bf16 and the real tensor-core paths are in test_gemm_gpu.py.
 """
 
 import json
@@ -17,7 +17,7 @@ from fastdecode.quant import dequantize_fp8, quantize_activation_fp8, quantize_w
 from helpers import FP8, assert_close, e4m3_step, k_loop, poison_, sm90_ptx, strided_rows
 
 if torch.cuda.is_available():  # this file is the CPU (interpreter) suite
-    pytestmark = pytest.mark.skip(reason="CPU interpreter suite; see test_linear_gpu.py")
+    pytestmark = pytest.mark.skip(reason="CPU interpreter suite; see test_gemm_gpu.py")
 
 DEV = "cpu"
 
@@ -335,7 +335,7 @@ def test_quantize_activation_fp8_static_and_dynamic():
 
 @pytest.mark.parametrize("M", [1, 2, 4, 16])
 def test_tuner_candidates_are_valid_and_correct(M):
-    from fastdecode.bench.linear import candidates
+    from fastdecode.bench.gemm import candidates
 
     N, K = 48, 512  # small enough for the interpreter; the GPU suite runs them on real shapes
     for dkey in ("bf16", "fp8"):
@@ -364,7 +364,7 @@ def test_tuner_candidates_are_valid_and_correct(M):
 
 
 def test_bench_summary_checks_the_targets():
-    from fastdecode.bench.linear import summarize
+    from fastdecode.bench.gemm import summarize
 
     def row(op, M, sp, tbps, vs_best=1.0):
         return {"op": op, "impl": "fastdecode", "shape": {"M": M}, "target": M <= 16,
@@ -390,7 +390,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fastdecode.kernels.linear import _skinny_linear_kernel
+from fastdecode.kernels.gemm import _skinny_linear_kernel
 
 cfg, elem_ty = json.loads(sys.argv[1]), sys.argv[2]
 pt = "*" + elem_ty

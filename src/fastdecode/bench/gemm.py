@@ -215,7 +215,7 @@ def precompile(shapes, ms, dtypes, num_sms: int, *, pdl: bool = False, workers: 
     import multiprocessing as mp
     import os
 
-    from fastdecode.kernels.linear import split_k_blocks
+    from fastdecode.kernels.gemm import split_k_blocks
 
     groups: dict = {}
     for dkey in dtypes:

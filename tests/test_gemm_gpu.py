@@ -1,7 +1,7 @@
 """Skinny linear on a real GPU: bf16 and FP8 tensor-core paths, real Llama shapes, every tuner
 candidate, split-K determinism, CUDA-graph capture and torch.compile(fullgraph=True).
 
-The tests marked ``gpu`` skip without CUDA (conftest.py); the CPU interpreter suite is test_linear.py.
+The tests marked ``gpu`` skip without CUDA (conftest.py); the CPU interpreter suite is test_gemm.py.
 The unmarked tests at the end pin the FP8 rounding recipe on the CPU (interpreter, emulated cuBLAS).
 """
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastdecode.ops.gemm as L
-from fastdecode.bench.linear import candidates
+from fastdecode.bench.gemm import candidates
 from fastdecode.constants import SCALE_TENSOR, SCALE_VECTOR
 from fastdecode.quant import quantize_activation_fp8, quantize_weight_fp8
 from helpers import assert_close, interpreter_on, poison_

@@ -38,24 +38,26 @@ torchrun with N ranks (rank 0 reports; ``step_weight_bytes`` are per rank, the p
 On a CPU only ``torch-eager`` and ``peer-eager`` run (wall-clock timing); the others are reported as skipped;
 under ``--tp`` the peers are skipped (single-device models).
 
-``--out`` merges the measured rows into the file (``merge_rows``): a run replaces the rows of the same
-measurement (``row_key``) and keeps the others, so a partial run does not wipe committed results. Rows without
-a measurement (failed: ``error``; skipped; no ``tokens_per_s``) are printed but never written. Without ``--out``
-a CUDA run writes ``benchmarks/results/decode.json`` (``DEFAULT_OUT``); a CPU run writes no file.
+Before anything is allocated for the run, the KV cache is checked against the device's available memory
+(``engine.kv_cache.check_kv_memory``): too large a ``batch`` x (``input_len`` + ``output_len``) raises
+``KVCacheMemoryError`` (one ``error:`` line from ``fastdecode bench decode``), not a CUDA out-of-memory error.
+
+This module measures (``bench_decode``, the runners ``DecodeRunner`` / ``PeerDecodeRunner``, which
+``benchmarks/profile_decode.py`` reuses); ``fastdecode.bench.decode_results`` holds what happens to the rows
+afterwards (results file, merge, plot); ``fastdecode.cli.bench`` the ``fastdecode bench decode`` command. Unlike
+the kernel benchmarks this one measures the engine, so it imports ``fastdecode.engine`` (inside functions).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from typing import Optional, Sequence
 
 import torch
 
+from fastdecode.bench.decode_results import add_speedup_vs_peer
 from fastdecode.models.llama import KERNELS
-from fastdecode.quant.formats import METHODS
 
 IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdecode-graph-cublas", "fastdecode-graph")
 # not in the default list: every GEMM through the skinny Triton kernels (the table's best Triton config), and
@@ -64,6 +66,8 @@ EXTRA_IMPLS = ("fastdecode-graph-triton", "peer-eager")
 PEER_IMPLS = ("peer-compile", "peer-eager")
 CPU_IMPLS = ("torch-eager", "peer-eager")
 ABLATIONS = ("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in KERNELS)
+# what to lower when the KV cache would not fit (the hint of check_kv_memory's message)
+KV_FIX = "lower --batch, --input-len or --output-len"
 # Peak HBM bandwidth by GPU name fragment, bytes/s (vendor figures); the copy anchor is 4.24 TB/s on H200
 PEAK_BW = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
            "A100": 2.0e12}
@@ -79,7 +83,7 @@ def peak_bandwidth(device: torch.device) -> Optional[float]:
     return None
 
 
-class _Runner:
+class DecodeRunner:
     """One implementation: prefill and a decode step that returns the next tokens (greedy, on device)."""
 
     def __init__(self, impl: str, model, cache, batch: int):
@@ -102,7 +106,7 @@ class _Runner:
             model.backend = "ref"
             # the cache is mutated in place: give it a static address, as a module buffer would have,
             # so that cudagraph trees keep (rather than skip) the graph
-            torch._dynamo.reset()  # a clean cache for this model's decode (see _PeerRunner)
+            torch._dynamo.reset()  # a clean cache for this model's decode (see PeerDecodeRunner)
             torch._dynamo.mark_static_address(cache.k)
             torch._dynamo.mark_static_address(cache.v)
             self.compiled = torch.compile(model.decode, mode="reduce-overhead", fullgraph=True)
@@ -161,10 +165,10 @@ class _Runner:
         return t1 - t0, time.perf_counter() - t1
 
 
-class _PeerRunner(_Runner):
+class PeerDecodeRunner(DecodeRunner):
     """The peer (``fastdecode.bench.peers.PeerLlama``): eager prefill; its greedy decode step eager
     (``peer-eager``) or under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (``peer-compile``).
-    The generate loop and its timing are ``_Runner``'s."""
+    The generate loop and its timing are ``DecodeRunner``'s."""
 
     def __init__(self, impl: str, peer, batch: int):
         self.impl, self.model, self.batch = impl, peer, batch
@@ -194,17 +198,6 @@ class _PeerRunner(_Runner):
         return self.model.decode_step(tokens, pos)
 
 
-def add_speedup_vs_peer(rows: list[dict]) -> None:
-    """In place: ``speedup_vs_peer`` (tokens/s over the measured ``peer-compile`` row's) on every measured
-    ``fastdecode-*`` row; nothing without a measured peer. Rows of one batch size (one ``bench_decode`` call)."""
-    peer = next((r for r in rows if r.get("impl") == "peer-compile" and r.get("tokens_per_s")), None)
-    if peer is None:
-        return
-    for r in rows:
-        if r.get("impl", "").startswith("fastdecode") and r.get("tokens_per_s"):
-            r["speedup_vs_peer"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 3)
-
-
 def _try_build_peer(model, quant, batch: int, max_seq: int):
     """``(peer, None)`` or ``(None, "Type: message")``."""
     from fastdecode.bench.peers import build_peer
@@ -232,7 +225,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     from fastdecode.models.quantize import check_head
 
     check_head(quant_head, "quant_head")
-    from fastdecode.engine.kv_cache import KVCache
+    from fastdecode.engine.kv_cache import KVCache, check_kv_memory
     from fastdecode.engine.loader import load, random_model
     from fastdecode.models.config import PRESETS, ModelConfig
     from fastdecode.models.llama import Int4Linear
@@ -253,6 +246,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         if layers:
             cfg = cfg.replace(n_layers=layers)
         model = random_model(cfg, device=device, dtype=dtype, max_seq_len=max_seq, tp=tp)
+        check_kv_memory(model.config, batch, max_seq, dtype, device, fix=KV_FIX)  # before the peer's cache and ours
         if want_peer:  # from the dense weights, before fastdecode quantises (and frees) them
             peer, peer_error = _try_build_peer(model, quant, batch, max_seq)
         if quant is not None or quant_head is not None:
@@ -270,10 +264,12 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         loaded = load_tp(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant,
                          quant_head=quant_head)
         model, cfg = loaded.model, loaded.config
+        check_kv_memory(model.config, batch, max_seq, dtype, device, fix=KV_FIX)
     else:
         loaded = load(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant,
                       quant_head=quant_head)
         model, cfg = loaded.model, loaded.config
+        check_kv_memory(model.config, batch, max_seq, dtype, device, fix=KV_FIX)
         if want_peer:  # the format fastdecode runs (an int4 checkpoint is int4 without --quant)
             peer, peer_error = _try_build_peer(model, quant or model.quant, batch, max_seq)
     cache = KVCache(model.config, batch, max_seq, dtype=dtype, device=device)
@@ -307,7 +303,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         try:
             if is_peer and peer is None:
                 raise RuntimeError(f"the peer could not be built: {peer_error}")
-            runner = _PeerRunner(impl, peer, batch) if is_peer else _Runner(impl, model, cache, batch)
+            runner = PeerDecodeRunner(impl, peer, batch) if is_peer else DecodeRunner(impl, model, cache, batch)
             prompts = [torch.randint(0, cfg.vocab_size, (batch, input_len), device=device, generator=gen)
                        for _ in range(warmup + iters)]
             for p in prompts[:warmup]:
@@ -359,150 +355,5 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     return rows
 
 
-def plot_rows(rows: list[dict], path: str) -> None:
-    """Bar chart of tokens/s per implementation (and the weight-bytes roofline), PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if "tokens_per_s" in r]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = [r["impl"] for r in ok]
-    vals = [r["tokens_per_s"] for r in ok]
-    ax.barh(names, vals, color=["#999" if not n.startswith("fastdecode") else "#d62" for n in names])
-    for i, v in enumerate(vals):
-        ax.text(v, i, f" {v:.0f}", va="center")
-    roof = next((r.get("roofline_tokens_per_s") for r in ok if r.get("roofline_tokens_per_s")), None)
-    if roof:
-        ax.axvline(roof, ls="--", color="k", lw=1)
-        ax.text(roof, -0.45, "weight-bytes roofline ", va="bottom", ha="right", fontsize=8)
-    s = ok[0]["shape"] if ok else {}
-    ax.set_xlabel("tokens/s")
-    ax.set_title(f"decode {s.get('model', '')} batch {s.get('batch', '')} "
-                 f"in {s.get('input_len', '')} out {s.get('output_len', '')} ({ok[0]['gpu'] if ok else ''})",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", "--model", dest="model", default="llama-3.1-8b",
-                   help="a preset (random weights: llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, smollm2-135m, "
-                        "tiny) or a checkpoint path")
-    p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes (several: one run each)")
-    p.add_argument("--input-len", type=int, default=1)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS + EXTRA_IMPLS + ABLATIONS)
-    p.add_argument("--ablate", action="store_true",
-                   help="add fastdecode-graph with each kernel switched off in turn, and fastdecode-eager")
-    p.add_argument("--quant", default=None, choices=list(METHODS),
-                   help="quantise the model: fp8 (W8A8) or int4 (W4A16, RTN group 128)")
-    p.add_argument("--quant-head", default=None, choices=list(METHODS),
-                   help="quantise the lm head too: fp8 (W8A8) or int4 (W4A16, RTN group 128)")
-    p.add_argument("--tp", type=int, default=None, help="tensor parallelism over N GPUs (relaunches under torchrun)")
-    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (big presets)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--device", default=None)
-    p.add_argument("--out", default=None,
-                   help="JSON result file (default: benchmarks/results/decode.json on CUDA, no file on a CPU); "
-                        "measured rows are merged into an existing one: a row with the same model, impl "
-                        "(ablations included), dtype, quant, tp, batch, input/output length and GPU is replaced, "
-                        "the others are kept; skipped or failed rows are printed, never written; '' writes "
-                        "nothing")
-    p.add_argument("--plot", default=None, nargs="?", const="", help="write a PNG (default: next to --out)")
-
-
-def row_key(row: dict) -> tuple:
-    """What one decode row measures: rows with equal keys replace each other in a results file.
-    (Older rows have no quant / tp in their shape: none and 1.)"""
-    s = row.get("shape", {})
-    return (row.get("op"), s.get("model"), row.get("impl"), s.get("dtype"), s.get("quant") or "none",
-            s.get("tp") or 1, s.get("batch"), s.get("input_len"), s.get("output_len"), row.get("gpu"))
-
-
-def merge_rows(old: list, new: list[dict]) -> list[dict]:
-    """``old`` with each row of ``new`` in place of the old row of the same ``row_key`` (new keys appended),
-    except that a row without a measurement (skipped, failed) does not replace one with."""
-    from fastdecode.bench.harness import merged_rows
-
-    return merged_rows(old, new, key=row_key, keep_measured=True)
-
-
-DEFAULT_OUT = "benchmarks/results/decode.json"
-
-
-def is_measured(row: dict) -> bool:
-    """A row a results file may hold: it has a measurement (``tokens_per_s``) and no ``error``."""
-    return "error" not in row and bool(row.get("tokens_per_s"))
-
-
-def results_path(args) -> Optional[str]:
-    """Where ``run`` writes: ``--out`` when given ('' is no file); otherwise ``DEFAULT_OUT`` on CUDA and
-    nothing on a CPU (a CPU run must not land in the committed GPU results)."""
-    if args.out is not None:
-        return args.out or None
-    dev = getattr(args, "device", None)
-    cuda = torch.device(dev).type == "cuda" if dev else torch.cuda.is_available()
-    return DEFAULT_OUT if cuda else None
-
-
-def run(args) -> int:
-    import torch.distributed as dist
-
-    from fastdecode.bench.harness import merge_rows as harness_merge, print_table
-    from fastdecode.engine.cli import _finish_tp, _maybe_relaunch, _under_torchrun
-
-    code = _maybe_relaunch(args)  # --tp N outside torchrun: the same command under torchrun
-    if code is not None:
-        return code
-    if _under_torchrun():
-        from fastdecode.engine.tp import init_distributed
-
-        init_distributed(getattr(args, "device", None))
-    main = not dist.is_initialized() or dist.get_rank() == 0
-    impls = list(args.impl) + ([a for a in ABLATIONS if a not in args.impl] if getattr(args, "ablate", False) else [])
-    rows = []
-    for b in args.batch:
-        rows += bench_decode(args.model, batch=b, input_len=args.input_len, output_len=args.output_len,
-                             iters=args.iters, warmup=args.warmup, impls=impls, device=args.device,
-                             dtype=getattr(torch, args.dtype), layers=args.layers, quant=getattr(args, "quant", None),
-                             quant_head=getattr(args, "quant_head", None),
-                             log=(lambda m: print(m, file=sys.stderr, flush=True)) if main else (lambda m: None))
-    _finish_tp()
-    if not main:
-        return 0
-    print_table(rows, ("impl", "shape", "median_us", "tokens_per_s", "tbps", "roofline_tokens_per_s"))
-    out = results_path(args)
-    measured = [r for r in rows if is_measured(r)]
-    if out and measured:
-        merged = harness_merge(measured, out, key=row_key, keep_measured=True)
-        print(f"wrote {out} ({len(measured)} measured rows of {len(rows)}, {len(merged)} in the file)",
-              file=sys.stderr)
-    elif out:
-        print(f"no measured rows: nothing written to {out}", file=sys.stderr)
-    elif args.out is None:
-        print("a CPU run writes no results file unless --out names one", file=sys.stderr)
-    if args.plot is not None:
-        path = args.plot or (out.rsplit(".", 1)[0] + ".png" if out else "decode.png")
-        for b in args.batch:
-            sub = [r for r in rows if r["shape"]["batch"] == b]
-            plot_rows(sub, path if len(args.batch) == 1 else path.replace(".png", f".b{b}.png"))
-        print(f"wrote {path}", file=sys.stderr)
-    return 0
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="fastdecode bench decode", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["ABLATIONS", "CPU_IMPLS", "DecodeRunner", "EXTRA_IMPLS", "IMPLS", "KV_FIX", "PEAK_BW", "PEER_IMPLS",
+           "PeerDecodeRunner", "bench_decode", "peak_bandwidth"]

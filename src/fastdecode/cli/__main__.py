@@ -1,0 +1,5 @@
+import sys
+
+from fastdecode.cli import main
+
+sys.exit(main())

@@ -1,0 +1,221 @@
+"""``fastdecode bench ...`` and ``fastdecode tune ...``: the kernel benchmarks and tuners (GPU; one ``error:``
+line on a machine without one) and the decode benchmark (``bench decode``: ``fastdecode.bench.decode``, also on
+the CPU).
+
+    fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode
+    fastdecode tune linear|int4         measure GEMM launch configs on this GPU, write them as data
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from fastdecode.cli.common import DTYPES, end_tp, fail, finish_tp, no_gpu
+from fastdecode.quant.formats import METHODS
+
+KERNELS_OUT = "benchmarks/results/norm_activation_quant.json"
+
+
+# ----------------------------------------------------------------------------- kernel benchmarks, tuners (GPU)
+
+
+def cmd_bench_kernels(args) -> int:
+    if no_gpu(f"bench {args.bench_command}"):
+        return 2
+    from fastdecode.bench import norm_activation_quant as nav
+
+    # `kernels` (alias `all`, its name in earlier versions) runs every suite
+    nav.run(args.suites or list(nav.SUITES), args.out or KERNELS_OUT, quick=args.quick, merge=not args.replace)
+    return 0
+
+
+def cmd_bench_linear(args) -> int:
+    if no_gpu("bench linear"):
+        return 2
+    from fastdecode.bench import gemm as bg
+
+    bg.run(args.out or "benchmarks/results/linear.json", quick=args.quick,
+           shapes=bg.parse_shapes(args.shapes) if args.shapes else None)
+    return 0
+
+
+def cmd_bench_int4(args) -> int:
+    if no_gpu("bench int4"):
+        return 2
+    from fastdecode.bench import int4 as bi
+
+    bi.run(args.out or "benchmarks/results/int4_linear.json", quick=args.quick)
+    return 0
+
+
+def cmd_bench_allreduce(args) -> int:
+    if no_gpu(f"bench allreduce --world {args.world}", max(args.world, 1)):
+        return 2
+    from fastdecode.bench import allreduce as bar
+
+    bar.run(args.world, args.out or "benchmarks/results/allreduce.json", quick=args.quick,
+            write_config=args.write_config)
+    return 0
+
+
+def cmd_tune(args) -> int:
+    if no_gpu(f"tune {args.what}"):
+        return 2
+    if args.what == "int4":
+        from fastdecode.bench import int4 as bi
+
+        shapes = None
+        if args.shapes:
+            from fastdecode.bench.gemm import parse_shapes
+
+            shapes = parse_shapes(args.shapes)
+        bi.tune(args.out, shapes=shapes, quick=args.quick, fp8=not args.no_fp8)
+        return 0
+    from fastdecode.bench import gemm as bg
+
+    bg.tune(args.out, shapes=bg.parse_shapes(args.shapes) if args.shapes else None, quick=args.quick,
+            dtypes=tuple(args.dtypes) if args.dtypes else bg.DTYPES)
+    return 0
+
+
+# ----------------------------------------------------------------------------- bench decode
+
+
+def cmd_bench_decode(args) -> int:
+    """``fastdecode bench decode``: every ``--batch`` in turn, the table on stdout, the measured rows merged into
+    the results file (``bench.decode_results``), the plot. ``--tp N`` relaunches under torchrun (rank 0 reports).
+    A KV cache larger than the device's available memory ends in one ``error:`` line (exit 2)."""
+    import torch.distributed as dist
+
+    from fastdecode.bench.decode import ABLATIONS, bench_decode
+    from fastdecode.bench.decode_results import is_measured, plot_rows, results_path, row_key
+    from fastdecode.bench.harness import merge_rows, print_table
+    from fastdecode.engine.kv_cache import KVCacheMemoryError
+    from fastdecode.engine.tp import init_distributed, maybe_relaunch, under_torchrun
+
+    code = maybe_relaunch(args.tp, getattr(args, "argv", None))  # --tp N outside torchrun: the same command under it
+    if code is not None:
+        return code
+    if under_torchrun():
+        init_distributed(getattr(args, "device", None))
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    impls = list(args.impl) + ([a for a in ABLATIONS if a not in args.impl] if getattr(args, "ablate", False) else [])
+    rows = []
+    try:
+        for b in args.batch:
+            rows += bench_decode(args.model, batch=b, input_len=args.input_len, output_len=args.output_len,
+                                 iters=args.iters, warmup=args.warmup, impls=impls, device=args.device,
+                                 dtype=getattr(torch, args.dtype), layers=args.layers,
+                                 quant=getattr(args, "quant", None), quant_head=getattr(args, "quant_head", None),
+                                 log=(lambda m: print(m, file=sys.stderr, flush=True)) if main else (lambda m: None))
+    except KVCacheMemoryError as e:  # checked before the KV cache is allocated: not a CUDA out-of-memory traceback
+        end_tp()
+        return fail(e)
+    finish_tp()
+    if not main:
+        return 0
+    print_table(rows, ("impl", "shape", "median_us", "tokens_per_s", "tbps", "roofline_tokens_per_s"))
+    out = results_path(args)
+    measured = [r for r in rows if is_measured(r)]
+    if out and measured:
+        merged = merge_rows(measured, out, key=row_key, keep_measured=True)
+        print(f"wrote {out} ({len(measured)} measured rows of {len(rows)}, {len(merged)} in the file)",
+              file=sys.stderr)
+    elif out:
+        print(f"no measured rows: nothing written to {out}", file=sys.stderr)
+    elif args.out is None:
+        print("a CPU run writes no results file unless --out names one", file=sys.stderr)
+    if args.plot is not None:
+        path = args.plot or (out.rsplit(".", 1)[0] + ".png" if out else "decode.png")
+        for b in args.batch:
+            sub = [r for r in rows if r["shape"]["batch"] == b]
+            plot_rows(sub, path if len(args.batch) == 1 else path.replace(".png", f".b{b}.png"))
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def add_decode_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``fastdecode bench decode``."""
+    from fastdecode.bench.decode import ABLATIONS, EXTRA_IMPLS, IMPLS
+
+    p.add_argument("--preset", "--model", dest="model", default="llama-3.1-8b",
+                   help="a preset (random weights: llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, smollm2-135m, "
+                        "tiny) or a checkpoint path")
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes (several: one run each)")
+    p.add_argument("--input-len", type=int, default=1)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS + EXTRA_IMPLS + ABLATIONS)
+    p.add_argument("--ablate", action="store_true",
+                   help="add fastdecode-graph with each kernel switched off in turn, and fastdecode-eager")
+    p.add_argument("--quant", default=None, choices=list(METHODS),
+                   help="quantise the model: fp8 (W8A8) or int4 (W4A16, RTN group 128)")
+    p.add_argument("--quant-head", default=None, choices=list(METHODS),
+                   help="quantise the lm head too: fp8 (W8A8) or int4 (W4A16, RTN group 128)")
+    p.add_argument("--tp", type=int, default=None, help="tensor parallelism over N GPUs (relaunches under torchrun)")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (big presets)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None,
+                   help="JSON result file (default: benchmarks/results/decode.json on CUDA, no file on a CPU); "
+                        "measured rows are merged into an existing one: a row with the same model, impl "
+                        "(ablations included), dtype, quant, tp, batch, input/output length and GPU is replaced, "
+                        "the others are kept; skipped or failed rows are printed, never written; '' writes "
+                        "nothing")
+    p.add_argument("--plot", default=None, nargs="?", const="", help="write a PNG (default: next to --out)")
+
+
+# ----------------------------------------------------------------------------- wiring
+
+
+def _add_common(p, default_out: str) -> None:
+    p.add_argument("--out", default=None, help=f"JSON result file (default {default_out})")
+    p.add_argument("--quick", action="store_true", help="fewer sizes")
+
+
+def add_parsers(subparsers) -> None:
+    """Add ``bench`` (with its sub-commands, ``decode`` included) and ``tune`` to the ``fastdecode`` sub-parsers."""
+    b = subparsers.add_parser("bench", help="benchmarks, baselines side by side (GPU)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    for name, what in (("norm", "fused add+RMSNorm (bf16 / FP8 out)"), ("silu", "SiLU-and-mul (bf16 / FP8 out)"),
+                       ("quant", "FP8 quantisation"), ("kernels", "norm + silu + quant")):
+        k = bsub.add_parser(name, help=f"{what} vs PyTorch eager and torch.compile",
+                            aliases=["all"] if name == "kernels" else [],
+                            description=f"Benchmark {what} against PyTorch eager and torch.compile (GPU). "
+                            "The rows are merged into the --out file: rows of the same op, impl and shape "
+                            "are replaced, the others (e.g. of the other suites) kept; --replace overwrites.")
+        _add_common(k, f"{KERNELS_OUT}; new rows are merged into it")
+        k.add_argument("--replace", action="store_true",
+                       help="overwrite the --out file with this run's rows instead of merging")
+        k.set_defaults(func=cmd_bench_kernels, suites=None if name == "kernels" else [name])
+    lin = bsub.add_parser("linear", help="skinny BF16 / FP8 GEMMs vs cuBLAS")
+    lin.add_argument("--shapes", default=None, help='e.g. "8b.o,4096x14336" (default: the Llama shapes)')
+    _add_common(lin, "benchmarks/results/linear.json")
+    lin.set_defaults(func=cmd_bench_linear)
+    i4 = bsub.add_parser("int4", help="int4-weight GEMMs (W4A16, W4A8) vs cuBLAS BF16")
+    _add_common(i4, "benchmarks/results/int4_linear.json")
+    i4.set_defaults(func=cmd_bench_int4)
+    ar = bsub.add_parser("allreduce", help="all-reduce (+ add + RMSNorm) vs NCCL, one process per GPU")
+    ar.add_argument("--world", type=int, default=2, help="number of GPUs")
+    ar.add_argument("--write-config", action="store_true",
+                    help="store the measured one-shot / two-shot / NCCL crossovers for this GPU and world "
+                         "size in configs/allreduce_<gpu>.json (what the dispatcher reads)")
+    _add_common(ar, "benchmarks/results/allreduce.json")
+    ar.set_defaults(func=cmd_bench_allreduce)
+    d = bsub.add_parser("decode", help="decode latency / tokens/s ablation (random-weight presets)")
+    add_decode_arguments(d)
+    d.set_defaults(func=cmd_bench_decode)
+
+    t = subparsers.add_parser("tune", help="measure launch configs on this GPU and write them as data")
+    t.add_argument("what", choices=["linear", "int4"])
+    t.add_argument("--no-fp8", action="store_true", help="int4: skip the W4A8 section")
+    t.add_argument("--dtypes", nargs="+", choices=["bf16", "fp8"], default=None,
+                   help="linear: the sections to tune (default both; the others in --out are kept)")
+    t.add_argument("--shapes", default=None, help='e.g. "8b.o,4096x14336" (default: the Llama shapes)')
+    t.add_argument("--out", default=None, help="config JSON (default: the package's configs/ folder)")
+    t.add_argument("--quick", action="store_true")
+    t.set_defaults(func=cmd_tune)
