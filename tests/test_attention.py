@@ -49,6 +49,14 @@ def test_kernel_matches_ref(shape, dtype):
     assert_close(got, decode_attention_ref(q, k, v, seq_lens))
 
 
+# fp32 tl.dot runs as TF32 on GPUs (the dispatcher never takes the dot path for fp32; this test forces it). The
+# tensor cores read the top 19 bits of each fp32 operand (q, k, then p, v): truncation, not rounding. Emulated on
+# the CPU at this test's shapes over 300 seeds, max |err| / (1 + |ref|) was 1.49e-3 with truncation (0.81e-3 with
+# round-to-nearest); the H200 gave 1.07e-3 once (1 of 1,024 values, 6be8360), over the fp16 bound of 1e-3 this
+# case had. Twice the emulated maximum:
+TF32 = dict(atol=3e-3, rtol=3e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_dot_and_broadcast_paths_agree(dtype):
     """Both inner products of the kernel (tl.dot with the head group padded to 16, and broadcast-sum)."""
@@ -62,8 +70,7 @@ def test_dot_and_broadcast_paths_agree(dtype):
         o_part = torch.empty(B, Hq, 3, cfg["BLOCK_D"], dtype=torch.float32, device=q.device)
         lse = torch.empty(B, Hq, 3, dtype=torch.float32, device=q.device)
         launch_decode_attention(q, k, v, seq_lens, out, o_part, lse, 1 / math.sqrt(D), cfg)
-        # fp32 tl.dot runs as TF32 on GPUs
-        tol = TOLERANCES[torch.float16] if (use_dot and DEV == "cuda") else TOLERANCES[dtype]
+        tol = TF32 if (use_dot and dtype == torch.float32 and DEV == "cuda") else TOLERANCES[dtype]
         torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
