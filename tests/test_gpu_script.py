@@ -107,6 +107,17 @@ def test_int4_tune_merge_keeps_the_entries_it_does_not_tune(tmp_path):
         start_table(path, "NVIDIA H100", 132, merge=True)
 
 
+def test_int4_tuner_dot_tiles_below_m8_only_when_asked():
+    """The 16-row dot tiles below M = 8 lost end to end on the H200 (benchmarks/NOTES.md, session 6): opt-in."""
+    from fastdecode.bench.int4 import candidates
+
+    for M in (1, 2, 4):
+        assert {c["kind"] for c in candidates(M, 4096, 4096)} == {"fma"}
+        dots = [c for c in candidates(M, 4096, 4096, small_m_dot=True) if c["kind"] == "dot"]
+        assert dots and {c["BLOCK_M"] for c in dots} == {16} and max(c["SPLIT_K"] for c in dots) == 16
+    assert {c["kind"] for c in candidates(8, 4096, 4096)} == {"fma", "dot"}
+
+
 def test_a_killed_run_still_names_what_failed_and_where_it_was(gpu, tmp_path, monkeypatch):
     """The JUnit report comes only at the end: a run killed at its limit is read from pytest -v's lines."""
     text = ("tests/test_a.py::test_ok PASSED [ 10%]\ntests/test_b.py::test_bad[2] FAILED [ 20%]\n"

@@ -139,12 +139,12 @@ def _ok(ops: _Operands, M: int, impl: str, config=None, fp8: bool = False) -> Op
 
 
 def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
-               smem_limit: Optional[int] = None) -> list[dict]:
-    """A small config list per M: fma tiles for M <= 8, dot tiles at every M (16-row tiles below M = 16, the
-    rows past M masked), split-K 1..16 below M = 8, 1..8 up to M = 256.
+               smem_limit: Optional[int] = None, small_m_dot: bool = False) -> list[dict]:
+    """A small config list per M: fma tiles for M <= 8, dot tiles for M >= 8, split-K 1..16.
 
-    Dot tiles below M = 8: the H200 table of the fma-only candidates had the 16-row dot tile at M = 16 as
-    fast as or faster than the fma tile at M = 1 on 6 of 8 shapes, and 2x faster than it at M = 4.
+    Not dot tiles below M = 8 (``small_m_dot``, off by default): timed alone they beat the fma tiles at
+    M = 1-4 on most shapes (up to 2x at M = 4), yet the 8B int4 decode step with that table ran at 3407 us
+    against 3203 us with the fma table (H200, benchmarks/NOTES.md, session 6); not explained yet.
 
     fma tiles keep BLOCK_K = 256 (one layout tile: the per-group scaling of the kernel needs it);
     ``quick``: 4 warps only and fewer dot tiles (a tuning run that fits a few device minutes).
@@ -163,7 +163,10 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
             for sk in splits:
                 out.append({"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
                             "num_warps": nw, "num_stages": 1, "PREFETCH": pf})
-    bms = [16] if M <= 16 else ([16, 32] if M <= 32 else ([16, 32, 64] if M <= 64 else [64, 128]))
+    if M < 8 and not small_m_dot:
+        bms = []
+    else:
+        bms = [16] if M <= 16 else ([16, 32] if M <= 32 else ([16, 32, 64] if M <= 64 else [64, 128]))
     for bm, bn, st, pf in itertools.product(bms, (64, 128) if quick else (32, 64, 128),
                                             (3,) if quick else (2, 3, 4), (True, False)):
         if bm == 128 and bn == 128:
@@ -239,7 +242,8 @@ def start_table(path: Path, gpu_name: str, num_sms: int, merge: bool) -> dict:
 
 
 def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, groups=(GROUP,), fp8: bool = True,
-         max_candidates: Optional[int] = None, quick: bool = False, merge: bool = False) -> dict:
+         max_candidates: Optional[int] = None, quick: bool = False, merge: bool = False,
+         small_m_dot: bool = False) -> dict:
     """Time candidates per (N, K, group, M) and write the dispatcher table (returns it).
 
     Candidates over this GPU's shared memory (by ``ops.int4.smem_bytes``) are not tried; one that still
@@ -263,7 +267,7 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
             entries = table[op].setdefault(table_key(N, K, g), {})
             impl = "triton_fp8" if is_fp8 else "triton"
             for M in ms:
-                cands = candidates(M, N, K, is_fp8, quick, smem_limit=limit)
+                cands = candidates(M, N, K, is_fp8, quick, smem_limit=limit, small_m_dot=small_m_dot)
                 if max_candidates is not None and len(cands) > max_candidates:
                     log.warning(f"fastdecode tune int4: {op} {sname} M={M}: timing the first {max_candidates} "
                                 f"of {len(cands)} candidates")
@@ -350,7 +354,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     """``python -m fastdecode.bench.int4 bench [--out F] [--quick]`` or ``... tune --out F [--ms 1,2,4,8]
-    [--merge] [--quick] [--no-fp8]`` (``benchmarks/gpu.py``'s int4 suites)."""
+    [--merge] [--quick] [--no-fp8] [--small-m-dot]`` (``benchmarks/gpu.py``'s int4 suites)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m fastdecode.bench.int4", description=main.__doc__)
@@ -361,10 +365,11 @@ def main(argv=None) -> int:
     p.add_argument("--ms", default=None, help="tune: comma-separated token counts (default all)")
     p.add_argument("--merge", action="store_true", help="tune: replace only the entries tuned, keep the rest")
     p.add_argument("--no-fp8", action="store_true", help="tune: skip the W4A8 section")
+    p.add_argument("--small-m-dot", action="store_true", help="tune: also time dot tiles below M = 8 (see candidates)")
     a = p.parse_args(argv)
     if a.what == "tune":
         ms = tuple(int(m) for m in a.ms.split(",")) if a.ms else None
-        tune(a.out, ms=ms, quick=a.quick, merge=a.merge, fp8=not a.no_fp8)
+        tune(a.out, ms=ms, quick=a.quick, merge=a.merge, fp8=not a.no_fp8, small_m_dot=a.small_m_dot)
     else:
         run(a.out or "benchmarks/results/int4_linear.json", quick=a.quick)
     return 0
