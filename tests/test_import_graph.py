@@ -36,9 +36,7 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 #: Modules over MAX_LINES lines today (line count when this list was set) and the issue item that splits them.
 #: Item numbers are given where the issue names them; the others say which change of issue 13 removes them.
-KNOWN_LONG_MODULES: dict[str, str] = {
-    "kernels.int4": "549 lines; issue 13, no split item yet (int4 kernels: FMA and dot paths in one file)",
-}
+KNOWN_LONG_MODULES: dict[str, str] = {}
 
 
 def _short(mod: str) -> str:

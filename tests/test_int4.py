@@ -2,8 +2,8 @@
 
 Importer fixtures are packed here with plain torch loops written from the published layouts (GPTQ,
 AWQ), or produced by the ``gguf`` package itself (GGUF), never by the code under test. Kernels run
-under the Triton interpreter; ``tl.dot`` on bf16 is wrong there (docs/architecture.md, "The Triton interpreter"), so the dot path is
-tested in fp16 and bf16 only on the FMA path; the GPU suite is test_int4_gpu.py.
+under the Triton interpreter; ``tl.dot`` on bf16 is wrong there (docs/architecture.md, "The Triton interpreter"),
+so the dot path is tested in fp16 and bf16 only on the FMA path; the GPU suite is test_int4_gpu.py.
 """
 
 import json
@@ -405,7 +405,7 @@ def test_split_k_is_deterministic_and_resets_its_counters():
 
 @pytest.mark.parametrize("fmt,g", [("sym", 32), ("zero", 128), ("min", 64)])
 def test_dequant_kernel_is_bit_exact(fmt, g):
-    from fastdecode.kernels.int4 import launch_int4_dequant
+    from fastdecode.kernels.int4_dequant import launch_int4_dequant
 
     w = _packed(fmt, 33, 384, g)
     out = poison_(torch.empty(33, 384, dtype=torch.float16))
@@ -557,7 +557,8 @@ sys.stdout.write(cc.asm["ptx"])
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True), dict(kind="fma", BLOCK_M=4, BLOCK_N=32, ZM=2, x="fp16"),
+    dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True),
+    dict(kind="fma", BLOCK_M=4, BLOCK_N=32, ZM=2, x="fp16"),
     dict(kind="dot", BLOCK_M=16, BLOCK_N=64, ZM=1, x="bf16"), dict(kind="dot", BLOCK_M=64, BLOCK_N=64, ZM=2, x="fp16"),
 ], ids=["fma_m1_sym", "fma_m4_min", "dot_m16_zero_bf16", "dot_m64_min_fp16"])
 def test_sm90_code_converts_int4_without_float_conversions(cfg):

@@ -181,7 +181,7 @@ def _triton_int4_linear(x, w: Int4Weight, bias, out, config: dict, x_scale=None,
 
 def _dequant_cublas(x, w: Int4Weight, bias, out) -> None:
     """Large M: dequantise into a scratch (N, K) buffer with the Triton kernel, then cuBLAS."""
-    from fastdecode.kernels.int4 import launch_int4_dequant
+    from fastdecode.kernels.int4_dequant import launch_int4_dequant
 
     wd = torch.empty(w.N, w.K, dtype=x.dtype, device=x.device)
     launch_int4_dequant(w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, wd)
