@@ -58,8 +58,8 @@ def _decode(out: Path, *args: str) -> list[str]:
                "--out", str(out / "decode.json"), *args)
 
 
-def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "int4"),
-                   tune_dtypes=("bf16", "fp8"), gpu="nvidia_h200", tune_int4_ms=None) -> list[tuple[str, list[str], int]]:
+def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "int4"), tune_dtypes=("bf16", "fp8"),
+                   gpu="nvidia_h200", tune_int4_ms=None) -> list[tuple[str, list[str], int]]:
     """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests)."""
     if name == "tune":
         return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes,
@@ -86,7 +86,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         }
         return [steps[f] for f in formats]
     if name == "profile":
-        return [(f"profile {q}", [PY, str(ROOT / "benchmarks" / "profile_decode.py"), *([] if q == "bf16" else ["--quant", q]),
+        return [(f"profile {q}", [PY, str(ROOT / "benchmarks" / "profile_decode.py"),
+                                  *([] if q == "bf16" else ["--quant", q]),
                                   "--out", str(out / f"profile_{q}.json")], 150) for q in ("bf16", "fp8", "int4")]
     if name == "tp":
         if n_gpu < 2:
@@ -229,7 +230,8 @@ def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int, per
     if rc == 124:  # killed: name the tests that had finished and the one that was running
         done = [ln for ln in lines if ln.rstrip().endswith("]") and "::" in ln]
         result["finished_before_kill"] = len(done)
-        result["failures"] += [{"test": ln.split(" ")[0], "kind": "failure", "message": "(run killed before its report)"}
+        result["failures"] += [{"test": ln.split(" ")[0], "kind": "failure",
+                                "message": "(run killed before its report)"}
                                for ln in done if " FAILED" in ln or " ERROR" in ln]
         # pytest -v writes a test's name when it starts and its outcome when it ends, on one line
         started = [ln for ln in lines if "::" in ln and not ln.rstrip().endswith("]")]

@@ -69,7 +69,8 @@ def main() -> None:
         with open(a.out, "w") as f:
             json.dump({"preset": a.preset, "quant": a.quant, "impl": a.impl, "batch": a.batch,
                        "kernel_us_per_step": ksum, "span_us_per_step": span,
-                       "kernels": [{"name": n, "calls_per_step": c, "us_per_step": t} for n, c, t in rows]}, f, indent=1)
+                       "kernels": [{"name": n, "calls_per_step": c, "us_per_step": t} for n, c, t in rows]},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -141,7 +141,8 @@ def test_cli_bench_kernels_alias_and_merge_flag(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.setattr(nav, "run", lambda which, out, quick=False, merge=True: calls.append((which, out, merge)))
-    monkeypatch.setattr(cli.bench, "no_gpu", lambda *a, **k: 0)  # the plumbing, on any machine (the guard: test_cli_errors)
+    # the plumbing, on any machine (the guard: test_cli_errors)
+    monkeypatch.setattr(cli.bench, "no_gpu", lambda *a, **k: 0)
     out = str(tmp_path / "r.json")
     assert cli.main(["bench", "all", "--out", out]) == 0  # the old name of `kernels`
     assert cli.main(["bench", "kernels", "--out", out, "--replace"]) == 0

@@ -98,10 +98,10 @@ def shadowed_by_refs():
     """While active, every fastdecode op the model calls (its names in ``fastdecode.models.llama``) also runs
     its ``*_ref`` on the same inputs (copies of those it updates in place), and the two results are compared at
     once: FP8 pairs with ``assert_fp8_close`` (scales to rtol 1e-5, values within one e4m3 step) and no value
-    moved unless it sits at a rounding boundary (see ``fp8``), in-place residuals with ``assert_rounding_equal``, GEMM outputs by relative RMS error
-    (``GEMM_REL_RMS``), other float outputs and KV-cache writes with ``assert_close``. The model
-    sees only the kernels' results, so each check starts from the Triton path's own activations and nothing
-    compounds. Yields a Counter of the checked calls per op name."""
+    moved unless it sits at a rounding boundary (see ``fp8``), in-place residuals with ``assert_rounding_equal``,
+    GEMM outputs by relative RMS error (``GEMM_REL_RMS``), other float outputs and KV-cache writes with
+    ``assert_close``. The model sees only the kernels' results, so each check starts from the Triton path's own
+    activations and nothing compounds. Yields a Counter of the checked calls per op name."""
     import fastdecode.models.llama as L
     from fastdecode.ops import activation as act, attention as att, gemm, norm, quant
 

@@ -76,7 +76,8 @@ def test_int4_model_close_to_fp32_and_ops_equal_ref():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the Triton interpreter (no GPU)")
 def test_int4_triton_interpreter_equals_torch_backend_fp16():
-    """fp16 (the interpreter's bf16 tl.dot is wrong, docs/architecture.md, "The Triton interpreter"): the dot path at prefill, fma at decode."""
+    """fp16 (the interpreter's bf16 tl.dot is wrong, docs/architecture.md, "The Triton interpreter"): the dot path
+    at prefill, fma at decode."""
     q = quantize_model_int4(random_model(CFG, device="cpu", dtype=torch.float16, backend="torch", max_seq_len=64,
                                          std=0.08, seed=int(torch.randint(0, 1000, ()))))
     assert q.layers[0].feed_forward.w13.scales.dtype == torch.float16  # scales in the model dtype

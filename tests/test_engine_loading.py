@@ -7,15 +7,15 @@ import re
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
+from fastdecode.engine.kv_cache import KVCache
+from fastdecode.engine.loader import CheckpointError, load
+from fastdecode.models.config import ModelConfig
+from engine_helpers import smollm2_path
+from helpers import edit_json
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from fastdecode.engine.kv_cache import KVCache  # noqa: E402
-from fastdecode.engine.loader import CheckpointError, load  # noqa: E402
-from fastdecode.models.config import ModelConfig  # noqa: E402
-from engine_helpers import smollm2_path  # noqa: E402
-from helpers import edit_json
 
 # fp32 both sides, 2 layers, |logits| ~ 1: summation order only
 ATOL = 2e-5

@@ -222,7 +222,10 @@ def test_gguf_shards_equal_slices_of_the_whole_model(tmp_path, native, monkeypat
 
     torch.manual_seed(int(torch.randint(0, 1000, ())))
     path = str(tmp_path / "m.gguf")
-    q4 = lambda n: gguf.GGMLQuantizationType.Q4_0 if native and "_norm" not in n and n.startswith("blk.") else None
+
+    def q4(n):
+        return gguf.GGMLQuantizationType.Q4_0 if native and "_norm" not in n and n.startswith("blk.") else None
+
     _write(path, _llama(intermediate_size=128), "llama", qtype=q4)  # w2 shards of 64 columns: whole groups of 32
     full = load(path, dtype=torch.float32, progress=False, max_seq_len=64, gguf_native=native).model
     assert isinstance(full.layers[0].attention.wqkv, Int4Linear) == native

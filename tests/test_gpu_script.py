@@ -20,9 +20,11 @@ def gpu():
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="5">
 <testcase classname="tests.test_a" name="test_ok" time="0.1"/>
 <testcase classname="tests.test_a" name="test_ok2" time="0.1"/>
-<testcase classname="tests.test_b" name="test_bad[2]" time="0.2"><failure message="AssertionError: scale off by 3.29&#10;more">tb</failure></testcase>
+<testcase classname="tests.test_b" name="test_bad[2]" time="0.2">\
+<failure message="AssertionError: scale off by 3.29&#10;more">tb</failure></testcase>
 <testcase classname="tests.test_c" name="test_boom" time="0.0"><error message="fixture failed">tb</error></testcase>
-<testcase classname="tests.test_d" name="test_gpu" time="0.0"><skipped type="pytest.skip" message="needs a CUDA GPU">x</skipped></testcase>
+<testcase classname="tests.test_d" name="test_gpu" time="0.0">\
+<skipped type="pytest.skip" message="needs a CUDA GPU">x</skipped></testcase>
 </testsuite></testsuites>"""
 
 
@@ -121,7 +123,8 @@ def test_int4_tuner_dot_tiles_below_m8_only_when_asked():
 def test_a_killed_run_still_names_what_failed_and_where_it_was(gpu, tmp_path, monkeypatch):
     """The JUnit report comes only at the end: a run killed at its limit is read from pytest -v's lines."""
     text = ("tests/test_a.py::test_ok PASSED [ 10%]\ntests/test_b.py::test_bad[2] FAILED [ 20%]\n"
-            "tests/test_c.py::test_ok2 PASSED [ 30%]\ntests/test_c.py::test_slow \n[gpu.py] tests: killed after 570 s\n")
+            "tests/test_c.py::test_ok2 PASSED [ 30%]\ntests/test_c.py::test_slow \n"
+            "[gpu.py] tests: killed after 570 s\n")
     monkeypatch.setattr(gpu.Log, "run", lambda self, label, argv, timeout, env: (124, 570.0, text))
     rec = gpu.run_tests(gpu.Log(tmp_path / "gpu_log.txt"), tmp_path, {}, "abc123", 570)
     assert rec["exit_code"] == 124 and rec["finished_before_kill"] == 3

@@ -336,7 +336,8 @@ def test_tuner_skips_a_config_that_cannot_launch_with_one_log_line(monkeypatch, 
     M, N, K = 16, 32, 256  # small enough for the interpreter
     dev = DEV if torch.cuda.is_available() else "cpu"
     w = Q.quantize_int4(torch.randn(N, K, device=dev) / K**0.5, 128, symmetric=True)
-    x = torch.randn(M, K, device=dev).half()  # fp16: the interpreter's bf16 tl.dot is wrong (docs/architecture.md, "The Triton interpreter")
+    # fp16: the interpreter's bf16 tl.dot is wrong (docs/architecture.md, "The Triton interpreter")
+    x = torch.randn(M, K, device=dev).half()
     ref = I.int4_linear_ref(x, w)
     too_big = _dot(64, 128, 4)
     cands = [_dot(16, 32, 2), too_big, _dot(16, 64, 3)]

@@ -77,11 +77,13 @@ def test_head_logits_equal_the_dequantised_head(fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_head_triton_interpreter_equals_torch_backend_fp16(fmt):
-    """fp16 (the interpreter's bf16 tl.dot is wrong, docs/architecture.md, "The Triton interpreter"); blocks int4 with an int4 head, dense with fp8.
+    """fp16 (the interpreter's bf16 tl.dot is wrong, docs/architecture.md, "The Triton interpreter"); blocks int4
+    with an int4 head, dense with fp8.
 
-    FP8: the interpreter's fp32 -> e4m3 cast loses carries on ~2% of elements (docs/architecture.md, "The Triton interpreter"; up to half a value),
-    so the FP8 head is checked op by op on the Triton run's own inputs: the final norm's FP8 output against
-    ``rms_norm_fp8_ref`` within one e4m3 step, the head's logits against ``linear_fp8_ref`` of that output."""
+    FP8: the interpreter's fp32 -> e4m3 cast loses carries on ~2% of elements (docs/architecture.md,
+    "The Triton interpreter"; up to half a value), so the FP8 head is checked op by op on the Triton run's own
+    inputs: the final norm's FP8 output against ``rms_norm_fp8_ref`` within one e4m3 step, the head's logits
+    against ``linear_fp8_ref`` of that output."""
     if torch.cuda.is_available():
         pytest.skip("CPU tensors through the Triton interpreter (no GPU)")
     q = quantize_model(_model(dtype=torch.float16), "int4" if fmt == "int4" else None, head=fmt)
@@ -123,7 +125,8 @@ def test_tied_embeddings_still_embed_the_dense_table(fmt):
     # the head is a quantised copy of the table: the dense table's dequantised rows, within RTN / FP8 error
     assert 1e-4 < rel_rms(_dequantised_head(q.output), m.tok_embeddings.weight) < 0.15
     # memory: the dense table stays for the lookup, the quantised head comes on top
-    head_bytes = V * K + 4 * V if fmt == "fp8" else V * K // 2 + 3 * V  # fp8 + fp32 scales / nibbles + bf16 scale + u8 zero
+    # fp8 + fp32 scales / nibbles + bf16 scale + u8 zero
+    head_bytes = V * K + 4 * V if fmt == "fp8" else V * K // 2 + 3 * V
     assert q.weight_bytes() - m.weight_bytes() == head_bytes
     # a step: the quantised head plus B rows of the table instead of the fp32 table read whole by the head
     for B in (1, 3):

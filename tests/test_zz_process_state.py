@@ -31,9 +31,11 @@ def _writes_of_triton_interpret(path: Path) -> list[int]:
                                                          for k in a.keys) for a in node.args)
             if named:
                 lines.append(node.lineno)
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AugAssign) else [])
         for t in targets:
-            if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant) and t.slice.value == "TRITON_INTERPRET":
+            if (isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant)
+                    and t.slice.value == "TRITON_INTERPRET"):
                 lines.append(node.lineno)
     return lines
 
@@ -55,7 +57,8 @@ def test_the_checker_sees_every_form_of_write(tmp_path):
         p.write_text(f"import os\n\n{form}\n")
         assert _writes_of_triton_interpret(p) == [3], form
     p = tmp_path / "reads.py"
-    p.write_text('import os\nx = os.environ.get("TRITON_INTERPRET", "0")\nenv = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}\n')
+    p.write_text('import os\nx = os.environ.get("TRITON_INTERPRET", "0")\n'
+                 'env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}\n')
     assert _writes_of_triton_interpret(p) == []
 
 

@@ -30,7 +30,8 @@ def _close(a, b, tol=1e-2):
 def _fp8_close(q, q_ref, s, s_ref):
     """Scales equal up to fp32 summation order, and every FP8 value within one e4m3 step of the
     reference's. Under the interpreter the fp32 -> fp8 cast may drop the carry into the next power
-    of two (docs/architecture.md, "The Triton interpreter"): a value p where the reference has 2p (within a step) is accepted there."""
+    of two (docs/architecture.md, "The Triton interpreter"): a value p where the reference has 2p
+    (within a step) is accepted there."""
     from fastdecode.ops._common import interpreter_on
     from fastdecode.quant.fp8 import fp8_mismatches
 

@@ -165,7 +165,7 @@ def _worker(rank, world, port, out, quick, write_config):
                  _time_graph(lambda: all_reduce_add_rms_norm(x, r, w, 1e-6, ws)), nb, path=path)
             _row(rows, rank, "all_reduce_add_rms_norm_fp8", "fastdecode", shape,
                  _time_graph(lambda: all_reduce_add_rms_norm(x, r, w, 1e-6, ws, fp8=True)), nb, path=path)
-            del x, r
+            x = r = None  # release the buffers (the closures above still name x and r)
     # 2. plain all-reduce, 8 KB .. 64 MB: every path, and what auto picks
     sizes = [8 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     if not quick:
@@ -182,7 +182,7 @@ def _worker(rank, world, port, out, quick, write_config):
         ws.path_bytes = auto_paths
         _row(rows, rank, "all_reduce", "fastdecode", shape,
              _time_graph(lambda: all_reduce(x, ws, inplace=True)), nb, path=ws.path_for(nb // 2, 2))
-        del x
+        x = None  # release the buffer (the closures above still name x)
     ws.destroy()
     if rank == 0:
         if out:  # rows of other world sizes (and sizes not run now) in the file are kept

@@ -113,7 +113,8 @@ class DecodeRunner:
         elif impl in ("fastdecode-graph", "fastdecode-graph-cublas", "fastdecode-graph-triton"):
             model.backend = "triton"
             # ablation: every fastdecode kernel, with the GEMMs on cuBLAS or through the dispatcher
-            model.set_gemm_impl("cublas" if impl.endswith("-cublas") else ("triton" if impl.endswith("-triton") else None))
+            model.set_gemm_impl("cublas" if impl.endswith("-cublas")
+                                else ("triton" if impl.endswith("-triton") else None))
         else:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if impl == "torch-graph" or impl.startswith("fastdecode-graph"):  # every *-graph* row replays a graph

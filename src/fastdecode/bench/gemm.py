@@ -107,8 +107,9 @@ class _Operands:
             if self.dkey == "fp8":
                 xs, ws = self.xs_all[:M], self.ws
                 if impl == "cublas":  # _scaled_mm's row-wise mode: what the dispatcher would call
-                    fn = (lambda x=x, w=w, out=out: torch._scaled_mm(
-                        x, w.t(), xs.reshape(M, 1), ws.reshape(1, -1), out_dtype=torch.bfloat16, out=out))
+                    def fn(x=x, w=w, out=out):
+                        return torch._scaled_mm(x, w.t(), xs.reshape(M, 1), ws.reshape(1, -1),
+                                                out_dtype=torch.bfloat16, out=out)
                 elif impl == "triton":
                     fn = lambda x=x, w=w, out=out: _triton_linear(x, w, None, xs, 2, ws, 2, out, config)  # noqa: E731
                 else:

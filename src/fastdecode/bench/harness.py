@@ -1,10 +1,11 @@
 """Benchmark harness shared by every ``fastdecode bench`` command.
 
-Method (docs/benchmarking.md, "Kernel timings"): CUDA events after warm-up; the median of many; launch-bound sizes are timed as
-CUDA-graph replays of ``calls_per_graph`` back-to-back calls (so the ~1.4 us graph launch is what a
-decode step pays, not the ~23 us eager launch); inputs rotate over enough copies to exceed the L2
-(60 MB on the H200), so large sizes read HBM rather than cache; bytes and FLOPs are counted by the
-caller and turned into TB/s and TFLOP/s here. Every row carries the GPU and software versions.
+Method (docs/benchmarking.md, "Kernel timings"): CUDA events after warm-up; the median of many;
+launch-bound sizes are timed as CUDA-graph replays of ``calls_per_graph`` back-to-back calls (so the
+~1.4 us graph launch is what a decode step pays, not the ~23 us eager launch); inputs rotate over
+enough copies to exceed the L2 (60 MB on the H200), so large sizes read HBM rather than cache; bytes
+and FLOPs are counted by the caller and turned into TB/s and TFLOP/s here. Every row carries the GPU
+and software versions.
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ def geomean(xs) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-#: Fields of every result row (docs/benchmarking.md, "Kernel timings"; issue 2); ``None`` where a field does not apply (a row
-#: that failed, a summary row).
+#: Fields of every result row (docs/benchmarking.md, "Kernel timings"; issue 2); ``None`` where a field does
+#: not apply (a row that failed, a summary row).
 ROW_FIELDS = ("op", "impl", "shape", "median_us", "tbps", "gpu", "torch", "triton", "git_sha")
 
 

@@ -283,7 +283,7 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
                 if best is not None:
                     entries[str(M)] = {"impl": best[1], "config": best[2], "us": round(best[0], 3)}
                     print(f"{op} {sname} g{g} M={M}: {best[1]} {best[0]:.2f} us {best[2]}", flush=True)
-        del ops
+        ops = None  # release the operands (the closures above still name ops)
         torch.cuda.empty_cache()
         path.write_text(json.dumps(table, indent=1) + "\n")  # after every shape: a cut-off run keeps its data
     clear_config_cache()

@@ -10,9 +10,10 @@ non-overlapping windows of ``window`` tokens, each window a fresh context). Repo
 
 The reference is the model in the load dtype (bf16 on GPUs, fp32 on the CPU) with ``quant=None`` (GGUF
 files dequantised, also on CUDA, where their Q4_0 / Q4_1 tensors would otherwise load as int4). ``int4``
-measures the RTN method (``int4-w4a16-g128-zero``) on the reference's weights, so for a GGUF source it quantises the dequantised weights a second time; the GGUF's own Q4_0 / Q4_1
-tensors loaded natively as int4 weights are reported as one more row (``int4-w4a16-gguf``), which should
-match the reference up to summation order: the same weights, through the int4 path.
+measures the RTN method (``int4-w4a16-g128-zero``) on the reference's weights, so for a GGUF source it
+quantises the dequantised weights a second time; the GGUF's own Q4_0 / Q4_1 tensors loaded natively as
+int4 weights are reported as one more row (``int4-w4a16-gguf``), which should match the reference up to
+summation order: the same weights, through the int4 path.
 
 The KV cache of one window is checked against the device's available memory before anything is
 evaluated (``engine.kv_cache.check_kv_memory``): too large a ``window`` raises ``KVCacheMemoryError``.

@@ -128,7 +128,8 @@ class Engine:
 
     def check_capacity(self, prompts: list[list[int]]) -> None:
         if len(prompts) > self.max_batch:
-            raise ValueError(f"batch of {len(prompts)} prompts exceeds the engine's capacity (max_batch={self.max_batch})")
+            raise ValueError(f"batch of {len(prompts)} prompts exceeds the engine's capacity "
+                             f"(max_batch={self.max_batch})")
         for i, p in enumerate(prompts):
             if len(p) >= self.max_seq_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; the context holds {self.max_seq_len} "

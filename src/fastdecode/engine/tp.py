@@ -9,8 +9,9 @@ the CLI's ``--tp N`` does: the same command line again under torchrun) and ``tor
 Every rank sees the same logits (identical bits), so greedy and seeded sampling agree across ranks.
 
 Life cycle (``load_tp``): each rank loads only its shard (``loader.load(..., tp=(rank, world))`` slices
-safetensors and GGUF tensors lazily, int4 ones included); then all ranks agree that loading succeeded (a rank that failed makes every rank
-raise, instead of leaving the others blocked in a collective); then the ``CommWorkspace`` is created.
+safetensors and GGUF tensors lazily, int4 ones included); then all ranks agree that loading succeeded (a
+rank that failed makes every rank raise, instead of leaving the others blocked in a collective); then the
+``CommWorkspace`` is created.
 """
 
 from __future__ import annotations

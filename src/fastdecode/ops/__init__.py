@@ -12,3 +12,13 @@ from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref
 from fastdecode.ops.allreduce import CommWorkspace, all_reduce, all_reduce_add_rms_norm, all_reduce_ref
 from fastdecode.ops.gemm import get_linear_config, linear, linear_fp8, linear_fp8_ref, linear_ref
 from fastdecode.ops.int4 import get_int4_config, int4_linear, int4_linear_fp8, int4_linear_fp8_ref, int4_linear_ref
+
+__all__ = [
+    "fused_add_rms_norm", "fused_add_rms_norm_fp8", "fused_add_rms_norm_fp8_ref", "fused_add_rms_norm_ref",
+    "rms_norm", "rms_norm_fp8", "rms_norm_fp8_ref", "rms_norm_ref",
+    "silu_and_mul", "silu_and_mul_fp8", "silu_and_mul_fp8_ref", "silu_and_mul_ref",
+    "quantize_fp8", "quantize_fp8_ref",
+    "CommWorkspace", "all_reduce", "all_reduce_add_rms_norm", "all_reduce_ref",
+    "get_linear_config", "linear", "linear_fp8", "linear_fp8_ref", "linear_ref",
+    "get_int4_config", "int4_linear", "int4_linear_fp8", "int4_linear_fp8_ref", "int4_linear_ref",
+]

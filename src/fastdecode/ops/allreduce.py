@@ -96,7 +96,8 @@ class CommWorkspace:
         self.slab_bytes = int(slab_bytes)  # one-shot: bytes one program sends per call
         self.check = check if check is not None else os.environ.get("FASTDECODE_COMM_CHECK", "0") == "1"
         self.backend = dist.get_backend(self.group)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                       else torch.device("cpu"))
         self.mode = "torch" if self.device.type == "cpu" else "symm"
         self.reason = "CPU process group" if self.mode == "torch" else ""
         self.path_bytes = dict(path_bytes) if path_bytes else self._measured_paths()

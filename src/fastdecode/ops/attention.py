@@ -33,7 +33,8 @@ def decode_attention_config(B: int, Hq: int, Hkv: int, T: int, D: int, dtype: to
     so the same config serves every step of a captured CUDA graph."""
     group = Hq // Hkv
     # tl.dot needs >= 16 rows; pad the head group to 16 on the GPU (tensor cores are idle in decode
-    # anyway). Under the interpreter bf16 dots are wrong (docs/architecture.md, "The Triton interpreter"), fp32 dots on GPUs would be TF32.
+    # anyway). Under the interpreter bf16 dots are wrong (docs/architecture.md, "The Triton interpreter"),
+    # fp32 dots on GPUs would be TF32.
     use_dot = dtype in (torch.float16, torch.bfloat16) and not (interpreter_on() and dtype == torch.bfloat16)
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(D)

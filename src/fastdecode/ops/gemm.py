@@ -4,9 +4,9 @@
     linear_fp8:  out = (x_fp8 * x_scale) @ (weight_fp8 * weight_scale).T + bias
                  computed as acc(x_fp8 @ weight_fp8.T) * x_scale[m] * weight_scale[n] + bias[n]
 
-Scales are dequantisation scales (``real = fp8 * scale``, docs/architecture.md, "Numerical conventions"): ``x_scale`` per tensor
-(one element) or per token (``(..., 1)``, as the fused norm / activation kernels return it);
-``weight_scale`` per tensor (one element) or per output channel (``(N,)`` or ``(N, 1)``).
+Scales are dequantisation scales (``real = fp8 * scale``, docs/architecture.md, "Numerical conventions"):
+``x_scale`` per tensor (one element) or per token (``(..., 1)``, as the fused norm / activation kernels
+return it); ``weight_scale`` per tensor (one element) or per output channel (``(N,)`` or ``(N, 1)``).
 
 Dispatcher. For every call on a GPU the implementation is picked per (dtype, N, K, M): our skinny
 Triton kernel (``fastdecode.kernels.gemm``) or cuBLAS (``torch.mm`` / ``torch._scaled_mm``), from

@@ -1,7 +1,7 @@
 """FP8 e4m3 weight (and activation) preparation for W8A8 linears.
 
-A scale is a dequantisation scale, ``real = fp8 * scale`` (docs/architecture.md, "Numerical conventions"), chosen so the largest
-magnitude maps to 448: ``scale = max(amax / 448, 1 / (448 * 512))`` and
+A scale is a dequantisation scale, ``real = fp8 * scale`` (docs/architecture.md, "Numerical conventions"),
+chosen so the largest magnitude maps to 448: ``scale = max(amax / 448, 1 / (448 * 512))`` and
 ``fp8 = e4m3(clamp(real / scale, -448, 448))``, rounded to nearest like PyTorch's cast, computed
 in fp32. The same rule as the fused norm's dynamic quantisation (``quantize_rows_ref``).
 """

@@ -39,7 +39,8 @@ def read_gguf(path: str):
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); truncated or corrupt?") from e
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
+                              "truncated or corrupt?") from e
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size:

@@ -15,7 +15,8 @@ from fastdecode.models.config import ModelConfig
 
 HF_NAMES = {
     "embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "output": "lm_head.weight",
-    "attn_norm": "model.layers.{i}.input_layernorm.weight", "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
     "q": "model.layers.{i}.self_attn.q_proj.weight", "k": "model.layers.{i}.self_attn.k_proj.weight",
     "v": "model.layers.{i}.self_attn.v_proj.weight", "o": "model.layers.{i}.self_attn.o_proj.weight",
     "q_bias": "model.layers.{i}.self_attn.q_proj.bias", "k_bias": "model.layers.{i}.self_attn.k_proj.bias",
