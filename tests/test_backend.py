@@ -132,6 +132,23 @@ def test_selfcheck_reports_a_wrong_kernel(capsys, monkeypatch):
     assert "2 checks FAILED" in text
 
 
+def test_selfcheck_explains_lost_carries_in_plain_words(monkeypatch):
+    """Under the interpreter a value one power of two low (its FP8 cast's lost carry) is accepted, and the line
+    says what happened, not a bare "(+N interpreter lost carries)"."""
+    from fastdecode import selfcheck
+    from fastdecode.ops import _common
+
+    monkeypatch.setattr(_common, "interpreter_on", lambda: True)
+    q_ref = torch.tensor([128.0, 1.0, -2.0]).to(torch.float8_e4m3fn)
+    q = torch.tensor([64.0, 1.0, -2.0]).to(torch.float8_e4m3fn)  # 2 x 64 = 128: the carry the cast dropped
+    s = torch.ones(1)
+    ok, detail = selfcheck._fp8_close(q, q_ref, s, s)
+    assert ok and detail.startswith("0 of 3 values off by > 1 e4m3 step (1 more are half the reference: ")
+    assert "drops the carry when a value rounds up to the next power of two; accepted" in detail
+    monkeypatch.setattr(_common, "interpreter_on", lambda: False)  # compiled kernels: the same value fails
+    assert selfcheck._fp8_close(q, q_ref, s, s) == (False, "1 of 3 values off by > 1 e4m3 step, scale rel err 0.0e+00")
+
+
 # ----------------------------------------------------------------------------- kernel benchmarks
 
 
