@@ -112,6 +112,17 @@ def _missing_on_rank1(rank, world, path):
     load_tp(path if rank == 0 else path + "-missing", dtype=torch.float32, progress=False, max_seq_len=64)
 
 
+def _kv_too_big_on_rank1(rank, world, path):
+    from fastdecode.engine import kv_cache
+    from fastdecode.engine.generate import Engine
+    from fastdecode.engine.tp import load_tp
+
+    loaded = load_tp(path, dtype=torch.float32, progress=False, max_seq_len=64)
+    if rank == 1:  # this rank's device has less free memory than the cache needs
+        kv_cache.available_memory = lambda device: 1000
+    Engine(loaded.model, loaded.tokenizer, max_seq_len=64, cuda_graph=False)
+
+
 # ----------------------------------------------------------------------------- tests
 
 
@@ -153,6 +164,16 @@ def test_rank_failing_at_load_stops_every_rank(tmp_path):
     for e in errors:
         assert "TPLoadError: loading failed on 1 of 2 ranks, stopping every rank: rank 1: FileNotFoundError" in e, e
         assert "-missing" in e
+
+
+def test_kv_cache_too_big_on_one_rank_stops_every_rank(tmp_path):
+    """The Engine's KV-cache memory check is agreed across ranks: one rank short of memory must not leave the
+    others waiting at the next collective."""
+    path = _hf_dir(str(tmp_path / "ckpt"), seed=0)
+    errors = run_ranks(2, _kv_too_big_on_rank1, path, expect_fail=True, timeout=JOIN_TIMEOUT)
+    assert len(errors) == 2, errors  # both ranks raised, neither hung
+    for e in errors:
+        assert "TPLoadError: loading failed on 1 of 2 ranks, stopping every rank: rank 1: KVCacheMemoryError" in e, e
 
 
 def test_head_counts_must_divide():
