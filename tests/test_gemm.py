@@ -88,7 +88,7 @@ def test_every_kernel_config(name, M):
     w = _weight(N, K, torch.float16)
     b = torch.randn(N).half()
     out = poison_(torch.empty(M, N, dtype=torch.float16))
-    L._triton_linear(x, w, b, None, 0, None, 0, out, CONFIGS[name])
+    L.linear_with_config(x, w, b, None, 0, None, 0, out, CONFIGS[name])
     assert_close(out, L.linear_ref(x, w, b))
 
 
@@ -99,7 +99,7 @@ def test_split_k_is_deterministic_and_resets_its_counters():
     outs = []
     for _ in range(2):
         out = poison_(torch.empty(3, 70, dtype=torch.float16))
-        L._triton_linear(x, w, None, None, 0, None, 0, out, cfg)
+        L.linear_with_config(x, w, None, None, 0, None, 0, out, cfg)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     locks = L._LOCKS[("cpu", None)]
@@ -152,7 +152,7 @@ def test_linear_fp8_configs_and_fp16_out(name, dot_fp8):
     xq, xs, wq, ws = _fp8_operands(M, N, K, "channel", True)
     b = torch.randn(N)  # an fp32 bias with fp16 output
     out = poison_(torch.empty(M, N, dtype=torch.float16))
-    L._triton_linear(xq, wq, b, xs.reshape(M), 2, ws, 2, out, {**CONFIGS[name], "DOT_FP8": dot_fp8})
+    L.linear_with_config(xq, wq, b, xs.reshape(M), 2, ws, 2, out, {**CONFIGS[name], "DOT_FP8": dot_fp8})
     assert_close(out, L.linear_fp8_ref(xq, xs, wq, ws, b, out_dtype=torch.float16))
 
 
@@ -354,12 +354,12 @@ def test_tuner_candidates_are_valid_and_correct(M):
     for cfg in fma:
         x, w = torch.randn(M, K).bfloat16(), _weight(N, K, torch.bfloat16)
         out = poison_(torch.empty(M, N, dtype=torch.bfloat16))
-        L._triton_linear(x, w, None, None, 0, None, 0, out, cfg)
+        L.linear_with_config(x, w, None, None, 0, None, 0, out, cfg)
         assert_close(out, L.linear_ref(x, w))
     for cfg in dot:
         xq, xs, wq, ws = _fp8_operands(M, N, K, "tensor", False)
         out = poison_(torch.empty(M, N, dtype=torch.bfloat16))
-        L._triton_linear(xq, wq, None, xs, 1, ws, 1, out, cfg)
+        L.linear_with_config(xq, wq, None, xs, 1, ws, 1, out, cfg)
         assert_close(out, L.linear_fp8_ref(xq, xs, wq, ws))
 
 

@@ -105,9 +105,9 @@ def test_every_tuner_candidate(dkey, M):
     for cfg in cands + [{**c, "PREFETCH": True} for c in cands if c["kind"] == "fma"]:
         out = poison_(torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
         if dkey == "fp8":
-            L._triton_linear(xq, wq, None, xs, 1, ws, 1, out, cfg)
+            L.linear_with_config(xq, wq, None, xs, 1, ws, 1, out, cfg)
         else:
-            L._triton_linear(x, w, None, None, 0, None, 0, out, cfg)
+            L.linear_with_config(x, w, None, None, 0, None, 0, out, cfg)
         try:
             assert_close(out, ref)
         except AssertionError as e:
@@ -120,10 +120,10 @@ def test_split_k_is_deterministic_and_counters_reset():
     w = _weight(4096, 14336, torch.bfloat16)
     cfg = dict(kind="dot", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=16, num_warps=4, num_stages=4)
     first = torch.empty(5, 4096, device=DEV, dtype=torch.bfloat16)
-    L._triton_linear(x, w, None, None, 0, None, 0, first, cfg)
+    L.linear_with_config(x, w, None, None, 0, None, 0, first, cfg)
     for _ in range(50):
         out = poison_(torch.empty_like(first))
-        L._triton_linear(x, w, None, None, 0, None, 0, out, cfg)
+        L.linear_with_config(x, w, None, None, 0, None, 0, out, cfg)
         assert torch.equal(out, first), "split-K result changed between identical launches"
     torch.cuda.synchronize()
     assert int(L._LOCKS[("cuda", x.device.index)].abs().sum()) == 0
@@ -172,11 +172,11 @@ def test_capture_before_any_call_falls_back_to_one_split():
         x, w = torch.randn(2, 4096, device=DEV).bfloat16(), _weight(4096, 4096, torch.bfloat16)
         cfg = dict(kind="dot", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=4)
         out = torch.empty(2, 4096, device=DEV, dtype=torch.bfloat16)
-        L._triton_linear(x, w, None, None, 0, None, 0, out, {**cfg, "SPLIT_K": 1})  # compile only
+        L.linear_with_config(x, w, None, None, 0, None, 0, out, {**cfg, "SPLIT_K": 1})  # compile only
         L._LOCKS.clear()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            L._triton_linear(x, w, None, None, 0, None, 0, out, cfg)
+            L.linear_with_config(x, w, None, None, 0, None, 0, out, cfg)
         assert not L._LOCKS, "a counter buffer was allocated inside the capture"
         poison_(out)
         g.replay()
@@ -206,7 +206,7 @@ def test_fp8_bias_cancelling_a_large_product_rounds_once(scales):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for cfg in candidates(M, N, K, "fp8", sms):
         out = poison_(torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
-        L._triton_linear(xq, wq, b, xs.reshape(-1), x_mode, ws, w_mode, out, cfg)
+        L.linear_with_config(xq, wq, b, xs.reshape(-1), x_mode, ws, w_mode, out, cfg)
         assert _ulps(out, ref) <= 1, f"config {cfg}: {_ulps(out, ref)} ulps"
 
 
@@ -270,8 +270,8 @@ def test_programmatic_dependent_launch(kind, prefetch):
     y = torch.empty(M, K, device=DEV, dtype=torch.bfloat16)
 
     def chain():  # y = (x @ w.T) @ w2.T: the second launch depends on the first's output
-        L._triton_linear(x, w, None, None, 0, None, 0, h, cfg)
-        L._triton_linear(h, w2, None, None, 0, None, 0, y, cfg)
+        L.linear_with_config(x, w, None, None, 0, None, 0, h, cfg)
+        L.linear_with_config(h, w2, None, None, 0, None, 0, y, cfg)
 
     chain()
     torch.cuda.synchronize()
@@ -374,7 +374,8 @@ def test_fp8_recipe_on_the_interpreter_rounds_once(scales):
     w_mode = SCALE_TENSOR if ws.numel() == 1 else SCALE_VECTOR
     for cfg in RECIPE_CONFIGS:
         out = poison_(torch.empty(M, N, dtype=torch.float16))
-        L._triton_linear(xq, wq, b, xs.reshape(-1), x_mode, ws, w_mode, out, {"num_warps": 4, "num_stages": 1, **cfg})
+        cfg = {"num_warps": 4, "num_stages": 1, **cfg}
+        L.linear_with_config(xq, wq, b, xs.reshape(-1), x_mode, ws, w_mode, out, cfg)
         assert _ulps(out, ref) <= 1, f"config {cfg}: {_ulps(out, ref)} ulps"
     y = L.linear_fp8(xq, xs, wq, ws, b, out_dtype=torch.float16, backend="triton")
     assert _ulps(y, ref) <= 1

@@ -334,7 +334,7 @@ def test_every_path_and_format(name, fmt):
     x = _x(M, K)
     b = torch.randn(N).half()
     out = poison_(torch.empty(M, N, dtype=torch.float16))
-    I._triton_int4_linear(x, w, b, out, CONFIGS[name])
+    I.int4_linear_with_config(x, w, b, out, CONFIGS[name])
     assert_close(out, I.int4_linear_ref(x, w, b))
 
 
@@ -397,7 +397,7 @@ def test_split_k_is_deterministic_and_resets_its_counters():
     outs = []
     for _ in range(2):
         out = poison_(torch.empty(3, 40, dtype=torch.float16))
-        I._triton_int4_linear(x, w, None, out, CONFIGS["dot_split3"])
+        I.int4_linear_with_config(x, w, None, out, CONFIGS["dot_split3"])
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert int(_LOCKS[("cpu", None)].abs().sum()) == 0, "split-K tile counters were not reset to 0"
@@ -486,7 +486,7 @@ def test_w4a8_paths_and_formats(name, per_token, fmt):
     xq, xs = _fp8_x(M, K, per_token)
     b = torch.randn(N).bfloat16()
     out = poison_(torch.empty(M, N, dtype=torch.float16))
-    I._triton_int4_linear(xq, w, b, out, cfgs[name], xs.reshape(-1))
+    I.int4_linear_with_config(xq, w, b, out, cfgs[name], xs.reshape(-1))
     ref = I.int4_linear_fp8_ref(xq, xs, w, b, out_dtype=torch.float16)
     assert_close(out, ref)
 

@@ -61,7 +61,7 @@ def _warm(x, w, x_scale=None) -> None:
     op = "int4_linear" if x_scale is None else "int4_linear_fp8"
     _, cfg = I.get_int4_config(x.shape[0], w.N, x.shape[1], w.group_size, x.device, op=op)
     out = torch.empty(x.shape[0], w.N, device=x.device, dtype=torch.bfloat16 if x_scale is not None else x.dtype)
-    I._triton_int4_linear(x, w, None, out, cfg, None if x_scale is None else x_scale.reshape(-1), warmup=True)
+    I.int4_linear_with_config(x, w, None, out, cfg, None if x_scale is None else x_scale.reshape(-1), warmup=True)
 
 
 @pytest.fixture(scope="module")
@@ -147,13 +147,13 @@ def test_every_tuner_candidate(M, caplog):
     picked = [c for c in every if c["SPLIT_K"] == 1 or (c["SPLIT_K"] == 4 and c["BLOCK_N"] == bn0
                                                         and c.get("num_stages", 1) == st0)]
     # their compiles in parallel threads first, as the tuner does (kernels.compile.precompile)
-    precompile(lambda c: I._triton_int4_linear(x, w, None, torch.empty_like(ref, dtype=torch.bfloat16), c,
+    precompile(lambda c: I.int4_linear_with_config(x, w, None, torch.empty_like(ref, dtype=torch.bfloat16), c,
                                                warmup=True), picked)
     for cfg in picked:
         out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="fastdecode"):
-            ran = B.try_config(lambda c: I._triton_int4_linear(x, w, None, out, c), cfg, f"M={M}")
+            ran = B.try_config(lambda c: I.int4_linear_with_config(x, w, None, out, c), cfg, f"M={M}")
         if ran:
             _close(out, ref)
             launched.append(cfg)
@@ -183,11 +183,11 @@ def test_precompile_fills_the_jit_cache_before_the_launches():
                  PREFETCH=pf) for bn in (8, 16) for pf in (False, True)]
     before = cached()
     out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
-    assert precompile(lambda c: I._triton_int4_linear(x, w, None, out, c, warmup=True), cfgs) == len(cfgs)
+    assert precompile(lambda c: I.int4_linear_with_config(x, w, None, out, c, warmup=True), cfgs) == len(cfgs)
     assert cached() == before + len(cfgs)
     for c in cfgs:
         y = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
-        I._triton_int4_linear(x, w, None, y, c)
+        I.int4_linear_with_config(x, w, None, y, c)
         _close(y, I.int4_linear_ref(x, w))
     assert cached() == before + len(cfgs)
 
@@ -249,7 +249,7 @@ def test_split_k_deterministic_graph_capture_and_compile():
     outs = []
     for _ in range(3):
         out = torch.empty(1, N, device=DEV, dtype=torch.bfloat16)
-        I._triton_int4_linear(x, w, None, out, cfg)
+        I.int4_linear_with_config(x, w, None, out, cfg)
         outs.append(out)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     # graph capture: allocate once (warm-up), capture, replay with fresh inputs
@@ -278,8 +278,8 @@ def test_dot_fast_conversion_equals_portable(fmt, g, x_dtype):
     cfg = dict(kind="dot", BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3)
     fast = torch.full((M, N), float("nan"), device=DEV, dtype=x_dtype)
     slow = torch.full((M, N), float("nan"), device=DEV, dtype=x_dtype)
-    I._triton_int4_linear(x, w, None, fast, cfg)
-    I._triton_int4_linear(x, w, None, slow, {**cfg, "fast_cvt": False})
+    I.int4_linear_with_config(x, w, None, fast, cfg)
+    I.int4_linear_with_config(x, w, None, slow, {**cfg, "fast_cvt": False})
     _close(fast, slow)
     _close(fast, I.int4_linear_ref(x, w))
 
@@ -355,7 +355,7 @@ def test_tuner_skips_a_config_that_cannot_launch_with_one_log_line(monkeypatch, 
     def check(cfg):
         out = torch.full((M, N), float("nan"), device=dev, dtype=x.dtype)
         checked.append(cfg)
-        I._triton_int4_linear(x, w, None, out, cfg)
+        I.int4_linear_with_config(x, w, None, out, cfg)
         err = (out.float() - ref.float()).abs().max().item()
         return None if err <= 1e-2 else f"max error {err:.3g}"
 
@@ -393,7 +393,7 @@ def test_fp16_scales_under_bf16_activations_round_once():
     assert not fast_cvt_ok(x, True, 0, torch.float16) and fast_cvt_ok(x, True, 0, torch.bfloat16)
     cfg = dict(kind="dot", BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3)
     y = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
-    I._triton_int4_linear(x, w, None, y, cfg)
+    I.int4_linear_with_config(x, w, None, y, cfg)
     ref = I.int4_linear_ref(x, w).float()
     old = I.int4_linear_ref(x, dataclasses.replace(w, scales=w.scales.bfloat16(), mins=w.mins.bfloat16())).float()
     rms = lambda t: t.pow(2).mean().sqrt().item()  # noqa: E731

@@ -98,7 +98,7 @@ class _Operands:
 
     def calls(self, M: int, impl: str, config: Optional[dict] = None) -> list:
         """One closure per rotated copy. impl: 'cublas' | 'triton' (explicit config) | 'dispatch'."""
-        from fastdecode.ops.gemm import _triton_linear, linear, linear_fp8
+        from fastdecode.ops.gemm import linear_with_config, linear, linear_fp8
 
         x = self.x_all[:M]
         fns = []
@@ -111,14 +111,14 @@ class _Operands:
                         return torch._scaled_mm(x, w.t(), xs.reshape(M, 1), ws.reshape(1, -1),
                                                 out_dtype=torch.bfloat16, out=out)
                 elif impl == "triton":
-                    fn = lambda x=x, w=w, out=out: _triton_linear(x, w, None, xs, 2, ws, 2, out, config)  # noqa: E731
+                    fn = lambda x=x, w=w, out=out: linear_with_config(x, w, None, xs, 2, ws, 2, out, config)  # noqa: E731
                 else:
                     fn = lambda x=x, w=w, out=out: linear_fp8(x, xs.reshape(M, 1), w, ws, out=out)  # noqa: E731
             else:
                 if impl == "cublas":
                     fn = lambda x=x, w=w, out=out: torch.mm(x, w.t(), out=out)  # noqa: E731
                 elif impl == "triton":
-                    fn = lambda x=x, w=w, out=out: _triton_linear(x, w, None, None, 0, None, 0, out, config)  # noqa: E731
+                    fn = lambda x=x, w=w, out=out: linear_with_config(x, w, None, None, 0, None, 0, out, config)  # noqa: E731
                 else:
                     fn = lambda x=x, w=w, out=out: linear(x, w, out=out)  # noqa: E731
             fns.append(fn)
@@ -188,7 +188,7 @@ def _compile_job(job) -> int:
     dkey, items = job
     import torch
 
-    from fastdecode.ops.gemm import _triton_linear
+    from fastdecode.ops.gemm import linear_with_config
 
     n, done = 64, 0
     for K, M, cfg in items:
@@ -197,11 +197,12 @@ def _compile_job(job) -> int:
             if dkey == "fp8":
                 x, w = torch.zeros(M, K, device="cuda").to(FP8), torch.zeros(n, K, device="cuda").to(FP8)
                 # row-wise scales (mode 2), as _Operands times them: the same compiled kernel
-                _triton_linear(x, w, None, torch.ones(M, device="cuda"), 2, torch.ones(n, device="cuda"), 2, out, cfg)
+                xs, ws = torch.ones(M, device="cuda"), torch.ones(n, device="cuda")
+                linear_with_config(x, w, None, xs, 2, ws, 2, out, cfg)
             else:
                 x = torch.zeros(M, K, device="cuda", dtype=torch.bfloat16)
                 w = torch.zeros(n, K, device="cuda", dtype=torch.bfloat16)
-                _triton_linear(x, w, None, None, 0, None, 0, out, cfg)
+                linear_with_config(x, w, None, None, 0, None, 0, out, cfg)
             done += 1
         except Exception:  # the tuner reports (and skips) configs that do not compile
             pass

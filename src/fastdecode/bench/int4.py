@@ -72,7 +72,9 @@ class _Operands:
 
     def calls(self, M: int, impl: str, config: Optional[dict] = None) -> list:
         """impl: 'cublas' | 'dispatch' | 'dispatch_fp8' | 'triton' / 'triton_fp8' (explicit config) | 'dequant'."""
-        from fastdecode.ops.int4 import _dequant_cublas, _triton_int4_linear, int4_linear, int4_linear_fp8
+        from fastdecode.ops.int4 import (
+            int4_linear, int4_linear_dequant_cublas, int4_linear_fp8, int4_linear_with_config,
+        )
 
         x, xq, xs = self.x_all[:M], self.xq_all[:M], self.xs_all[:M]
         fns = []
@@ -88,11 +90,11 @@ class _Operands:
             elif impl == "dispatch_fp8":
                 fn = lambda p=p, out=out: int4_linear_fp8(xq, xs, p, out=out)  # noqa: E731
             elif impl == "triton":
-                fn = lambda p=p, out=out: _triton_int4_linear(x, p, None, out, config)  # noqa: E731
+                fn = lambda p=p, out=out: int4_linear_with_config(x, p, None, out, config)  # noqa: E731
             elif impl == "triton_fp8":
-                fn = lambda p=p, out=out: _triton_int4_linear(xq, p, None, out, config, xs.reshape(-1))  # noqa: E731
+                fn = lambda p=p, out=out: int4_linear_with_config(xq, p, None, out, config, xs.reshape(-1))  # noqa: E731
             elif impl == "dequant":
-                fn = lambda p=p, out=out: _dequant_cublas(x, p, None, out)  # noqa: E731
+                fn = lambda p=p, out=out: int4_linear_dequant_cublas(x, p, None, out)  # noqa: E731
             else:
                 raise ValueError(f"unknown impl {impl!r}")
             fns.append(fn)
@@ -100,10 +102,10 @@ class _Operands:
 
     def warm(self, M: int, config: dict, fp8: bool = False) -> None:
         """Compile (only) the kernel of ``config`` for these operands (``kernels.compile.precompile``)."""
-        from fastdecode.ops.int4 import _triton_int4_linear
+        from fastdecode.ops.int4 import int4_linear_with_config
 
         x, xs = (self.xq_all[:M], self.xs_all[:M].reshape(-1)) if fp8 else (self.x_all[:M], None)
-        _triton_int4_linear(x, self.packed[0], None, self.out_all[0][:M], config, xs, warmup=True)
+        int4_linear_with_config(x, self.packed[0], None, self.out_all[0][:M], config, xs, warmup=True)
 
     def reference(self, M: int, fp8: bool = False) -> torch.Tensor:
         w = self.w_bf16[0].float()

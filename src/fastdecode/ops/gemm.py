@@ -145,8 +145,10 @@ def get_linear_config(M: int, N: int, K: int, dtype: torch.dtype, device=None,
 _LOCKS = SPLIT_K_LOCKS  # the split-K counters (ops._tuned); tests/test_gemm*.py read them as gemm._LOCKS
 
 
-def _triton_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, config: dict) -> None:
-    """Run the skinny kernel on 2-D views with an explicit config (the tuner calls this too)."""
+def linear_with_config(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, config: dict) -> None:
+    """Run the skinny kernel on 2-D views with an explicit config: the entry point of the tuner and the GEMM
+    benchmark (``fastdecode.bench.gemm``). No validation and no dispatch: ``linear`` / ``linear_fp8`` are the
+    checked ops. x (M, K), weight (N, K); ``x_mode`` / ``w_mode``: 0 no scale, 1 per tensor, 2 per row."""
     from fastdecode.kernels.gemm import launch_skinny_linear, split_k_blocks
 
     M, K = x.shape
@@ -240,7 +242,7 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if which == "cublas":
         _cublas_linear(x, weight, bias, out)
     else:
-        _triton_linear(x, weight, bias, None, SCALE_NONE, None, SCALE_NONE, out, cfg)
+        linear_with_config(x, weight, bias, None, SCALE_NONE, None, SCALE_NONE, out, cfg)
 
 
 @_linear_op.register_fake
@@ -270,7 +272,7 @@ def _linear_fp8_op(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     if which == "cublas":
         _cublas_linear_fp8(x, x_scale, x_mode, weight, weight_scale, w_mode, bias, out)
     else:
-        _triton_linear(x, weight, bias, x_scale, x_mode, weight_scale, w_mode, out, cfg)
+        linear_with_config(x, weight, bias, x_scale, x_mode, weight_scale, w_mode, out, cfg)
 
 
 @_linear_fp8_op.register_fake

@@ -157,9 +157,10 @@ def _zm(w: Int4Weight) -> Optional[torch.Tensor]:
     return w.zeros if w.zero_mode == "zero" else (w.mins if w.zero_mode == "min" else None)
 
 
-def _triton_int4_linear(x, w: Int4Weight, bias, out, config: dict, x_scale=None, warmup: bool = False) -> None:
-    """Run the kernel on 2-D views (x already in kernel column order) with an explicit config
-    (``warmup``: compile only, see ``kernels.precompile``)."""
+def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=None, warmup: bool = False) -> None:
+    """Run the kernel on 2-D views (x already in kernel column order) with an explicit config: the entry point of
+    the int4 tuner and benchmark (``fastdecode.bench.int4``); no validation and no dispatch (``int4_linear`` /
+    ``int4_linear_fp8`` are the checked ops). ``warmup``: compile only, see ``kernels.precompile``."""
     from fastdecode.kernels.int4 import launch_int4_linear, split_k_blocks
 
     M, K = x.shape
@@ -179,8 +180,9 @@ def _triton_int4_linear(x, w: Int4Weight, bias, out, config: dict, x_scale=None,
                        x_scale, xs_mode, warmup=warmup)
 
 
-def _dequant_cublas(x, w: Int4Weight, bias, out) -> None:
-    """Large M: dequantise into a scratch (N, K) buffer with the Triton kernel, then cuBLAS."""
+def int4_linear_dequant_cublas(x, w: Int4Weight, bias, out) -> None:
+    """Large M: dequantise into a scratch (N, K) buffer with the Triton kernel, then cuBLAS (the dispatcher's
+    ``impl="dequant"``; the int4 benchmark times it on its own)."""
     from fastdecode.kernels.int4_dequant import launch_int4_dequant
 
     wd = torch.empty(w.N, w.K, dtype=x.dtype, device=x.device)
@@ -210,9 +212,9 @@ def _int4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     elif impl == "dequant":
         which = "dequant"
     if which == "dequant":
-        _dequant_cublas(x, w, bias, out)
+        int4_linear_dequant_cublas(x, w, bias, out)
     else:
-        _triton_int4_linear(x, w, bias, out, cfg)
+        int4_linear_with_config(x, w, bias, out, cfg)
 
 
 @_int4_linear_op.register_fake
@@ -235,7 +237,7 @@ def _int4_linear_fp8_op(x: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
         x = x.view(torch.uint8).index_select(1, perm).view(x.dtype)
     M, K = x.shape
     _, cfg = get_int4_config(M, w.N, K, group_size, x.device, op="int4_linear_fp8")
-    _triton_int4_linear(x, w, bias, out, cfg, x_scale)
+    int4_linear_with_config(x, w, bias, out, cfg, x_scale)
 
 
 @_int4_linear_fp8_op.register_fake
