@@ -224,7 +224,8 @@ def test_max_seq_len_capped_at_the_models_context(tiny, monkeypatch, capsys):
     from fastdecode.engine import generate
 
     seen, orig = [], generate.check_kv_memory
-    monkeypatch.setattr(generate, "check_kv_memory", lambda cfg, b, t, *a: (seen.append(t), orig(cfg, b, t, *a))[1])
+    monkeypatch.setattr(generate, "check_kv_memory",
+                        lambda cfg, b, t, *a, **kw: (seen.append(t), orig(cfg, b, t, *a, **kw))[1])
     assert cli.main(["generate", "hi", "--model", tiny, "--device", "cpu", "--max-seq-len", "4096",
                      "--max-new-tokens", "2"]) == 0
     err = capsys.readouterr().err

@@ -96,8 +96,12 @@ def test_tune_int4_merges_into_a_copy_of_the_package_table(gpu, tmp_path):
 
 
 def test_int4_tune_merge_keeps_the_entries_it_does_not_tune(tmp_path):
-    from fastdecode.bench.int4 import start_table
+    """The tuners' table start (``bench.harness.start_table``; the int4 and GEMM tuners both use it)."""
+    import functools
 
+    from fastdecode.bench.harness import start_table
+
+    start_table = functools.partial(start_table, sections=("int4_linear", "int4_linear_fp8"))
     path = tmp_path / "t.json"
     old = {"gpu": "NVIDIA H200", "env": {"git_sha": "old"}, "int4_linear": {"4096,4096,128": {"16": {"impl": "x"}}},
            "int4_linear_fp8": {}}

@@ -229,9 +229,10 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     from fastdecode.engine.kv_cache import KVCache, check_kv_memory
     from fastdecode.engine.loader import load, random_model
     from fastdecode.models.config import PRESETS, ModelConfig
-    from fastdecode.models.llama import Int4Linear
+    from fastdecode.models.int4 import Int4Linear
 
     tp = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
+    kv_group = dist.group.WORLD if tp is not None else None  # the KV-memory check agreed by every rank
     if device is None and tp is not None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -247,7 +248,8 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         if layers:
             cfg = cfg.replace(n_layers=layers)
         model = random_model(cfg, device=device, dtype=dtype, max_seq_len=max_seq, tp=tp)
-        check_kv_memory(model.config, batch, max_seq, dtype, device, fix=KV_FIX)  # before the peer's cache and ours
+        # before the peer's cache and ours
+        check_kv_memory(model.config, batch, max_seq, dtype, device, fix=KV_FIX, group=kv_group)
         if want_peer:  # from the dense weights, before fastdecode quantises (and frees) them
             peer, peer_error = _try_build_peer(model, quant, batch, max_seq)
         if quant is not None or quant_head is not None:
@@ -265,7 +267,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         loaded = load_tp(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant,
                          quant_head=quant_head)
         model, cfg = loaded.model, loaded.config
-        check_kv_memory(model.config, batch, max_seq, dtype, device, fix=KV_FIX)
+        check_kv_memory(model.config, batch, max_seq, dtype, device, fix=KV_FIX, group=kv_group)
     else:
         loaded = load(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant,
                       quant_head=quant_head)

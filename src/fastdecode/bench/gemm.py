@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import triton
 
-from fastdecode.bench.harness import env_info, geomean, make_row, rotation_count, time_cuda, write_rows
+from fastdecode.bench.harness import geomean, make_row, rotation_count, start_table, time_cuda, write_rows
 
 SHAPES = {  # name: (N, K)
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -269,9 +269,8 @@ def tune(out_path=None, *, shapes=None, ms: Sequence[int] = TUNE_MS,
     gpu = torch.cuda.get_device_name()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     path = Path(out_path) if out_path else config_path(gpu)
-    table = json.loads(path.read_text()) if path.is_file() else {}
-    table.update({"gpu": gpu, "num_sms": num_sms, "env": env_info()})
-    lin = table.setdefault("linear", {})
+    table = start_table(path, gpu, num_sms, True, ("linear",))  # an existing table is updated
+    lin = table["linear"]
     shapes = _shapes(shapes)
     ms = (1, 4, 16, 64, 256) if quick else tuple(sorted(set(int(m) for m in ms)))
     for d in dtypes:

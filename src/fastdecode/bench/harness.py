@@ -50,6 +50,21 @@ def env_info() -> dict:
     return info
 
 
+
+def start_table(path: Path, gpu_name: str, num_sms: int, merge: bool, sections: Sequence[str]) -> dict:
+    """The dispatcher table a tuning run fills: the header (GPU, SM count, this run's ``env``) and ``sections``,
+    empty, or with ``merge`` everything of the table already at ``path``, which must have been tuned on the same
+    GPU (``merged_into``: that run's env); the run then replaces the entries it tunes, one by one."""
+    old = json.loads(path.read_text()) if merge and path.is_file() else {}
+    if old.get("gpu", gpu_name) != gpu_name:
+        raise ValueError(f"{path} was tuned on {old.get('gpu')!r}, not on this {gpu_name!r}: not merging")
+    table = {**old, "gpu": gpu_name, "num_sms": num_sms, "env": env_info()}
+    if old:
+        table["merged_into"] = old.get("env")
+    for name in sections:
+        table.setdefault(name, {})
+    return table
+
 def l2_bytes() -> int:
     if torch.cuda.is_available():
         return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", L2_BYTES_DEFAULT))

@@ -23,7 +23,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from fastdecode.bench.harness import env_info, geomean, make_row, print_table, rotation_count, time_cuda, write_rows
+from fastdecode.bench.harness import (
+    env_info, geomean, make_row, print_table, rotation_count, start_table, time_cuda, write_rows,
+)
 from fastdecode.bench.gemm import SHAPES  # the eight Llama projections (N x K), as the GEMM benchmark's
 from fastdecode.kernels.compile import precompile
 
@@ -230,19 +232,6 @@ def fastest(cands, check, time, what: str, warm=None) -> Optional[tuple[float, d
     return best
 
 
-def start_table(path: Path, gpu_name: str, num_sms: int, merge: bool) -> dict:
-    """The table a tuning run fills: empty, or with ``merge`` the entries of the table at ``path`` (tuned on
-    the same GPU; ``merged_into`` keeps that run's env)."""
-    table = {"gpu": gpu_name, "num_sms": num_sms, "env": env_info(), "int4_linear": {}, "int4_linear_fp8": {}}
-    if merge and path.exists():
-        old = json.loads(path.read_text())
-        if old.get("gpu") != gpu_name:
-            raise ValueError(f"{path} was tuned on {old.get('gpu')!r}, not on this {gpu_name!r}: not merging")
-        table.update({op: old.get(op, {}) for op in ("int4_linear", "int4_linear_fp8")})
-        table["merged_into"] = old.get("env")
-    return table
-
-
 def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, groups=(GROUP,), fp8: bool = True,
          max_candidates: Optional[int] = None, quick: bool = False, merge: bool = False,
          small_m_dot: bool = False) -> dict:
@@ -258,7 +247,8 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
     ms = tuple(ms or (QUICK_TUNE_MS if quick else TUNE_MS))
     name = torch.cuda.get_device_name()
     path = Path(out_path) if out_path else config_path(name)
-    table = start_table(path, name, torch.cuda.get_device_properties(0).multi_processor_count, merge)
+    table = start_table(path, name, torch.cuda.get_device_properties(0).multi_processor_count, merge,
+                        ("int4_linear", "int4_linear_fp8"))
     limit = smem_limit(torch.device("cuda"))
     path.parent.mkdir(parents=True, exist_ok=True)
     for (sname, (N, K)), g in itertools.product(shapes.items(), groups):

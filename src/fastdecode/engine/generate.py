@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from fastdecode.engine.kv_cache import KVCache, KVCacheMemoryError, check_kv_memory
+from fastdecode.engine.kv_cache import KVCache, check_kv_memory
 from fastdecode.engine.sampler import Sampler, SamplingParams
 
 Prompt = Union[str, Sequence[int]]
@@ -75,7 +75,9 @@ class Engine:
             raise ValueError(f"max_seq_len ({max_seq_len}) exceeds the model's RoPE table ({model.rope_len}); "
                              "load the model with a larger max_seq_len")
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self._check_kv_memory(max_batch, max_seq_len)  # before allocating
+        # before allocating; under TP every rank agrees (one short of memory stops all)
+        check_kv_memory(model.config, max_batch, max_seq_len, self.dtype, self.device,
+                        group=getattr(getattr(model, "tp", None), "group", None))
         self.cache = KVCache(model.config, max_batch, max_seq_len, dtype=self.dtype, device=self.device)
         if cuda_graph is None:
             cuda_graph = self.device.type == "cuda"
@@ -85,22 +87,6 @@ class Engine:
 
             self.graphs = DecodeGraphRunner(model, self.cache, buckets=batch_buckets)
             self.graphs.capture()
-
-    def _check_kv_memory(self, max_batch: int, max_seq_len: int) -> None:
-        """``check_kv_memory`` on this rank; under tensor parallelism agreed by every rank (``tp.agree``), so a
-        rank whose GPU has less free memory stops all of them instead of leaving the others at a collective."""
-        group = getattr(getattr(self.model, "tp", None), "group", None)
-        if group is None:
-            check_kv_memory(self.model.config, max_batch, max_seq_len, self.dtype, self.device)
-            return
-        from fastdecode.engine.tp import agree
-
-        err = None
-        try:
-            check_kv_memory(self.model.config, max_batch, max_seq_len, self.dtype, self.device)
-        except KVCacheMemoryError as e:
-            err = f"KVCacheMemoryError: {e}"
-        agree(err, group)
 
     # ------------------------------------------------------------------ steps
 

@@ -79,14 +79,24 @@ def _size(n: int) -> str:
 
 
 def check_kv_memory(cfg: ModelConfig, max_batch: int, max_seq_len: int, dtype, device, *,
-                    fix: str = "lower --max-seq-len (max_seq_len)") -> int:
+                    fix: str = "lower --max-seq-len (max_seq_len)", group=None) -> int:
     """The KV cache's bytes; raises ``KVCacheMemoryError`` (naming the bytes needed and available, and ``fix``:
-    what the caller's user can lower) before anything is allocated when they exceed ``available_memory(device)``."""
+    what the caller's user can lower) before anything is allocated when they exceed ``available_memory(device)``.
+
+    ``group``: a tensor-parallel process group whose ranks all check (a collective): a rank short of memory then
+    stops every rank (``engine.tp.agree``: ``TPLoadError`` naming it) instead of leaving the others at the next
+    collective."""
     need = kv_cache_bytes(cfg, max_batch, max_seq_len, dtype)
     have = available_memory(device)
+    err = None
     if have is not None and need > have:
-        raise KVCacheMemoryError(
-            f"the KV cache needs {_size(need)}: {cfg.n_layers} layers x 2 (K, V) x {cfg.n_kv_heads} KV heads x "
-            f"{cfg.head_dim} head dim x {max_seq_len} positions x batch {max_batch} x {dtype.itemsize} bytes, but only "
-            f"{_size(have)} is available on {torch.device(device)}; {fix}")
+        err = (f"the KV cache needs {_size(need)}: {cfg.n_layers} layers x 2 (K, V) x {cfg.n_kv_heads} KV heads x "
+               f"{cfg.head_dim} head dim x {max_seq_len} positions x batch {max_batch} x {dtype.itemsize} bytes, but "
+               f"only {_size(have)} is available on {torch.device(device)}; {fix}")
+    if group is not None:
+        from fastdecode.engine.tp import agree
+
+        agree(None if err is None else f"KVCacheMemoryError: {err}", group)
+    if err is not None:
+        raise KVCacheMemoryError(err)
     return need
