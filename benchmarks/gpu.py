@@ -59,13 +59,14 @@ def _decode(out: Path, *args: str) -> list[str]:
 
 
 def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "int4"), tune_dtypes=("bf16", "fp8"),
-                   gpu="nvidia_h200", tune_int4_ms=None) -> list[tuple[str, list[str], int]]:
+                   gpu="nvidia_h200", tune_int4_ms=None, tune_int4_fp8=True) -> list[tuple[str, list[str], int]]:
     """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests)."""
     if name == "tune":
         return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes,
                                     "--out", str(out / "configs" / f"linear_{gpu}.json")), 420)]
     if name == "tune-int4":
         ms = ["--ms", ",".join(map(str, tune_int4_ms))] if tune_int4_ms else []
+        ms += [] if tune_int4_fp8 else ["--no-fp8"]
         return [("tune int4", [PY, "-m", "fastdecode.bench.int4", "tune", "--merge", "--quick", *ms,
                                "--out", str(out / "configs" / f"int4_linear_{gpu}.json")], 480)]
     if name == "kernels":
@@ -262,6 +263,7 @@ def main(argv=None) -> int:
     p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4"], choices=["bf16", "fp8", "int4"],
                    help="decode: the weight formats to run")
     p.add_argument("--tune-int4-ms", default=None, help="tune-int4: comma-separated token counts (default all)")
+    p.add_argument("--tune-int4-no-fp8", action="store_true", help="tune-int4: W4A16 only (the W4A8 section is kept)")
     p.add_argument("--tune-dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                    help="tune: the linear table's sections to tune (the others are kept)")
     a = p.parse_args(argv)
@@ -308,7 +310,7 @@ def main(argv=None) -> int:
                 if table.is_file() and not (cfg_dir / table.name).exists():
                     shutil.copy(table, cfg_dir)
         int4_ms = [int(m) for m in a.tune_int4_ms.split(",")] if a.tune_int4_ms else None
-        steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms)
+        steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms, not a.tune_int4_no_fp8)
         if not steps:
             summary.append((s, f"not run: needs 2+ GPUs, this machine has {n_gpu}", 0))
         for label, cmd, timeout in steps:

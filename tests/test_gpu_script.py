@@ -93,6 +93,8 @@ def test_tune_int4_merges_into_a_copy_of_the_package_table(gpu, tmp_path):
     assert argv[argv.index("--ms") + 1] == "1,2,4,8"
     assert Path(argv[argv.index("--out") + 1]) == tmp_path / "configs" / "int4_linear_nvidia_h200.json"
     assert "--ms" not in gpu.suite_commands("tune-int4", tmp_path, 1)[0][1]  # default: every M
+    assert "--no-fp8" not in argv  # default: W4A8 too
+    assert "--no-fp8" in gpu.suite_commands("tune-int4", tmp_path, 1, tune_int4_fp8=False)[0][1]
 
 
 def test_int4_tune_merge_keeps_the_entries_it_does_not_tune(tmp_path):

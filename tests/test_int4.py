@@ -544,6 +544,7 @@ sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", 
        "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"] == "dot", UNIFORM=True, SPG=4,
               EVEN_K=True, X_SCALE_MODE=0, FAST_CVT=cfg["kind"] == "dot", PREFETCH=cfg.get("PF", False),
+              LOP3_ASM=cfg["kind"] == "fma",
               BLOCK_M=cfg["BLOCK_M"],
               BLOCK_N=cfg["BLOCK_N"], BLOCK_K=256, SPLIT=True)
 sig.update({k: "constexpr" for k in consts})
@@ -563,8 +564,9 @@ sys.stdout.write(cc.asm["ptx"])
 ], ids=["fma_m1_sym", "fma_m4_min", "dot_m16_zero_bf16", "dot_m64_min_fp16"])
 def test_sm90_code_converts_int4_without_float_conversions(cfg):
     """Speed guard, compiled ahead of time for sm_90 (Triton bundles ptxas; no GPU needed): the FMA loop
-    turns nibbles into fp32 with bit operations only (no cvt of weights, one FFMA per value and row plus
-    the group fold) and the dot loop converts two nibbles per LOP3 and packed 16-bit FMA (the inline PTX)."""
+    turns nibbles into fp32 with one LOP3 each (no cvt of weights), then one FFMA per value for q - zero
+    and one per value and row, plus the group fold; the dot loop converts two nibbles per LOP3 and packed
+    16-bit FMA (the inline PTX)."""
     import re
 
     body = k_loop(sm90_ptx(_COMPILE_SNIPPET, json.dumps(cfg)))
@@ -572,9 +574,14 @@ def test_sm90_code_converts_int4_without_float_conversions(cfg):
     if cfg["kind"] == "fma":
         assert not re.search(r"cvt\.rn\.(bf16|f16)", body), "the FMA loop rounds weights to 16 bits"
         assert not re.search(r"cvt\.rn\.f32\.[su]32", body), "the FMA loop converts ints to float"
-        ffma = len(re.findall(r"\bfma\.rn\.f32", body))
-        # + one fold per group and row (+ the min term of "min"); the sum of x of a group rides along
-        assert values * cfg["BLOCK_M"] <= ffma <= values * cfg["BLOCK_M"] * (1.7 if cfg["ZM"] == 2 else 1.3), ffma
+        # one LOP3 per value (the inline PTX: nibble -> fp32 2**23 + q * 16**j, AND and OR in one)
+        assert len(re.findall(r"lop3\.b32", body)) == values, "nibble extraction: one LOP3 per value"
+        # fp32 maths per value: d = f * 16**-j - (2**(23 - 4j) + zero) (an FFMA; an FADD where j = 0), then
+        # one FFMA per token row (an FMUL for a group's first shift) + one fold per group and row (+ the
+        # min term and the sum of x for "min")
+        flops = len(re.findall(r"\b(fma\.rn|mul\.rn|mul|add\.rn|add|sub\.rn|sub)\.f32", body))
+        lo = values * (cfg["BLOCK_M"] + 1)
+        assert lo <= flops <= lo * (1.75 if cfg["ZM"] == 2 else 1.25), (flops, lo)
     else:
         ty = "bf16x2" if cfg["x"] == "bf16" else "f16x2"
         # two packed FMAs per pair: q - zero (exact), then * scale (+ min)

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
 from fastdecode.kernels.int4_dequant import (
-    _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _nibble_f32, _pow16, _slice_params, _uniform,
+    _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _nibble_f32, _nibble_f32_asm, _slice_params, _uniform,
 )
 
 
@@ -47,16 +47,15 @@ def _fma_group(acc, t, s, z, xsum, ZERO_MODE: tl.constexpr):
 
 
 @triton.jit
-def _fold_row(acc, t, xs, d, x, s, z, MUL, FIRST: tl.constexpr, LAST: tl.constexpr, ZERO_MODE: tl.constexpr):
-    """One token row of the FMA path, one shift: ``t += d * x`` (the shift's x pre-divided by its place
-    value), ``xs += x * MUL`` (the group's sum of x, for "min"); the group's last shift folds them
-    into ``acc``. Returns (acc, t, xs)."""
+def _fold_row(acc, t, xs, d, x, s, z, FIRST: tl.constexpr, LAST: tl.constexpr, ZERO_MODE: tl.constexpr):
+    """One token row of the FMA path, one shift: ``t += d * x``, ``xs += x`` (the group's sum of x, for
+    "min"); the group's last shift folds them into ``acc``. Returns (acc, t, xs)."""
     if FIRST:
         t = d * x[None, :]
-        xs = x * MUL
+        xs = x
     else:
         t += d * x[None, :]
-        xs += x * MUL
+        xs += x
     if LAST:
         acc = _fma_group(acc, t, s, z, xs, ZERO_MODE)
     return acc, t, xs
@@ -68,18 +67,21 @@ def _int4_linear_kernel(
     M, N, K, G, KW, stride_xm, stride_om, stride_part, split_k,
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
     UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
-    FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr,
+    FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, LOP3_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles). BLOCK_K is a multiple of 256 (whole layout tiles); KW is the
     number of words per weight row (Kp // 8); columns >= K are masked (x and scales read as 0).
 
     FMA path (weight streaming): nibbles become fp32 ``2**23 + q * 16**j`` in place (``_nibble_f32``,
-    no shifts, no int -> float conversion, no 16-bit rounding); ``d = f - (2**23 + zero * 16**j)`` is the
-    exact integer ``(q - zero) * 16**j``; with UNIFORM slices the scale is applied once per group, not
-    per value: ``t += d * (x * 16**-j)`` over the slices of a group, then ``acc += t * scale`` — per value
-    one LOP3, one FADD and one FFMA per token row. So this path computes with the exact dequantised
-    weight in fp32 (``dequantize_int4`` rounds it to x.dtype; the difference is below that rounding).
+    no shifts, no int -> float conversion, no 16-bit rounding; on the GPU one LOP3 of inline PTX,
+    LOP3_ASM, since ptxas leaves the portable AND and OR as two); ``d = f * 16**-j - (2**(23 - 4j) + zero)``
+    is one FFMA of exact terms, so d is the exact integer ``q - zero`` (``q`` for "min"); with UNIFORM
+    slices the scale is applied once per group, not per value: ``t += d * x`` over the slices of a group,
+    then ``acc += t * scale`` — per value one LOP3 and one FFMA, plus one FFMA per token row (sm_90 SASS
+    of the M = 1, BLOCK_N = 64 loop: 4.5 instructions per value, 6.1 before LOP3_ASM and the one-FFMA d).
+    So this path computes with the exact dequantised weight in fp32 (``dequantize_int4`` rounds it to
+    x.dtype; the difference is below that rounding).
 
     DOT path: ``acc = tl.dot(x, w^T, acc)`` per shift, with ``w`` dequantised to x.dtype as
     ``dequantize_int4`` does: on the GPU (FAST_CVT) eight shifts per word by the packed-pair PTX of
@@ -202,45 +204,51 @@ def _int4_linear_kernel(
                                 mask=m_valid[:, None] & k_mask[None, :], other=0.0)
                     acc = tl.dot(x, tl.trans(w), acc)
                 else:
-                    f = _nibble_f32(qw, qw_hi, p)
-                    MUL = _pow16(p % 4)  # the nibble's place value in f (a constant)
-                    INV = 1.0 / MUL
-                    x0 = tl.load(x0_ptr + kcol, mask=k_mask & (r0 < M), other=0.0).to(tl.float32) * INV
+                    # fp32 2**23 + q * 16**j (j = p % 4), then d = f * 16**-j - (2**(23 - 4j) + zero) in one
+                    # FFMA: both terms are exact, so d = q - zero exactly (q for "min")
+                    if LOP3_ASM:
+                        f = _nibble_f32_asm(qw, qw_hi, p)
+                    else:
+                        f = _nibble_f32(qw, qw_hi, p)
+                    INV = 1.0 / (16.0 ** (p % 4))
+                    BIAS = 8388608.0 * INV
+                    x0 = tl.load(x0_ptr + kcol, mask=k_mask & (r0 < M), other=0.0).to(tl.float32)
                     if BLOCK_M > 1:
-                        x1 = tl.load(x0_ptr + stride_xm + kcol, mask=k_mask & (r0 + 1 < M),
-                                     other=0.0).to(tl.float32) * INV
+                        x1 = tl.load(x0_ptr + stride_xm + kcol, mask=k_mask & (r0 + 1 < M), other=0.0).to(tl.float32)
                     if BLOCK_M > 2:
                         x2 = tl.load(x0_ptr + 2 * stride_xm + kcol, mask=k_mask & (r0 + 2 < M),
-                                     other=0.0).to(tl.float32) * INV
+                                     other=0.0).to(tl.float32)
                         x3 = tl.load(x0_ptr + 3 * stride_xm + kcol, mask=k_mask & (r0 + 3 < M),
-                                     other=0.0).to(tl.float32) * INV
+                                     other=0.0).to(tl.float32)
                     if SPG > 0:
                         first = p % SPG == 0
                         last = p % SPG == SPG - 1
                         s, z = _group_params(s_ptr, z_ptr, rn, G, k0, p, GROUP, ZERO_MODE)
-                        if ZERO_MODE == 2:
-                            d = f - 8388608.0
+                        if ZERO_MODE == 0:
+                            d = f * INV - (BIAS + 8.0)  # constants: one FFMA
+                        elif ZERO_MODE == 1:
+                            d = f * INV - (BIAS + z)
                         else:
-                            d = f - (8388608.0 + z * MUL)
-                        acc0, t0, xs0 = _fold_row(acc0, t0, xs0, d, x0, s, z, MUL, first, last, ZERO_MODE)
+                            d = f * INV - BIAS
+                        acc0, t0, xs0 = _fold_row(acc0, t0, xs0, d, x0, s, z, first, last, ZERO_MODE)
                         if BLOCK_M > 1:
-                            acc1, t1, xs1 = _fold_row(acc1, t1, xs1, d, x1, s, z, MUL, first, last, ZERO_MODE)
+                            acc1, t1, xs1 = _fold_row(acc1, t1, xs1, d, x1, s, z, first, last, ZERO_MODE)
                         if BLOCK_M > 2:
-                            acc2, t2, xs2 = _fold_row(acc2, t2, xs2, d, x2, s, z, MUL, first, last, ZERO_MODE)
-                            acc3, t3, xs3 = _fold_row(acc3, t3, xs3, d, x3, s, z, MUL, first, last, ZERO_MODE)
+                            acc2, t2, xs2 = _fold_row(acc2, t2, xs2, d, x2, s, z, first, last, ZERO_MODE)
+                            acc3, t3, xs3 = _fold_row(acc3, t3, xs3, d, x3, s, z, first, last, ZERO_MODE)
                     else:  # a slice spans groups: per-value scale and zero (a gather; L1 hits)
                         s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE,
                                              UNIFORM)
                         if ZERO_MODE == 2:
-                            w = ((f - 8388608.0) * INV) * s + z
+                            w = (f * INV - BIAS) * s + z
                         else:
-                            w = ((f - (8388608.0 + z * MUL)) * INV) * s
-                        acc0 += w * (x0 * MUL)[None, :]
+                            w = (f * INV - (BIAS + z)) * s
+                        acc0 += w * x0[None, :]
                         if BLOCK_M > 1:
-                            acc1 += w * (x1 * MUL)[None, :]
+                            acc1 += w * x1[None, :]
                         if BLOCK_M > 2:
-                            acc2 += w * (x2 * MUL)[None, :]
-                            acc3 += w * (x3 * MUL)[None, :]
+                            acc2 += w * x2[None, :]
+                            acc3 += w * x3[None, :]
     if not USE_DOT:
         acc = _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M)
 
@@ -276,6 +284,15 @@ def _sm_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def lop3_asm_ok(x) -> bool:
+    """The FMA path's one-instruction nibble extraction (inline PTX): compiled CUDA only."""
+    return x.device.type == "cuda" and not _interpreting()
+
+
 def fast_cvt_ok(x, uniform: bool, x_scale_mode: int = 0, scale_dtype=None) -> bool:
     """The packed-pair PTX conversion of the dot path: CUDA (not the interpreter), 16-bit activations,
     scales (and mins) of the activations' dtype, one group per 32-column slice, and sm_80+
@@ -291,7 +308,7 @@ def fast_cvt_ok(x, uniform: bool, x_scale_mode: int = 0, scale_dtype=None) -> bo
         return False
     if scale_dtype is not None and scale_dtype != x.dtype:
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if _interpreting():
         return False
     return _sm_major(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 8
 
@@ -328,6 +345,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
         USE_DOT=config["kind"] == "dot", UNIFORM=uniform, SPG=spg, EVEN_K=K % bk == 0,
         X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=bool(config.get("PREFETCH", False)),
+        LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3),
     )

@@ -68,16 +68,31 @@ def _nibble_f32(qw, qw_hi, p: tl.constexpr):
     return ((base & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
 
 
+# _nibble_f32 as one LOP3 with both constants as immediates ((word & MASK) | 0x4B000000, lut 0xEA); ptxas
+# does not fuse the AND and the OR of the portable form. GPU only (inline PTX); the interpreter runs
+# _nibble_f32, the same bits.
+_LOP3_ASM_0: tl.constexpr = tl.constexpr("lop3.b32 $0, $1, 0x0000000F, 0x4B000000, 0xEA;")
+_LOP3_ASM_1: tl.constexpr = tl.constexpr("lop3.b32 $0, $1, 0x000000F0, 0x4B000000, 0xEA;")
+_LOP3_ASM_2: tl.constexpr = tl.constexpr("lop3.b32 $0, $1, 0x00000F00, 0x4B000000, 0xEA;")
+_LOP3_ASM_3: tl.constexpr = tl.constexpr("lop3.b32 $0, $1, 0x0000F000, 0x4B000000, 0xEA;")
+
+
 @triton.jit
-def _pow16(j: tl.constexpr):
-    if j == 0:
-        return 1.0
-    elif j == 1:
-        return 16.0
-    elif j == 2:
-        return 256.0
+def _nibble_f32_asm(qw, qw_hi, p: tl.constexpr):
+    """``_nibble_f32`` in one instruction (inline PTX, GPU only)."""
+    if p < 4:
+        base = qw
     else:
-        return 4096.0
+        base = qw_hi
+    if p % 4 == 0:
+        asm: tl.constexpr = _LOP3_ASM_0
+    elif p % 4 == 1:
+        asm: tl.constexpr = _LOP3_ASM_1
+    elif p % 4 == 2:
+        asm: tl.constexpr = _LOP3_ASM_2
+    else:
+        asm: tl.constexpr = _LOP3_ASM_3
+    return tl.inline_asm_elementwise(asm, "=r,r", [base], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
