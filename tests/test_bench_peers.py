@@ -147,19 +147,33 @@ def test_fp8_linear_quantisation_and_output(M, bias):
 
 
 def test_fp8_peer_equals_fake_quant_reference():
-    """The whole FP8 peer against the same model with each _scaled_mm replaced by its fp32 reference."""
+    """The whole FP8 peer against the same model with each _scaled_mm replaced by its fp32 reference.
+
+    Each projection is compared on the peer's own input (forward hooks), to TOL["linear"]. The whole
+    model is compared by cosine only: fp32 accumulation order (_scaled_mm's against a matmul of
+    dequantised values) moves activations by ~1e-7 relative, which flips the per-tensor FP8 rounding of
+    a value that sits on an e4m3 boundary (one step: 1/8 of the value) and moves logits by up to ~1e-3
+    (the H200 machine's CPU torch 2.11: 218 of 3,072 logits off by up to 9.5e-4 in one run)."""
     m = _model()
     peer = build_peer(m, "fp8", max_batch=2, max_seq_len=32)
     assert peer.description == "gpt-fast-style, _scaled_mm per-tensor"
     ref = copy.deepcopy(peer)
-    for layer in ref.layers:
+    calls = []  # (fake-quant reference, the peer's input, the peer's output) of every projection call
+    for layer, rlayer in zip(peer.layers, ref.layers):
         for name in ("wqkv", "wo", "w13", "w2"):
-            setattr(layer, name, _FakeFp8(getattr(layer, name)))
+            fake = _FakeFp8(getattr(rlayer, name))
+            setattr(rlayer, name, fake)
+            getattr(layer, name).register_forward_hook(
+                lambda mod, args, out, fake=fake: calls.append((fake, args[0].detach().clone(), out.detach())))
     toks = torch.randint(0, CFG.vocab_size, (2, 6))
     pos = torch.arange(6).expand(2, 6)
-    torch.testing.assert_close(peer(toks, pos), ref(toks, pos), **TOL["logits"])
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(peer(toks, pos), ref(toks, pos), dim=-1).min() > 0.9999
     nxt, p = torch.randint(0, CFG.vocab_size, (2,)), torch.tensor([6, 2])
-    torch.testing.assert_close(peer.decode_logits(nxt, p), ref.decode_logits(nxt, p), **TOL["logits"])
+    assert cos(peer.decode_logits(nxt, p), ref.decode_logits(nxt, p), dim=-1).min() > 0.9999
+    assert len(calls) == 2 * 4 * len(peer.layers)  # prefill and decode, 4 projections per layer
+    for fake, x, y in calls:
+        torch.testing.assert_close(y, fake(x), **TOL["linear"])
     # and it is the model's function up to FP8 error (random weights, std 0.2: logits ~ 5). Per-tensor scales on
     # a random model: the worst row's cosine over 60 seeds was 0.865 (median 0.971); 0.95 failed 2 runs in 6.
     full = m.prefill(toks, KVCache(CFG, 2, 32, dtype=torch.float32))
