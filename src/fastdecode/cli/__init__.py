@@ -2,11 +2,12 @@
 
     fastdecode generate PROMPT          text from the embedded default model (or --model PATH)   cli/generate.py
     fastdecode chat                     interactive chat with the model's chat template          cli/generate.py
+    fastdecode serve                    OpenAI-compatible server, continuous batching             cli/serve.py
     fastdecode quantize SRC DST         write a quantised safetensors checkpoint                  cli/checkpoint.py
     fastdecode eval-accuracy            perplexity / top-1 agreement / KL of quantised formats    cli/checkpoint.py
     fastdecode info                     versions, GPUs, backends, default model                   cli/info.py
     fastdecode selfcheck                every kernel against its reference (CPU: Triton interpreter)
-    fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode             cli/bench.py
+    fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode|serve       cli/bench.py
     fastdecode tune linear|int4         measure GEMM launch configs on this GPU, write them as data  cli/bench.py
 
 Shared argument types, validators and the ``error:`` reporting: ``cli/common.py``. Each sub-parser sets
@@ -21,7 +22,7 @@ import argparse
 import logging
 import sys
 
-from fastdecode.cli import bench, checkpoint, generate, info
+from fastdecode.cli import bench, checkpoint, generate, info, serve
 from fastdecode.cli.common import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, run_command
 
 
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_parsers(sub)
     generate.add_parsers(sub)
+    serve.add_parser(sub)
     checkpoint.add_parsers(sub)
     info.add_parser(sub)
     return p

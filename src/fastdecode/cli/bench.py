@@ -1,8 +1,8 @@
 """``fastdecode bench ...`` and ``fastdecode tune ...``: the kernel benchmarks and tuners (GPU; one ``error:``
-line on a machine without one) and the decode benchmark (``bench decode``: ``fastdecode.bench.decode``, also on
-the CPU).
+line on a machine without one), the decode benchmark (``bench decode``: ``fastdecode.bench.decode``, also on
+the CPU) and the serving benchmark (``bench serve``: ``fastdecode.bench.serve``, also on the CPU).
 
-    fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode
+    fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode|serve
     fastdecode tune linear|int4         measure GEMM launch configs on this GPU, write them as data
 """
 
@@ -169,6 +169,70 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, nargs="?", const="", help="write a PNG (default: next to --out)")
 
 
+# ----------------------------------------------------------------------------- bench serve
+
+
+def cmd_bench_serve(args) -> int:
+    """``fastdecode bench serve``: the concurrency sweep (``fastdecode.bench.serve``), the table on stdout, the rows
+    merged into the results file (default ``benchmarks/results/serve.json`` on CUDA, none on a CPU), the plot."""
+    from fastdecode.bench.harness import merge_rows, print_table
+    from fastdecode.bench.serve import DEFAULT_OUT, bench_serve, plot_rows, row_key
+    from fastdecode.cli.common import USER_ERRORS, check_device
+    from fastdecode.serve.server import require_serve_deps
+
+    try:
+        require_serve_deps()
+        device = check_device(args.device)
+        rows = bench_serve(args.model, concurrency=args.concurrency, duration=args.duration,
+                           input_len=args.input_len, output_len=args.output_len, max_batch=args.max_batch,
+                           prefill_chunk=args.prefill_chunk, device=device,
+                           dtype=getattr(torch, args.dtype) if args.dtype else None, quant=args.quant,
+                           static=not args.no_static, check=not args.no_check,
+                           log=lambda m: print(m, file=sys.stderr, flush=True))
+    except USER_ERRORS as e:
+        return fail(e)
+    print_table(rows, ("impl", "shape", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                       "completed", "failed", "wrong_text"))
+    out = args.out if args.out is not None else (DEFAULT_OUT if device.type == "cuda" else "")
+    if out:
+        merged = merge_rows(rows, out, key=row_key)
+        print(f"wrote {out} ({len(rows)} rows, {len(merged)} in the file)", file=sys.stderr)
+    elif args.out is None:
+        print("a CPU run writes no results file unless --out names one", file=sys.stderr)
+    if args.plot is not None:
+        path = args.plot or (out.rsplit(".", 1)[0] + ".png" if out else "serve.png")
+        plot_rows(rows, path)
+        print(f"wrote {path}", file=sys.stderr)
+    bad = sum(r.get("failed", 0) + r.get("wrong_text", 0) for r in rows)
+    if bad:
+        print(f"error: {bad} requests failed or answered wrong text", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_serve_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="a preset (random weights, synthetic tokenizer: llama-3.1-8b, smollm2-135m, tiny), a "
+                        "checkpoint path, or nothing for the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64],
+                   help="concurrent clients (one run each)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds each run sends requests")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-batch", type=int, default=32, help="the server's KV slots")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--quant", default=None, choices=list(METHODS))
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-static", action="store_true", help="skip the static-batch baseline")
+    p.add_argument("--no-check", action="store_true",
+                   help="do not compare each answer with the prompt generated alone (greedy)")
+    p.add_argument("--out", default=None,
+                   help="JSON result file (default: benchmarks/results/serve.json on CUDA, no file on a CPU); rows of "
+                        "the same impl, shape and GPU are replaced, the others kept; '' writes nothing")
+    p.add_argument("--plot", default=None, nargs="?", const="", help="write a PNG (default: next to --out)")
+
+
 # ----------------------------------------------------------------------------- wiring
 
 
@@ -209,6 +273,13 @@ def add_parsers(subparsers) -> None:
     d = bsub.add_parser("decode", help="decode latency / tokens/s ablation (random-weight presets)")
     add_decode_arguments(d)
     d.set_defaults(func=cmd_bench_decode)
+    sv = bsub.add_parser("serve", help="the OpenAI server under a concurrency sweep vs one static batch (CPU too)",
+                         description="Throughput (tok/s), time to first token and inter-token latency (p50 / p99) "
+                         "of `fastdecode serve` (in process) for each --concurrency, beside the same engine "
+                         "driven with one static batch; every answer checked against the prompt generated alone. "
+                         "Exit code 1 when a request failed or answered wrong text. Needs fastdecode[serve].")
+    add_serve_bench_arguments(sv)
+    sv.set_defaults(func=cmd_bench_serve)
 
     t = subparsers.add_parser("tune", help="measure launch configs on this GPU and write them as data")
     t.add_argument("what", choices=["linear", "int4"])

@@ -82,9 +82,10 @@ def _check_args(args) -> None:
         check_text(args.prompt, "the prompt")
 
 
-def _engine(args, max_batch: int = 1):
+def _engine(args, max_batch=1, need_tokenizer: bool = True):
     """Load the model and its tokenizer (``--tokenizer`` overrides the checkpoint's); raises one of
-    ``USER_ERRORS`` with a message for the user."""
+    ``USER_ERRORS`` with a message for the user (a model without a tokenizer too, unless not ``need_tokenizer``:
+    the engine then has none). ``max_batch``: an int, or ``f(config, max_seq_len, dtype) -> int``."""
     from fastdecode.engine.generate import DEFAULT_MAX_SEQ_LEN, Engine
     from fastdecode.engine.loader import load
     from fastdecode.engine.tokenizer import Tokenizer
@@ -110,7 +111,7 @@ def _engine(args, max_batch: int = 1):
         if tok.vocab_size > loaded.config.vocab_size:  # its ids would index past the embedding
             raise ValueError(f"--tokenizer {args.tokenizer}: {tok.vocab_size} tokens, but the model's vocabulary "
                              f"has {loaded.config.vocab_size}")
-    if tok is None:
+    if tok is None and need_tokenizer:
         why = loaded.tokenizer_error or f"{loaded.source} has no tokenizer"
         raise ValueError(f"{why}; generate and chat need one: pass --tokenizer PATH (a tokenizer.json, a HF "
                          "directory or a .gguf with a vocabulary)")
@@ -123,6 +124,8 @@ def _engine(args, max_batch: int = 1):
         max_seq_len = context
     else:
         max_seq_len = args.max_seq_len
+    if callable(max_batch):  # serve: the KV slots that fit its memory setting
+        max_batch = max_batch(loaded.config, min(max_seq_len, loaded.model.rope_len), dtype)
     eng = Engine(loaded.model, tok, max_batch=max_batch,
                  max_seq_len=min(max_seq_len, loaded.model.rope_len),  # KVCacheMemoryError if it does not fit
                  cuda_graph=False if args.no_cuda_graph else None)

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from fastdecode.engine.kv_cache import KVCache, check_kv_memory
-from fastdecode.engine.sampler import Sampler, SamplingParams
+from fastdecode.engine.sampler import Sampler, SamplingParams, seen_mask
 
 Prompt = Union[str, Sequence[int]]
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -108,6 +108,12 @@ class Engine:
             return self.graphs.run(tokens, input_pos)
         return self.model.decode(tokens, input_pos, self.cache)
 
+    def decode_rows(self, n: int) -> int:
+        """How many cache rows a decode step covering rows [:n] runs: the smallest captured graph bucket >= n
+        (CUDA graphs; a caller passing fewer rows gets padding rows that write position 0 of rows [n, bucket)),
+        else n."""
+        return self.graphs.bucket_for(n) if self.graphs is not None else n
+
     # ------------------------------------------------------------------ API
 
     def encode_prompts(self, prompts: Sequence[Prompt], chat: bool = False) -> list[list[int]]:
@@ -165,8 +171,10 @@ class Engine:
         eos = set() if ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
         sampler = Sampler(sampling, self.device)
 
+        # the tokens each row has seen, for the repetition penalty: [B, V] bool on the device
+        seen = seen_mask(ids, self.model.config.vocab_size, self.device) if sampling.repetition_penalty != 1 else None
         logits = self.prefill(ids)
-        nxt = sampler(logits)  # [B]
+        nxt = sampler(logits, seen)  # [B]
         pos = torch.tensor([len(p) for p in ids], dtype=torch.long, device=self.device)
         limit = [min(max_new_tokens, self.max_seq_len - len(p)) for p in ids]
         active = [True] * B
@@ -182,7 +190,9 @@ class Engine:
             if step + 1 < max(limit):
                 # finished rows keep running (static shapes); clamp so they never index past the cache
                 logits = self.decode(nxt, torch.clamp(pos, max=self.max_seq_len - 1))
-                following = sampler(logits)
+                if seen is not None:
+                    seen.scatter_(1, nxt[:, None], True)
+                following = sampler(logits, seen)
                 pos += 1
             if cuda:
                 copied.synchronize()

@@ -38,10 +38,24 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def rows(self, start: int, n: int = 1) -> "KVCacheRows":
+        """A view of rows [start, start + n) (what prefill into one serving slot writes through)."""
+        if not (0 <= start and n >= 1 and start + n <= self.max_batch):
+            raise ValueError(f"rows [{start}, {start + n}) are outside the cache's {self.max_batch} rows")
+        return KVCacheRows(self.k[:, start:start + n], self.v[:, start:start + n])
+
     def bytes_read(self, seq_lens) -> int:
         """Bytes one decode step reads from the cache for sequences of these lengths (all layers, K and V)."""
         L, _, Hkv, _, D = self.k.shape
         return 2 * L * Hkv * D * self.k.element_size() * int(sum(int(s) for s in seq_lens))
+
+
+class KVCacheRows:
+    """Some rows of a ``KVCache``: ``k``, ``v`` are views [L, n, Hkv, T, D], so writes land in the cache."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+        self.max_batch, self.max_seq_len = k.shape[1], k.shape[3]
 
 
 class KVCacheMemoryError(ValueError):

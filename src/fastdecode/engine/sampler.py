@@ -1,7 +1,9 @@
-"""Token sampling on the logits' device: greedy, temperature, top-k, top-p, seeded; no host syncs."""
+"""Token sampling on the logits' device: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeded;
+no host syncs."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -10,7 +12,10 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature == 0`` is greedy (argmax). ``top_k == 0`` and ``top_p == 1`` switch those filters off.
+    """``temperature == 0`` is greedy (argmax). ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` switch those
+    filters off; ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after temperature).
+    ``repetition_penalty`` (1 is off; the CTRL / Hugging Face rule) divides the positive logits of every token
+    already seen (prompt or output) by it and multiplies the negative ones, before everything else.
 
     ``seed`` makes sampling reproducible (a generator on the logits' device); None draws from the global RNG.
     """
@@ -19,6 +24,8 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: Optional[int] = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -27,6 +34,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 is off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 is off), got {self.top_p!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1] (0 is off), got {self.min_p!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty < math.inf):
+            raise ValueError(f"repetition_penalty must be a finite float > 0 (1 is off), got "
+                             f"{self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
@@ -34,7 +46,10 @@ class SamplingParams:
 
 
 class Sampler:
-    """Holds the RNG of one generation; ``sampler(logits [B, V]) -> tokens [B]`` (int64, same device)."""
+    """Holds the RNG of one generation; ``sampler(logits [B, V], seen) -> tokens [B]`` (int64, same device).
+
+    ``seen``: [B, V] bool, the tokens each row has seen (prompt and output), for the repetition penalty (needed
+    when ``params.repetition_penalty != 1``; ``seen_mask`` builds it)."""
 
     def __init__(self, params: SamplingParams, device):
         self.params = params
@@ -42,13 +57,33 @@ class Sampler:
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=torch.device(device)).manual_seed(params.seed)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, seen: Optional[torch.Tensor] = None) -> torch.Tensor:
         p = self.params
-        return sample(logits, p.temperature, p.top_k, p.top_p, self.generator)
+        if p.repetition_penalty != 1:
+            if seen is None:
+                raise ValueError("repetition_penalty != 1 needs the tokens seen so far (seen=)")
+            logits = apply_repetition_penalty(logits, seen, p.repetition_penalty)
+        return sample(logits, p.temperature, p.top_k, p.top_p, self.generator, min_p=p.min_p)
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k, then outside the smallest nucleus of mass >= top_p."""
+def seen_mask(ids: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[B, V] bool: True at every token id of each row of ``ids`` (for ``apply_repetition_penalty``)."""
+    seen = torch.zeros(len(ids), vocab_size, dtype=torch.bool)
+    for b, row in enumerate(ids):
+        seen[b, torch.tensor(row, dtype=torch.long)] = True
+    return seen.to(device)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``l / penalty`` where ``l > 0`` and ``l * penalty`` elsewhere, on the tokens ``seen`` ([B, V] bool);
+    a new tensor."""
+    pen = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, pen, logits)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k, then outside the smallest nucleus of mass >= top_p, then those
+    whose probability is below ``min_p`` times the largest."""
     V = logits.shape[-1]
     if 0 < top_k < V:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -60,16 +95,20 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
         srt = srt.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, idx, srt)
+    if min_p > 0:
+        # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p) (the softmax's normaliser cancels)
+        top = logits.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(logits < top + math.log(min_p), float("-inf"))
     return logits
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           generator: Optional[torch.Generator] = None) -> torch.Tensor:
+           generator: Optional[torch.Generator] = None, min_p: float = 0.0) -> torch.Tensor:
     """logits: [B, V] -> [B] int64. Draws with the exponential race ``argmax(p / E)``, E ~ Exp(1),
     which samples from p without ``multinomial`` (no host sync, CUDA-graph friendly)."""
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
-    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+    logits = filter_logits(logits.float() / temperature, top_k, top_p, min_p)
     probs = torch.softmax(logits, dim=-1)
     e = torch.empty_like(probs).exponential_(generator=generator)
     return torch.argmax(probs / e, dim=-1)

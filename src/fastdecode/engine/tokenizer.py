@@ -156,6 +156,21 @@ class Tokenizer:
                    bos_token=tokens[int(bos_id)] if bos_id is not None else "",
                    eos_token=tokens[int(eos_id)] if eos_id is not None else "")
 
+    @classmethod
+    def synthetic(cls, vocab_size: int, eos_id: Optional[int] = None) -> "Tokenizer":
+        """A stand-in for models without a vocabulary (random-weight presets, served or benchmarked): token ``i``
+        is the word ``t<i>``; text splits on whitespace (an unknown word is ``t0``) and decodes to the words
+        joined by spaces. ``eos_id``: its EOS (default none: generation runs to its length). Its chat template
+        joins the messages' contents."""
+        from tokenizers import Tokenizer as TkTokenizer, models, pre_tokenizers
+
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        tk = TkTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+        tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        return cls(tk, bos_id=None, eos_ids=[] if eos_id is None else [eos_id], add_bos=False,
+                   chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+
 
 def _read_json(path: str) -> dict:
     if not os.path.exists(path):
