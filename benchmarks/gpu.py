@@ -12,7 +12,7 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``linear``  skinny BF16 / FP8 GEMMs against cuBLAS and ``torch._scaled_mm``.
 * ``int4``    int4-weight GEMMs against cuBLAS BF16 and tinygemm.
 * ``decode``  the 8B decode benchmark (input 1, output 128, median of 30) in BF16, FP8 and int4, with
-              the compiled peers of each format in the same run.
+              the compiled peers of each format in the same run and the ablation without PDL.
 * ``profile`` per-kernel time of one 8B decode step, BF16 / FP8 / int4.
 * ``tune``    ``fastdecode tune linear`` (``--tune-dtypes``) into ``<out-dir>/configs/``, starting from a
               copy of the package's table; the suites after it in the same run read that table
@@ -59,14 +59,15 @@ def _decode(out: Path, *args: str) -> list[str]:
 
 
 def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "int4"), tune_dtypes=("bf16", "fp8"),
-                   gpu="nvidia_h200", tune_int4_ms=None, tune_int4_fp8=True) -> list[tuple[str, list[str], int]]:
+                   gpu="nvidia_h200", tune_int4_ms=None, tune_int4_fp8=True,
+                   tune_int4_small_m_dot=False) -> list[tuple[str, list[str], int]]:
     """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests)."""
     if name == "tune":
         return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes,
                                     "--out", str(out / "configs" / f"linear_{gpu}.json")), 420)]
     if name == "tune-int4":
         ms = ["--ms", ",".join(map(str, tune_int4_ms))] if tune_int4_ms else []
-        ms += [] if tune_int4_fp8 else ["--no-fp8"]
+        ms += ([] if tune_int4_fp8 else ["--no-fp8"]) + (["--small-m-dot"] if tune_int4_small_m_dot else [])
         return [("tune int4", [PY, "-m", "fastdecode.bench.int4", "tune", "--merge", "--quick", *ms,
                                "--out", str(out / "configs" / f"int4_linear_{gpu}.json")], 480)]
     if name == "kernels":
@@ -77,13 +78,14 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         return [("bench int4", _fd("bench", "int4", "--out", str(out / "int4_linear.json")), 420)]
     if name == "decode":
         steps = {
-            "bf16": ("decode bf16", _decode(out, "--batch", "1", "--iters", "30",
-                                            "--impl", "peer-compile", "torch-compile", "fastdecode-graph"), 420),
+            "bf16": ("decode bf16", _decode(out, "--batch", "1", "--iters", "30", "--impl", "peer-compile",
+                                            "torch-compile", "fastdecode-graph", "fastdecode-graph-no-pdl"), 420),
             # quantised: the peer of the same format (the ref-backend torch-compile row would dequantise)
-            "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
-                                          "--impl", "peer-compile", "fastdecode-graph"), 420),
+            "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8", "--impl",
+                                          "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl"), 420),
             "int4": ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
-                                            "--impl", "peer-compile", "fastdecode-graph"), 420),
+                                            "--impl", "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl"),
+                     420),
         }
         return [steps[f] for f in formats]
     if name == "profile":
@@ -264,6 +266,7 @@ def main(argv=None) -> int:
                    help="decode: the weight formats to run")
     p.add_argument("--tune-int4-ms", default=None, help="tune-int4: comma-separated token counts (default all)")
     p.add_argument("--tune-int4-no-fp8", action="store_true", help="tune-int4: W4A16 only (the W4A8 section is kept)")
+    p.add_argument("--tune-int4-small-m-dot", action="store_true", help="tune-int4: dot tiles below M = 8 too")
     p.add_argument("--tune-dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                    help="tune: the linear table's sections to tune (the others are kept)")
     a = p.parse_args(argv)
@@ -310,7 +313,8 @@ def main(argv=None) -> int:
                 if table.is_file() and not (cfg_dir / table.name).exists():
                     shutil.copy(table, cfg_dir)
         int4_ms = [int(m) for m in a.tune_int4_ms.split(",")] if a.tune_int4_ms else None
-        steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms, not a.tune_int4_no_fp8)
+        steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms, not a.tune_int4_no_fp8,
+                               a.tune_int4_small_m_dot)
         if not steps:
             summary.append((s, f"not run: needs 2+ GPUs, this machine has {n_gpu}", 0))
         for label, cmd, timeout in steps:

@@ -42,6 +42,25 @@ def test_explicit_triton_that_cannot_run_raises(monkeypatch):
         _common.resolve_backend("triton", torch.device("cpu"), "rms_norm")
 
 
+def test_pdl_switch(monkeypatch):
+    """Programmatic dependent launch: on by default, FASTDECODE_PDL=0 or set_pdl(False) turns it off,
+    set_pdl(None) restores the default; never for CPU tensors (the GPU side: tests/test_engine_gpu.py)."""
+    monkeypatch.setattr(_common, "_PDL", None)
+    for env, on in ((None, True), ("1", True), ("0", False), ("", False)):
+        if env is None:
+            monkeypatch.delenv("FASTDECODE_PDL", raising=False)
+        else:
+            monkeypatch.setenv("FASTDECODE_PDL", env)
+        assert _common.pdl_switch() is on
+        _common.set_pdl(not on)
+        assert _common.pdl_switch() is (not on)
+        _common.set_pdl(None)
+        assert _common.pdl_switch() is on
+    _common.set_pdl(True)
+    assert not _common.pdl_enabled(torch.empty(1))  # a CPU tensor
+    _common.set_pdl(None)
+
+
 def test_ops_are_registered_custom_ops():
     for name in ("rms_norm", "silu_and_mul", "quantize_fp8"):
         assert hasattr(torch.ops.fastdecode, name)

@@ -102,6 +102,53 @@ def test_cuda_graph_decode_equals_eager():
         pos += 1
 
 
+def test_one_token_prefill_replays_the_decode_graph():
+    """Engine.prefill of one-token prompts with CUDA graphs is a decode step at position 0 (a replay), the same
+    logits and cache as the eager prefill up to kernel choice."""
+    model = _llama8b("triton")
+    cfg = model.config
+    eng_g = Engine(model, None, max_batch=4, max_seq_len=64, cuda_graph=True, batch_buckets=[1, 2, 4])
+    eng_e = Engine(model, None, max_batch=4, max_seq_len=64, cuda_graph=False)
+    prompts = [[int(t)] for t in torch.randint(0, cfg.vocab_size, (3,))]
+    calls = []
+    orig = eng_g.graphs.run
+    eng_g.graphs.run = lambda *a: calls.append(1) or orig(*a)
+    _assert_logits_close(eng_g.prefill(prompts).clone(), eng_e.prefill(prompts))
+    assert calls == [1]  # one replay, no eager prefill
+    for c_g, c_e in ((eng_g.cache.k, eng_e.cache.k), (eng_g.cache.v, eng_e.cache.v)):
+        torch.testing.assert_close(c_g[:, :3, :, 0], c_e[:, :3, :, 0], atol=2e-2, rtol=2e-2)
+
+
+def test_graph_captured_without_pdl_equals_with_it():
+    """Programmatic dependent launch (on by default on sm_90+) changes only when kernels start: a decode graph
+    captured with it and one captured without give the same logits, step after step (a kernel reading its
+    input before the previous kernel finished would not)."""
+    from fastdecode.engine.cuda_graph import DecodeGraphRunner
+    from fastdecode.ops import pdl_enabled, set_pdl
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    model = _llama8b("triton")
+    cfg = model.config
+    assert pdl_enabled(torch.empty(1, device=DEV))
+    caches = [KVCache(cfg, 2, 64, device=DEV) for _ in range(2)]
+    runners = [DecodeGraphRunner(model, c, buckets=[2]) for c in caches]
+    runners[0].capture()
+    before = set_pdl(False)
+    try:
+        runners[1].capture()
+    finally:
+        set_pdl(before)
+    tok = torch.randint(0, cfg.vocab_size, (2,), device=DEV)
+    pos = torch.tensor([0, 0], device=DEV)
+    for _ in range(6):
+        a = runners[0].run(tok, pos).clone()
+        b = runners[1].run(tok, pos)
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+        tok = b.argmax(-1)
+        pos += 1
+
+
 def test_graph_batch_with_different_lengths_equals_single_runs():
     """fp32 (TF32 off) so that GEMM kernels chosen for different batch sizes cannot flip a near-tie
     of a random model's logits: the tokens must be identical."""

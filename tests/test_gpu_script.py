@@ -82,6 +82,7 @@ def test_tests_suite_record(gpu, tmp_path, monkeypatch):
 def test_decode_formats_and_tune_sections_are_chosen(gpu, tmp_path):
     steps = gpu.suite_commands("decode", tmp_path, 2, formats=("fp8",))
     assert [label for label, _, _ in steps] == ["decode fp8"] and "peer-compile" in steps[0][1]
+    assert "fastdecode-graph-no-pdl" in steps[0][1]  # the PDL ablation beside every fastdecode-graph row
     [(label, argv, _)] = gpu.suite_commands("tune", tmp_path, 1, tune_dtypes=("fp8",))
     assert argv[argv.index("--dtypes") + 1:argv.index("--out")] == ["fp8"]
     assert Path(argv[argv.index("--out") + 1]) == tmp_path / "configs" / "linear_nvidia_h200.json"
@@ -95,6 +96,8 @@ def test_tune_int4_merges_into_a_copy_of_the_package_table(gpu, tmp_path):
     assert "--ms" not in gpu.suite_commands("tune-int4", tmp_path, 1)[0][1]  # default: every M
     assert "--no-fp8" not in argv  # default: W4A8 too
     assert "--no-fp8" in gpu.suite_commands("tune-int4", tmp_path, 1, tune_int4_fp8=False)[0][1]
+    assert "--small-m-dot" not in argv
+    assert "--small-m-dot" in gpu.suite_commands("tune-int4", tmp_path, 1, tune_int4_small_m_dot=True)[0][1]
 
 
 def test_int4_tune_merge_keeps_the_entries_it_does_not_tune(tmp_path):

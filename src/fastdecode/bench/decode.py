@@ -16,7 +16,8 @@ times after a warm-up; we report the median. Rows (one per implementation):
 
 With ``peer-compile`` measured, every ``fastdecode-*`` row gets ``speedup_vs_peer`` (its tokens/s over the
 peer's). Peer rows carry ``peer`` (what the peer is) and their own ``step_weight_bytes`` (the peer's tensors:
-per-tensor FP8 scales, tinygemm's bf16 scale + zero per group). The peer prefills eagerly, like ``torch-compile``.
+per-tensor FP8 scales, tinygemm's bf16 scale + zero per group). The peer prefills eagerly, like ``torch-compile``;
+rows that replay a graph prefill a one-token prompt with it (a decode step at position 0, as ``Engine.prefill``).
 
 ``median_us`` is the median per-token decode step (prefill excluded); ``tokens_per_s`` is
 ``batch * output_len / (prefill + decode time)`` (the standard figure); ``tbps`` is the bytes one step
@@ -29,7 +30,8 @@ Ablation (``--ablate``): ``fastdecode-graph`` with one switch off at a time (``m
 ``-no-fused_norm`` (plain PyTorch add + RMSNorm, and a separate FP8 quantisation under ``--quant fp8``),
 ``-no-fused_act``, ``-no-skinny_gemm`` (cuBLAS / ``_scaled_mm``), ``-no-fused_allreduce`` (NCCL all-reduce,
 then the norm; TP only), ``-no-int4_gemm`` (the int4 projections dequantised into a scratch weight, then
-cuBLAS; int4 models only), and ``fastdecode-eager`` (no CUDA graph).
+cuBLAS; int4 models only), ``-no-pdl`` (the graph captured without programmatic dependent launch,
+``fastdecode.kernels.pdl``) and ``fastdecode-eager`` (no CUDA graph).
 
 ``--quant fp8`` quantises the random-weight model (W8A8), ``--quant int4`` to W4A16 (RTN, group 128; a
 checkpoint path loads as stored when it is int4 already: GPTQ, AWQ, GGUF Q4_0 / Q4_1); ``--tp N`` runs under
@@ -58,6 +60,7 @@ import torch
 
 from fastdecode.bench.decode_results import add_speedup_vs_peer
 from fastdecode.models.llama import KERNELS
+from fastdecode.ops import set_pdl
 
 IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdecode-graph-cublas", "fastdecode-graph")
 # not in the default list: every GEMM through the skinny Triton kernels (the table's best Triton config), and
@@ -65,7 +68,7 @@ IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdec
 EXTRA_IMPLS = ("fastdecode-graph-triton", "peer-eager")
 PEER_IMPLS = ("peer-compile", "peer-eager")
 CPU_IMPLS = ("torch-eager", "peer-eager")
-ABLATIONS = ("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in KERNELS)
+ABLATIONS = ("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in KERNELS) + ("fastdecode-graph-no-pdl",)
 # what to lower when the KV cache would not fit (the hint of check_kv_memory's message)
 KV_FIX = "lower --batch, --input-len or --output-len"
 # Peak HBM bandwidth by GPU name fragment, bytes/s (vendor figures); the copy anchor is 4.24 TB/s on H200
@@ -92,7 +95,10 @@ class DecodeRunner:
         self.compiled = None
         dev = cache.device
         model.set_kernels(**dict.fromkeys(KERNELS, True))  # also resets the GEMM impl (skinny_gemm on)
-        if impl.startswith("fastdecode-graph-no-"):
+        pdl_off = impl == "fastdecode-graph-no-pdl"  # the graph captured without programmatic dependent launch
+        if pdl_off:
+            model.backend = "triton"
+        elif impl.startswith("fastdecode-graph-no-"):
             k = impl[len("fastdecode-graph-no-"):]
             if k not in KERNELS:
                 raise ValueError(f"unknown ablation {impl!r}")
@@ -123,7 +129,12 @@ class DecodeRunner:
             from fastdecode.engine.cuda_graph import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(model, cache, buckets=[batch])
-            self.graphs.capture()
+            before = set_pdl(False) if pdl_off else None
+            try:
+                self.graphs.capture()
+            finally:
+                if pdl_off:
+                    set_pdl(before)
 
     def step(self, tokens, pos):
         if self.graphs is not None:
@@ -138,6 +149,8 @@ class DecodeRunner:
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
         """prompt [B, S] -> the first new tokens [B] (greedy, on device)."""
         B, S = prompt.shape
+        if S == 1 and self.graphs is not None:  # a decode step at position 0, as Engine.prefill does
+            return self.step(prompt[:, 0], torch.zeros(B, dtype=torch.long, device=prompt.device))
         logits = self.model.prefill(prompt, self.cache, last_idx=torch.full((B,), S - 1, device=prompt.device))
         return torch.argmax(logits, dim=-1)
 

@@ -105,8 +105,21 @@ def time_cuda(
     graph=True: capture ``calls_per_graph`` calls (cycling the list) into one CUDA graph and time
     replays; the per-call time is replay time / calls_per_graph. graph=False: time each eager call
     of a whole rotation round and divide.
+
+    Programmatic dependent launch is off while timing (``fastdecode.ops.set_pdl``): back-to-back calls of
+    one kernel would overlap each other's launch and tail, which a baseline launched without it cannot
+    (the decode benchmark measures PDL where it belongs, between the different kernels of a step).
     """
-    calls = list(calls)
+    from fastdecode.ops import set_pdl
+
+    before = set_pdl(False)
+    try:
+        return _time_cuda(list(calls), graph, calls_per_graph, warmup, reps)
+    finally:
+        set_pdl(before)
+
+
+def _time_cuda(calls, graph: bool, calls_per_graph: int, warmup: int, reps: int) -> Timing:
     for _ in range(warmup):
         for c in calls:
             c()

@@ -91,7 +91,8 @@ class Engine:
     # ------------------------------------------------------------------ steps
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Fill cache rows [:B] with the prompts (right-padded); returns logits [B, V] at each last token."""
+        """Fill cache rows [:B] with the prompts (right-padded); returns logits [B, V] at each last token
+        (with CUDA graphs and one-token prompts: a view of the graph's output, valid until the next step)."""
         B = len(prompts)
         lens = [len(p) for p in prompts]
         S = max(lens)
@@ -99,6 +100,10 @@ class Engine:
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = torch.tensor(p, dtype=torch.long)
         tokens = tokens.to(self.device)
+        if S == 1 and self.graphs is not None:
+            # one token per prompt is a decode step at position 0: the captured graph replays it (an eager
+            # prefill launches every kernel from Python: 45 ms against a 3 ms replay for 8B int4 on the H200)
+            return self.decode(tokens[:, 0], torch.zeros(B, dtype=torch.long, device=self.device))
         last = torch.tensor(lens, dtype=torch.long, device=self.device) - 1
         return self.model.prefill(tokens, self.cache, last_idx=last)
 

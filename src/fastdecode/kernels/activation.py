@@ -6,6 +6,7 @@ import triton.language as tl
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
 from fastdecode.constants import OUT_FP8_DYNAMIC
 from fastdecode.kernels.quant import _dynamic_scale, _nan_flags, _store_fp8  # the NaN rule of FP8 outputs
+from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 
 @triton.jit
@@ -19,7 +20,7 @@ def _silu_mul(x_ptr, row_off, cols, mask, I):
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, scale_ptr, I, stride_x, stride_o,
     OUT_MODE: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """1-D grid. Native and static-FP8 modes: program p writes BLOCK columns of row p // NBLK, with
     the column block fastest so that neighbouring programs stream neighbouring memory.
@@ -27,6 +28,8 @@ def _silu_and_mul_kernel(
     Dynamic FP8 (per-token scale) needs the whole row: one program per row; with NUM_CHUNKS == 1 the
     row stays in registers; otherwise pass 1 finds the row maximum and pass 2 recomputes and writes.
     """
+    if USE_PDL:  # programmatic dependent launch: kernels.pdl
+        pdl_wait()
     pid = tl.program_id(0)
     if OUT_MODE != 2:
         nblk = tl.cdiv(I, BLOCK)
@@ -70,7 +73,7 @@ def _silu_and_mul_kernel(
             _store_fp8(out_ptr + o_off + cols, y / s, mask, FP8_MAX)
 
 
-def launch_silu_and_mul(x, out, scale, out_mode, config):
+def launch_silu_and_mul(x, out, scale, out_mode, config, pdl: bool = False):
     """x: (M, 2I) rows with unit inner stride; out: (M, I). ``config``: dict(BLOCK, num_warps)."""
     M, I = out.shape
     block = config["BLOCK"]
@@ -83,5 +86,5 @@ def launch_silu_and_mul(x, out, scale, out_mode, config):
     _silu_and_mul_kernel[grid](
         x, out, scale if scale is not None else x, I, x.stride(0), out.stride(0),
         OUT_MODE=out_mode, BLOCK=block, NUM_CHUNKS=num_chunks,
-        FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=config["num_warps"],
+        FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, USE_PDL=pdl, num_warps=config["num_warps"], **launch_kwargs(pdl),
     )

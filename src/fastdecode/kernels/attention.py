@@ -11,6 +11,8 @@ long contexts spread over many SMs; a second kernel merges the splits by their l
 import triton
 import triton.language as tl
 
+from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
+
 LOG2E = 1.4426950408889634
 
 
@@ -24,7 +26,10 @@ def _decode_attention_kernel(
     stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, LOG2E: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: kernels.pdl
+        pdl_wait()
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,9 +95,11 @@ def _decode_attention_kernel(
 @triton.jit
 def _decode_attention_merge_kernel(
     o_part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh, Hq,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[b, h] = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    if USE_PDL:  # programmatic dependent launch: kernels.pdl
+        pdl_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     row0 = (b.to(tl.int64) * Hq + h) * NUM_SPLITS
@@ -108,7 +115,8 @@ def _decode_attention_merge_kernel(
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
-def launch_decode_attention(q, k_cache, v_cache, seq_lens, out, o_part, lse, scale: float, config: dict):
+def launch_decode_attention(q, k_cache, v_cache, seq_lens, out, o_part, lse, scale: float, config: dict,
+                            pdl: bool = False):
     """q/out: [B, Hq, D]; caches [B, Hkv, T, D]; o_part [B, Hq, S, BLOCK_D] fp32 and lse [B, Hq, S] fp32
     when config["NUM_SPLITS"] > 1 (else unused, may be any tensor)."""
     B, Hq, D = q.shape
@@ -124,14 +132,14 @@ def launch_decode_attention(q, k_cache, v_cache, seq_lens, out, o_part, lse, sca
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=config["BLOCK_G"], D=D, BLOCK_D=block_d,
-        BLOCK_N=config["BLOCK_N"], NUM_SPLITS=splits, USE_DOT=config["USE_DOT"], LOG2E=LOG2E,
-        num_warps=config["num_warps"], num_stages=config.get("num_stages", 2),
+        BLOCK_N=config["BLOCK_N"], NUM_SPLITS=splits, USE_DOT=config["USE_DOT"], LOG2E=LOG2E, USE_PDL=pdl,
+        num_warps=config["num_warps"], num_stages=config.get("num_stages", 2), **launch_kwargs(pdl),
     )
     if splits > 1:
         _decode_attention_merge_kernel[(B, Hq)](
             o_part, lse, out, out.stride(0), out.stride(1), Hq,
-            D=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=1 if block_d <= 128 else 2,
+            D=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), USE_PDL=pdl,
+            num_warps=1 if block_d <= 128 else 2, **launch_kwargs(pdl),
         )
 
 
@@ -140,13 +148,15 @@ def _rope_kv_write_kernel(
     qkv_ptr, rope_ptr, pos_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     stride_qkv, stride_rope_t, stride_qo_b, stride_qo_h,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (b, h): h < HQ rotates query head h into q_out; HQ <= h < HQ + HKV rotates key head
     h - HQ and writes it, and the matching value head, to the caches at position pos[b].
 
     Half-split rotation (HF / NeoX): out = [x1 c - x2 s, x2 c + x1 s], fp32 math, one rounding.
     """
+    if USE_PDL:  # programmatic dependent launch: kernels.pdl
+        pdl_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     D: tl.constexpr = 2 * HALF
@@ -178,7 +188,7 @@ def _rope_kv_write_kernel(
         tl.store(vdst + HALF + i, v2.to(v_cache_ptr.dtype.element_ty), mask=m)
 
 
-def launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_heads: int):
+def launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_heads: int, pdl: bool = False):
     """qkv: [B, (Hq + 2 Hkv) * D] rows (unit inner stride); rope: [T, D/2, 2] fp32 (cos, sin), unit stride
     in its last two dims; input_pos: [B]; q_out: [B, Hq, D]; caches [B, Hkv, T, D]."""
     B = qkv.shape[0]
@@ -189,6 +199,6 @@ def launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_head
         qkv.stride(0), rope.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HQ=n_q_heads, HKV=Hkv, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=1,
+        HQ=n_q_heads, HKV=Hkv, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), USE_PDL=pdl,
+        num_warps=1, **launch_kwargs(pdl),
     )

@@ -28,6 +28,8 @@ a second kernel would cost ~1.5 us of graph-node gap on a 5-10 us GEMM.
 import triton
 import triton.language as tl
 
+from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
+
 # x (activation) and w (weight) scales are applied in the epilogue by constexpr *_SCALE_MODE:
 # fastdecode.constants.SCALE_NONE / SCALE_TENSOR / SCALE_VECTOR.
 
@@ -109,12 +111,6 @@ def _load_w_masked(ptrs, mask, EVICT: tl.constexpr):
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
-@triton.jit
-def _pdl_wait():
-    tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
-
-
 # M and the split count change per call: not specialising them keeps one compiled kernel per config
 @triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
 def _skinny_linear_kernel(
@@ -137,7 +133,7 @@ def _skinny_linear_kernel(
     every program and keep the default policy.
     """
     if USE_PDL and (USE_DOT or not PREFETCH):
-        _pdl_wait()
+        pdl_wait()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -211,7 +207,7 @@ def _skinny_linear_kernel(
             else:
                 w_next = _load_w_masked(w_ptrs, ((k0 + offs_k) < K)[None, :], W_EVICT)
             if USE_PDL:
-                _pdl_wait()
+                pdl_wait()
         for kb in range(kb_start, kb_end):
             if EVEN_K:  # row masks constant along K: the x loads stay vectorised
                 m0, m1, m2, m3 = ok0, ok1, ok2, ok3
@@ -260,7 +256,7 @@ def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
 
 
 def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scale_mode,
-                         out, part, locks, config):
+                         out, part, locks, config, pdl: bool = False):
     """Launch on 2-D views: x (M, K) unit stride in K, weight (N, K) contiguous, out (M, N) contiguous.
 
     ``part``: fp32 workspace of ``SPLIT_K * M * N`` elements and ``locks``: zeroed int32 counters
@@ -268,6 +264,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     ``config``: dict(kind="fma"|"dot", BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages,
     DOT_FP8 (fp8 operands straight into tl.dot), PDL (programmatic dependent launch, sm_90+),
     PREFETCH (FMA path: register double buffer of the weight tile), EVICT (weights ``evict_first``)).
+    ``pdl``: programmatic dependent launch (``kernels.pdl``) whatever the config says.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -275,8 +272,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     _, split = split_k_blocks(K, config)
     grid = (triton.cdiv(M, bm), split, triton.cdiv(N, bn))
     dummy = out
-    pdl = bool(config.get("PDL", False))
-    extra = {"launch_pdl": True} if pdl else {}  # the interpreter knows no launch_pdl
+    pdl = pdl or bool(config.get("PDL", False))
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,
         x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
@@ -287,5 +283,5 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
         EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=bool(config.get("PREFETCH", False)),
         W_EVICT=bool(config.get("EVICT", False)),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
-        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **extra,
+        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

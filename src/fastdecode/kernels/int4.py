@@ -34,6 +34,7 @@ from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
 from fastdecode.kernels.int4_dequant import (
     _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _nibble_f32, _nibble_f32_asm, _slice_params, _uniform,
 )
+from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 
 @triton.jit
@@ -67,7 +68,7 @@ def _int4_linear_kernel(
     M, N, K, G, KW, stride_xm, stride_om, stride_part, split_k,
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
     UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
-    FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, LOP3_ASM: tl.constexpr,
+    FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, LOP3_ASM: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles). BLOCK_K is a multiple of 256 (whole layout tiles); KW is the
@@ -97,6 +98,8 @@ def _int4_linear_kernel(
     (+ ``min[n] * sum(x)`` for "min"); x_scale in the epilogue.
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
+    if USE_PDL and not PREFETCH:  # programmatic dependent launch: kernels.pdl (with PREFETCH: below)
+        pdl_wait()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -147,6 +150,8 @@ def _int4_linear_kernel(
             qw_next = tl.load(qw_row + kw[None, :])
         else:
             qw_next = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
+        if USE_PDL:  # the first weight words are in flight while the previous kernel finishes
+            pdl_wait()
     for kb in range(kb_start, kb_end):
         k0 = kb * BLOCK_K
         if PREFETCH:
@@ -314,7 +319,7 @@ def fast_cvt_ok(x, uniform: bool, x_scale_mode: int = 0, scale_dtype=None) -> bo
 
 
 def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
-                       config: dict, x_scale=None, x_scale_mode: int = 0, warmup: bool = False):
+                       config: dict, x_scale=None, x_scale_mode: int = 0, warmup: bool = False, pdl: bool = False):
     """Launch on 2-D views: x (M, K) unit stride in K (kernel column order), qweight (N, Kp // 8) int32,
     scales / zm (N, K // group_size) contiguous (zm: zeros uint8, mins, or None), out (M, N) contiguous.
 
@@ -326,6 +331,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     dividing group_size). Optional config keys: PREFETCH (register double buffer of the weight words),
     fast_cvt (default True: the packed-pair PTX conversion where it applies).
     ``warmup``: compile (or, under ``kernels.precompile``, queue the compile of) the kernel, launch nothing.
+    ``pdl``: programmatic dependent launch (``kernels.pdl``).
     """
     M, K = x.shape
     N = qweight.shape[0]
@@ -345,7 +351,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
         USE_DOT=config["kind"] == "dot", UNIFORM=uniform, SPG=spg, EVEN_K=K % bk == 0,
         X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=bool(config.get("PREFETCH", False)),
-        LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x),
+        LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
-        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3),
+        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

@@ -8,6 +8,7 @@ import triton.language as tl
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
 from fastdecode.kernels.quant import _dynamic_scale, _nan_flags, _store_fp8  # the NaN rule of FP8 outputs
+from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 
 @triton.jit
@@ -33,7 +34,7 @@ def _rms_norm_kernel(
     M, H, stride_x, stride_r, stride_o, eps,
     HAS_RESIDUAL: tl.constexpr, OUT_MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Each program normalises BLOCK_M rows.
 
@@ -41,6 +42,8 @@ def _rms_norm_kernel(
     NUM_CHUNKS > 1 (very wide rows): pass 1 sums squares (and writes the residual), the last pass
     re-reads the row from L2 to write the output; FP8 dynamic adds a pass for the row maximum.
     """
+    if USE_PDL:  # programmatic dependent launch: kernels.pdl
+        pdl_wait()
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -123,7 +126,7 @@ def _rms_norm_kernel(
                 _store_fp8(out_ptrs, q, mask, FP8_MAX)
 
 
-def launch_rms_norm(x, residual, weight, out, scale, eps, out_mode, config):
+def launch_rms_norm(x, residual, weight, out, scale, eps, out_mode, config, pdl: bool = False):
     """Launch on 2-D row views. ``config``: dict(BLOCK_M, BLOCK_H, num_warps)."""
     M, H = x.shape
     block_m, block_h = config["BLOCK_M"], config["BLOCK_H"]
@@ -135,6 +138,6 @@ def launch_rms_norm(x, residual, weight, out, scale, eps, out_mode, config):
         M, H, x.stride(0), residual.stride(0) if has_res else 0, out.stride(0), eps,
         HAS_RESIDUAL=has_res, OUT_MODE=out_mode,
         BLOCK_M=block_m, BLOCK_H=block_h, NUM_CHUNKS=num_chunks,
-        FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
-        num_warps=config["num_warps"],
+        FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, USE_PDL=pdl,
+        num_warps=config["num_warps"], **launch_kwargs(pdl),
     )

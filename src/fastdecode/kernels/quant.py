@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
+from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 QUANT_STATIC = 1  # scale_ptr[0] given
 QUANT_PER_TOKEN = 2  # scale_ptr[row] = max(amax(row) / 448, min)
@@ -55,12 +56,14 @@ def _dynamic_scale(amax, nan_count, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constex
 
 @triton.jit
 def _amax_kernel(x_ptr, amax_ptr, M, H, stride_x,
-                 BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, NUM_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
     """amax_ptr (int32, zeroed) <- max over programs of the bits of amax(|x|).
 
     |x| >= 0, and non-negative IEEE floats order like their bit patterns as integers, so an integer
     atomic max is an exact float max.
     """
+    if USE_PDL:  # programmatic dependent launch: kernels.pdl
+        pdl_wait()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
@@ -83,7 +86,9 @@ def _amax_kernel(x_ptr, amax_ptr, M, H, stride_x,
 @triton.jit
 def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, M, H, stride_x, stride_o,
                   MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-                  NUM_CHUNKS: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                  NUM_CHUNKS: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch: kernels.pdl
+        pdl_wait()
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -128,7 +133,7 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, M, H, stride_x, stride_o,
             _store_fp8(o_rows + cols[None, :], x / s, mask, FP8_MAX)
 
 
-def launch_quantize_fp8(x, out, scale, amax_bits, mode, config):
+def launch_quantize_fp8(x, out, scale, amax_bits, mode, config, pdl: bool = False):
     """x, out: (M, H) rows; scale: (1,) or (M, 1) fp32; amax_bits: zeroed (1,) int32 for QUANT_FROM_AMAX."""
     M, H = x.shape
     block_m, block_h = config["BLOCK_M"], config["BLOCK_H"]
@@ -136,9 +141,9 @@ def launch_quantize_fp8(x, out, scale, amax_bits, mode, config):
     grid = (triton.cdiv(M, block_m),)
     if mode == QUANT_FROM_AMAX:
         _amax_kernel[grid](x, amax_bits, M, H, x.stride(0), BLOCK_M=block_m, BLOCK_H=block_h,
-                           NUM_CHUNKS=num_chunks, num_warps=config["num_warps"])
+                           NUM_CHUNKS=num_chunks, USE_PDL=pdl, num_warps=config["num_warps"], **launch_kwargs(pdl))
     _quant_kernel[grid](
         x, out, scale, amax_bits if amax_bits is not None else scale, M, H, x.stride(0), out.stride(0),
         MODE=mode, BLOCK_M=block_m, BLOCK_H=block_h, NUM_CHUNKS=num_chunks,
-        FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=config["num_warps"],
+        FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, USE_PDL=pdl, num_warps=config["num_warps"], **launch_kwargs(pdl),
     )

@@ -83,6 +83,38 @@ def require_sm(device: torch.device, major: int, minor: int, what: str) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- programmatic dependent launch
+
+_PDL: Optional[bool] = None  # set_pdl's override; None: FASTDECODE_PDL
+
+
+def set_pdl(enabled: Optional[bool]) -> Optional[bool]:
+    """Programmatic dependent launch (``fastdecode.kernels.pdl``) for the fastdecode kernels launched from
+    now on: True / False, or None for the default (environment ``FASTDECODE_PDL``: on unless "0"). A CUDA
+    graph keeps what was in force when it was captured. Returns the previous setting (to restore)."""
+    global _PDL
+    before, _PDL = _PDL, None if enabled is None else bool(enabled)
+    return before
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_switch() -> bool:
+    """The switch alone: ``set_pdl``'s value, else ``FASTDECODE_PDL`` (on unless "0" or empty)."""
+    return _PDL if _PDL is not None else os.environ.get("FASTDECODE_PDL", "1") not in ("", "0")
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Launch with PDL: switched on (``pdl_switch``) and ``t`` on a CUDA GPU of sm_90+, compiled (the
+    interpreter has no grid dependency control)."""
+    if not pdl_switch() or t.device.type != "cuda" or interpreter_on():
+        return False
+    return _sm_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
+
+
 _logged_once: set[str] = set()
 _log_lock = threading.Lock()
 

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from fastdecode.ops._common import (
+    pdl_enabled,
     OUT_FP8_DYNAMIC, out_mode,
     next_pow2,
     FP8_DTYPE, FP8_MIN_SCALE, as_rows, check_out, check_tensor, require_sm, resolve_backend, static_scale,
@@ -55,7 +56,7 @@ def _silu_and_mul_op(
 
         mode, scale = out_mode(out, scale_in, scale_out)
         M, I = out.shape
-        launch_silu_and_mul(x, out, scale, mode, silu_config(M, I, mode == OUT_FP8_DYNAMIC))
+        launch_silu_and_mul(x, out, scale, mode, silu_config(M, I, mode == OUT_FP8_DYNAMIC), pdl=pdl_enabled(x))
         return
     y, s = _silu_and_mul_rows_ref(x, out.dtype, scale_in)
     out.copy_(y)

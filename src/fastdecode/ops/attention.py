@@ -15,6 +15,7 @@ import torch
 import triton
 
 from fastdecode.ops._common import (
+    pdl_enabled,
     check_out, check_same_device, check_tensor, interpreter_on, is_tracing, resolve_backend,
 )
 
@@ -69,7 +70,7 @@ def _decode_attention_op(
             lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
         else:
             o_part = lse = out  # unused
-        launch_decode_attention(q, k_cache, v_cache, seq_lens, out, o_part, lse, scale, cfg)
+        launch_decode_attention(q, k_cache, v_cache, seq_lens, out, o_part, lse, scale, cfg, pdl=pdl_enabled(q))
         return
     out.copy_(decode_attention_ref(q, k_cache, v_cache, seq_lens, scale))
 
@@ -162,7 +163,7 @@ def _rope_kv_write_op(
     if backend == "triton":
         from fastdecode.kernels.attention import launch_rope_kv_write
 
-        launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_heads)
+        launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_heads, pdl=pdl_enabled(qkv))
         return
     q_out.copy_(rope_kv_write_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads))
 

@@ -30,6 +30,7 @@ import torch
 from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
 from fastdecode.ops import _common
 from fastdecode.ops._common import (
+    pdl_enabled,
     cdiv, next_pow2,
     FP8_DTYPE, as_rows, check_out, check_same_device, check_tensor,
     require_sm, resolve_backend, warn_once,
@@ -165,7 +166,8 @@ def linear_with_config(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, c
             split = 1
         else:
             part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
-    launch_skinny_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, part, locks, config)
+    launch_skinny_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, part, locks, config,
+                         pdl=pdl_enabled(x))
 
 
 def cublas_fp8_supported(M: int, N: int, K: int, x_mode: int, w_mode: int, out_dtype,

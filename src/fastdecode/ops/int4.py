@@ -28,6 +28,7 @@ import torch
 
 from fastdecode.ops import _common
 from fastdecode.ops._common import (
+    pdl_enabled,
     as_rows, cdiv, check_out, check_same_device, check_tensor, next_pow2, resolve_backend, warn_once,
 )
 from fastdecode.ops._tuned import (  # noqa: F401  (clear_config_cache, DEFAULT_NUM_SMS: this module's API too)
@@ -177,7 +178,7 @@ def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=N
             part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
     xs_mode = 0 if x_scale is None else (1 if x_scale.numel() == 1 else 2)
     launch_int4_linear(x, w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, bias, out, part, locks, config,
-                       x_scale, xs_mode, warmup=warmup)
+                       x_scale, xs_mode, warmup=warmup, pdl=pdl_enabled(x))
 
 
 def int4_linear_dequant_cublas(x, w: Int4Weight, bias, out) -> None:

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from fastdecode.ops._common import (
+    pdl_enabled,
     OUT_NATIVE, out_mode,
     next_pow2,
     FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, as_rows, check_eps, check_out, check_same_device,
@@ -73,7 +74,8 @@ def _rms_norm_op(
         from fastdecode.kernels.norm import launch_rms_norm
 
         mode, scale = out_mode(out, scale_in, scale_out)
-        launch_rms_norm(x, residual, weight, out, scale, eps, mode, norm_config(*x.shape, fp8=mode != OUT_NATIVE))
+        launch_rms_norm(x, residual, weight, out, scale, eps, mode, norm_config(*x.shape, fp8=mode != OUT_NATIVE),
+                        pdl=pdl_enabled(x))
         return
     y, new_res, s = _norm_rows_ref(x, residual, weight, eps, out.dtype, scale_in)
     if residual is not None:

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from fastdecode.ops._common import (
+    pdl_enabled,
     FP8_DTYPE, FP8_MIN_SCALE, as_rows, check_out, check_tensor, require_sm, resolve_backend, static_scale,
 )
 from fastdecode.ops.norm import norm_config, quantize_rows_ref
@@ -36,12 +37,12 @@ def _quantize_fp8_op(
 
         cfg = norm_config(*x.shape, fp8=True)  # same row-wise memory pattern as RMSNorm
         if scale_in is not None:
-            launch_quantize_fp8(x, out, scale_in, None, QUANT_STATIC, cfg)
+            launch_quantize_fp8(x, out, scale_in, None, QUANT_STATIC, cfg, pdl=pdl_enabled(x))
         elif per_token:
-            launch_quantize_fp8(x, out, scale_out, None, QUANT_PER_TOKEN, cfg)
+            launch_quantize_fp8(x, out, scale_out, None, QUANT_PER_TOKEN, cfg, pdl=pdl_enabled(x))
         else:
             amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device)
-            launch_quantize_fp8(x, out, scale_out, amax_bits, QUANT_FROM_AMAX, cfg)
+            launch_quantize_fp8(x, out, scale_out, amax_bits, QUANT_FROM_AMAX, cfg, pdl=pdl_enabled(x))
         return
     q, s = _quantize_ref(x, scale_in, per_token)
     out.copy_(q)
