@@ -356,3 +356,10 @@ def test_speedup_vs_peer_on_fastdecode_rows():
     rows = [{"impl": "peer-compile", "skipped": "needs CUDA"}, {"impl": "fastdecode-graph", "tokens_per_s": 3.0}]
     add_speedup_vs_peer(rows)
     assert "speedup_vs_peer" not in rows[1]
+
+
+def test_peer_refuses_a_model_with_qk_norm():
+    """Qwen3's per-head q/k norm is not in the peer: refused, not computed wrong."""
+    m = _model(cfg=CFG.replace(qk_norm=True))
+    with pytest.raises(ValueError, match="q/k RMSNorm"):
+        build_peer(m, None, max_batch=1, max_seq_len=16)

@@ -384,6 +384,8 @@ def build_peer(model: Transformer, quant: Optional[str], max_batch: int, max_seq
     if model.tp is not None:
         raise ValueError("the peer is single-device: build it from a model without tensor parallelism")
     cfg = model.config
+    if cfg.qk_norm:  # it would compute another function, silently
+        raise ValueError("the peer has no per-head q/k RMSNorm (Qwen3): build it from a Llama / Qwen2-style model")
     emb = model.tok_embeddings.weight
     dtype, device = emb.dtype, emb.device
     layers = []

@@ -22,7 +22,9 @@ from fastdecode.quant.formats import METHODS
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="a .gguf file or a Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
+                   help="a .gguf file, a Hugging Face directory, or a Hub id org/name already in the local Hugging "
+                        "Face cache (HF_HUB_CACHE / HF_HOME; never downloaded) (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="weights and activations (default: bfloat16 on GPU, float32 on CPU)")

@@ -39,9 +39,10 @@ from fastdecode.models.llama import Fp8Linear, Transformer
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     """A Hugging Face ``config.json`` dict that ``ModelConfig.from_hf`` reads back to ``cfg``."""
+    family = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
     d = {
-        "architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"],
-        "model_type": "qwen2" if cfg.qkv_bias else "llama",
+        "architectures": [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(family, "LlamaForCausalLM")],
+        "model_type": family,
         "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size,
         "intermediate_size": cfg.intermediate_size, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.norm_eps,
@@ -49,7 +50,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias,
         "_name_or_path": cfg.name, "torch_dtype": "bfloat16",
     }
-    if cfg.qkv_bias:
+    if family != "llama":
         d["use_sliding_window"] = False
     rs = cfg.rope_scaling
     if rs is not None:
@@ -97,6 +98,8 @@ def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
         put([p + "mlp.down_proj"], f.w2, [c.dim])
         out[p + "input_layernorm.weight"] = layer.attention_norm.weight
         out[p + "post_attention_layernorm.weight"] = layer.ffn_norm.weight
+        if a.q_norm is not None:
+            out[p + "self_attn.q_norm.weight"], out[p + "self_attn.k_norm.weight"] = a.q_norm.weight, a.k_norm.weight
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
 

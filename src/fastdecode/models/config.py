@@ -1,7 +1,8 @@
 """Model configuration: one dataclass for the Llama family, read from HF config.json or GGUF metadata.
 
-Covers Llama 2, Llama 3 / 3.1 (``rope_scaling`` of type ``llama3``), SmolLM2 and Qwen2-style
-attention (``qkv_bias``); grouped-query attention via ``n_kv_heads``; tied or untied embeddings.
+Covers Llama 2, Llama 3 / 3.1 (``rope_scaling`` of type ``llama3``), SmolLM2, Qwen2-style attention
+(``qkv_bias``) and Qwen3 (``qk_norm``: an RMSNorm over each q and k head before RoPE, explicit ``head_dim``);
+grouped-query attention via ``n_kv_heads``; tied or untied embeddings.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 ROPE_SCALING_TYPES = ("llama3", "linear")
+#: HF ``model_type`` values read by ``ModelConfig.from_hf`` (mistral only without a sliding window in use)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class ModelConfig:
     max_seq_len: int = 131072
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm (weight [head_dim], norm_eps) on each q / k head, before RoPE
     name: str = ""
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -88,6 +92,8 @@ class ModelConfig:
         attn = self.dim * (self.q_size + 2 * self.kv_size) + self.q_size * self.dim
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         mlp = 3 * self.dim * self.intermediate_size
         per_layer = attn + mlp + 2 * self.dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
@@ -127,10 +133,10 @@ class ModelConfig:
     def _from_hf_dict(cls, cfg: dict) -> "ModelConfig":
         arch = (cfg.get("architectures") or [""])[0]
         model_type = cfg.get("model_type", "")
-        if model_type not in ("llama", "qwen2", "mistral", "") and "Llama" not in arch:
+        if model_type not in HF_MODEL_TYPES + ("",) and "Llama" not in arch:
             raise ValueError(
-                f"config.json model_type {model_type!r} ({arch}) is not a Llama-family decoder "
-                "(supported: llama, qwen2, mistral without sliding window)"
+                f"config.json model_type {model_type!r} ({arch or 'no architectures'}) is not a Llama-family "
+                f"decoder this version runs (supported model_type: {', '.join(HF_MODEL_TYPES)})"
             )
         n_heads = cfg["num_attention_heads"]
         rs = cfg.get("rope_scaling") or None
@@ -158,6 +164,7 @@ class ModelConfig:
             max_seq_len=max_pos,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
             name=cfg.get("_name_or_path", "") or model_type,
         )
 

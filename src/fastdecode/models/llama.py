@@ -5,6 +5,7 @@ Weight layout (names used by every loader)::
     tok_embeddings.weight                       [V, dim]
     layers.{i}.attention_norm.weight            [dim]
     layers.{i}.attention.wqkv.weight (.bias)    [(Hq + 2 Hkv) * D, dim]   q | k | v rows, HF (half-split) RoPE order
+    layers.{i}.attention.q_norm.weight (k_norm) [D]                       Qwen3 (qk_norm) only: per-head RMSNorm
     layers.{i}.attention.wo.weight              [dim, Hq * D]
     layers.{i}.ffn_norm.weight                  [dim]
     layers.{i}.feed_forward.w13.weight          [2 I, dim]                gate | up, for silu_and_mul
@@ -62,6 +63,7 @@ from torch import nn
 
 from fastdecode.models.config import ModelConfig
 from fastdecode.models.int4 import Int4Linear
+from fastdecode.models.qk_norm import norm_heads, norm_qk_rows
 from fastdecode.models.rope import apply_rope, rope_cache, rope_inv_freq  # noqa: F401  (rope_inv_freq: re-exported)
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
 from fastdecode.ops.allreduce import all_reduce, all_reduce_add_rms_norm
@@ -231,14 +233,18 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.dim, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias, device=device, dtype=dtype)
         self.wo = Linear(cfg.q_size, cfg.dim, device=device, dtype=dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        # Qwen3 (cfg.qk_norm): RMSNorm over each q / k head before RoPE (models/qk_norm.py)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device=device, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device=device, dtype=dtype) if cfg.qk_norm else None
 
     def _qkv(self, x, cs, backend):
         B, S = _lead(x)
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.wqkv(x, backend).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        q = apply_rope(q.view(B, S, Hq, D), cs)
-        k = apply_rope(k.view(B, S, Hkv, D), cs)
-        return q, k, v.view(B, S, Hkv, D)
+        q, k = q.view(B, S, Hq, D), k.view(B, S, Hkv, D)
+        if self.q_norm is not None:
+            q, k = norm_heads(self.q_norm, q, backend), norm_heads(self.k_norm, k, backend)
+        return apply_rope(q, cs), apply_rope(k, cs), v.view(B, S, Hkv, D)
 
     def prefill(self, x, cs, k_cache, v_cache, backend="ref"):
         """x: [B, S, dim] (or an FP8 pair), positions 0..S-1; writes k_cache/v_cache[:B, :, :S]. Returns [B, S, dim]."""
@@ -256,6 +262,8 @@ class Attention(nn.Module):
         position); seq_lens: [B] int32 (= input_pos + 1). Writes k/v at input_pos, returns [B, 1, dim]."""
         B = _lead(x)[0]
         qkv = self.wqkv(x, backend).view(B, -1)  # [B, (Hq + 2 Hkv) * D]
+        if self.q_norm is not None:
+            qkv = norm_qk_rows(qkv, self.q_norm, self.k_norm, self.n_heads, self.n_kv_heads, backend)
         k_cache, v_cache = k_cache[:B], v_cache[:B]
         if backend == "ref":
             q = rope_kv_write_ref(qkv, rope, input_pos, k_cache, v_cache, self.n_heads)

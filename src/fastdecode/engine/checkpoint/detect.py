@@ -1,5 +1,5 @@
-"""Which kind of checkpoint a path is (HF directory, GGUF file, preset, or the embedded default model), and
-the quantisation format of a HF directory (``checkpoint_format``)."""
+"""Which kind of checkpoint a path is (HF directory, GGUF file, preset, a Hub id in the local Hugging Face cache,
+or the embedded default model), and the quantisation format of a HF directory (``checkpoint_format``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 from typing import Optional, Union
 
 from fastdecode.engine.checkpoint.errors import CheckpointError
+from fastdecode.engine.checkpoint.hub import cached_snapshot, looks_like_repo_id
 from fastdecode.engine.checkpoint.safetensors_io import safetensors_files
 from fastdecode.models.config import PRESETS, ModelConfig
 
@@ -32,16 +33,21 @@ def default_model_path() -> str:
 
 
 def resolve_source(path: Optional[str]) -> tuple[str, Union[str, ModelConfig]]:
-    """("preset", its config), ("hf", directory) or ("gguf", file) for a ``load`` path (None: the default model)."""
+    """("preset", its config), ("hf", directory) or ("gguf", file) for a ``load`` path (None: the default model).
+
+    A preset name first; then a path that exists; else a Hub id ``org/name``, read from the local Hugging Face
+    cache (``checkpoint.hub``: FileNotFoundError saying how to download it when it is not there)."""
     if path is None:
         path = default_model_path()
     if isinstance(path, str) and (path.lower() in PRESETS or path.startswith("preset:")):
         return "preset", ModelConfig.from_preset(path.split(":", 1)[-1])
+    if not os.path.exists(path) and looks_like_repo_id(path):
+        path = cached_snapshot(path)
     if os.path.isdir(path):
         return "hf", path
     if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist (a .gguf file, a HF directory or a preset: "
-                                f"{', '.join(sorted(PRESETS))})")
+        raise FileNotFoundError(f"model path {path!r} does not exist (a .gguf file, a HF directory, a Hugging Face "
+                                f"Hub id org/name in the local cache, or a preset: {', '.join(sorted(PRESETS))})")
     if path.endswith(".gguf"):
         return "gguf", path
     raise ValueError(f"cannot tell the format of {path!r}: expected a .gguf file or a directory with config.json")

@@ -39,6 +39,8 @@ def model_spec(cfg: ModelConfig, names: dict) -> Spec:
         if cfg.qkv_bias:
             spec.append((p + "attention.wqkv.bias", [(n["q_bias"], (cfg.q_size,)), (n["k_bias"], (cfg.kv_size,)),
                                                      (n["v_bias"], (cfg.kv_size,))], "qkv"))
+        if cfg.qk_norm:  # Qwen3's per-head norms: one [D] weight each, replicated under TP
+            spec += [(p + f"attention.{w}_norm.weight", [(n[f"{w}_norm"], (cfg.head_dim,))], None) for w in "qk"]
     spec.append(("norm.weight", [(names["norm"], (dim,))], None))
     if not cfg.tie_embeddings:
         spec.append(("output.weight", [(names["output"], (cfg.vocab_size, dim))], None))
