@@ -1,8 +1,9 @@
 """``fastdecode bench ...`` and ``fastdecode tune ...``: the kernel benchmarks and tuners (GPU; one ``error:``
 line on a machine without one), the decode benchmark (``bench decode``: ``fastdecode.bench.decode``, also on
-the CPU) and the serving benchmark (``bench serve``: ``fastdecode.bench.serve``, also on the CPU).
+the CPU), the serving benchmark (``bench serve``: ``fastdecode.bench.serve``, also on the CPU) and transformers'
+``generate``, plain and patched (``bench hf``: ``fastdecode.bench.hf``, also on the CPU).
 
-    fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode|serve
+    fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode|serve|hf
     fastdecode tune linear|int4         measure GEMM launch configs on this GPU, write them as data
 """
 
@@ -233,6 +234,61 @@ def add_serve_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, nargs="?", const="", help="write a PNG (default: next to --out)")
 
 
+# ----------------------------------------------------------------------------- bench hf
+
+
+def cmd_bench_hf(args) -> int:
+    """``fastdecode bench hf``: transformers' ``generate`` plain and patched (``fastdecode.bench.hf``), the table on
+    stdout, the rows merged into ``--out`` (default ``benchmarks/results/hf.json`` on CUDA, none on a CPU)."""
+    from fastdecode.bench.harness import merge_rows, print_table
+    from fastdecode.cli.common import USER_ERRORS, check_device
+
+    try:
+        import transformers  # noqa: F401  (optional: the test extra)
+    except ImportError:
+        return fail("bench hf needs transformers (pip install 'transformers>=5,<6')")
+    from fastdecode.bench.hf import DEFAULT_OUT, bench_hf
+
+    try:
+        device = check_device(args.device)
+        rows = bench_hf(args.preset, layers=args.layers, device=device, dtype=getattr(torch, args.dtype),
+                        batch=args.batch, input_len=args.input_len, output_len=args.output_len, iters=args.iters,
+                        warmup=args.warmup, variants=args.variants, compile_backend=args.compile_backend,
+                        log=lambda m: print(m, file=sys.stderr, flush=True))
+    except USER_ERRORS as e:
+        return fail(e)
+    print_table(rows, ("impl", "ms_per_step", "tokens_per_s", "speedup_vs_plain", "tbps", "tokens_match_plain"))
+    out = args.out if args.out is not None else (DEFAULT_OUT if device.type == "cuda" else "")
+    if out:
+        merged = merge_rows(rows, out)
+        print(f"wrote {out} ({len(rows)} rows, {len(merged)} in the file)", file=sys.stderr)
+    elif args.out is None:
+        print("a CPU run writes no results file unless --out names one", file=sys.stderr)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def add_hf_bench_arguments(p: argparse.ArgumentParser) -> None:
+    from fastdecode.bench.hf import EXTRA_VARIANTS, VARIANTS
+
+    p.add_argument("--preset", default="llama-3.1-8b",
+                   help="the shapes of a preset, random weights (llama-3.1-8b, tiny, ...)")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS,
+                   metavar="VARIANT", help=f"default: {' '.join(VARIANTS)}; also: {' '.join(EXTRA_VARIANTS)}")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=1)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--device", default=None, help="default: cuda when available (cpu: for testing, with a tiny preset)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the -compile variants (aot_eager: no C++ build on a CPU)")
+    p.add_argument("--out", default=None,
+                   help="JSON result file (default: benchmarks/results/hf.json on CUDA, no file on a CPU); rows of "
+                        "the same op, impl and shape are replaced, the others kept; '' writes nothing")
+
+
 # ----------------------------------------------------------------------------- wiring
 
 
@@ -280,6 +336,13 @@ def add_parsers(subparsers) -> None:
                          "Exit code 1 when a request failed or answered wrong text. Needs fastdecode[serve].")
     add_serve_bench_arguments(sv)
     sv.set_defaults(func=cmd_bench_serve)
+    hf = bsub.add_parser("hf", help="transformers generate, plain and patched by fastdecode (CPU too)",
+                         description="HF generate on a random-weight Llama of a preset's shapes: plain, plain + "
+                         "torch.compile (static cache), patched by fastdecode.integrations.transformers.apply, "
+                         "patched + compile, patched with FP8 / int4 linears; tokens/s and ms/step, the plain row "
+                         "as the baseline. Exit code 1 when a variant failed.")
+    add_hf_bench_arguments(hf)
+    hf.set_defaults(func=cmd_bench_hf)
 
     t = subparsers.add_parser("tune", help="measure launch configs on this GPU and write them as data")
     t.add_argument("what", choices=["linear", "int4"])
