@@ -61,6 +61,23 @@ def test_pdl_switch(monkeypatch):
     _common.set_pdl(None)
 
 
+def test_log_once_inside_a_fullgraph_compile(monkeypatch, caplog):
+    """The auto backend's one-line fallback log (log_once) must not break torch.compile(fullgraph=True): Dynamo
+    cannot enter its lock, so it stays silent while tracing and logs on the next eager call."""
+    monkeypatch.setattr(_common, "_logged_once", set())
+
+    def f(x):
+        _common.log_once("fastdecode: a fallback, once")
+        return x + 1
+
+    y = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2))
+    assert torch.equal(y, torch.full((2,), 2.0))
+    with caplog.at_level(logging.INFO, logger="fastdecode"):
+        f(torch.ones(2))
+        f(torch.ones(2))
+    assert [r.getMessage() for r in caplog.records].count("fastdecode: a fallback, once") == 1
+
+
 def test_ops_are_registered_custom_ops():
     for name in ("rms_norm", "silu_and_mul", "quantize_fp8"):
         assert hasattr(torch.ops.fastdecode, name)

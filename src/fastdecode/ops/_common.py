@@ -120,7 +120,12 @@ _log_lock = threading.Lock()
 
 
 def log_once(msg: str, level: int = logging.INFO) -> None:
-    """Log ``msg`` the first time it comes in this process (fallbacks, missing tuned data)."""
+    """Log ``msg`` the first time it comes in this process (fallbacks, missing tuned data).
+
+    Nothing while torch.compile traces (Dynamo cannot enter the lock: a fullgraph compile of an op on the
+    ``auto`` backend's CPU fallback failed there); the eager calls before or after log it."""
+    if msg in _logged_once or torch.compiler.is_compiling():
+        return
     with _log_lock:
         if msg in _logged_once:
             return
