@@ -152,3 +152,21 @@ def to_hf(model, device=None, dtype=torch.float32):
     if c.tie_embeddings:
         hf.tie_weights()
     return hf
+
+
+def assert_triton_decode_equals_torch(model):
+    """Prefill two sequences into two fp32 caches with ``model``'s backend, then one decode step on the torch
+    backend and one on the triton backend (the interpreter on a CPU): the same logits and the same keys written."""
+    from fastdecode.engine.kv_cache import KVCache
+
+    cfg = model.config
+    toks = torch.randint(0, cfg.vocab_size, (2, 5))
+    c1, c2 = KVCache(cfg, 2, 16, dtype=torch.float32), KVCache(cfg, 2, 16, dtype=torch.float32)
+    model.prefill(toks, c1)
+    model.prefill(toks, c2)
+    nxt, pos = torch.randint(0, cfg.vocab_size, (2,)), torch.tensor([5, 3])
+    ref = model.decode(nxt, pos, c1)
+    model.backend = "triton"
+    got = model.decode(nxt, pos, c2)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(c2.k, c1.k, atol=1e-6, rtol=0)  # the rotated (Qwen3: normed) keys in the cache

@@ -8,6 +8,7 @@ from fastdecode.engine.generate import Engine
 from fastdecode.engine.kv_cache import KVCache
 from fastdecode.engine.loader import random_model
 from fastdecode.models.config import ModelConfig
+from engine_helpers import assert_triton_decode_equals_torch
 from helpers import interpreter_on
 
 CFG = ModelConfig.from_preset("tiny")
@@ -59,18 +60,7 @@ def test_triton_backend_under_interpreter_equals_torch():
         # it on for one test would leave every later GPU test on interpreted kernels. On a GPU
         # machine test_engine_gpu.py runs the triton backend on CUDA against fp32 instead.
         pytest.skip("needs the Triton interpreter (CPU machine); the GPU suite covers this on CUDA")
-    cfg = CFG.replace(n_layers=1)
-    m = _model(cfg=cfg)
-    toks = torch.randint(0, cfg.vocab_size, (2, 5))
-    c1, c2 = KVCache(cfg, 2, 16, dtype=torch.float32), KVCache(cfg, 2, 16, dtype=torch.float32)
-    m.prefill(toks, c1)
-    m.prefill(toks, c2)
-    nxt, pos = torch.randint(0, cfg.vocab_size, (2,)), torch.tensor([5, 3])
-    ref = m.decode(nxt, pos, c1)
-    m.backend = "triton"
-    got = m.decode(nxt, pos, c2)
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
-    torch.testing.assert_close(c2.k, c1.k, atol=1e-6, rtol=0)
+    assert_triton_decode_equals_torch(_model(cfg=CFG.replace(n_layers=1)))
 
 
 def test_batch_with_different_lengths_equals_single_runs():

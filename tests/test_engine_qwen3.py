@@ -15,6 +15,7 @@ from fastdecode.engine.kv_cache import KVCache
 from fastdecode.engine.loader import load, random_model
 from fastdecode.models.config import ModelConfig
 from fastdecode.models.prefill import prefill_chunk
+from engine_helpers import assert_triton_decode_equals_torch
 from helpers import interpreter_on
 
 transformers = pytest.importorskip("transformers")
@@ -121,16 +122,7 @@ def test_qwen3_triton_decode_under_interpreter_equals_torch():
                      seed=int(torch.randint(0, 2**31, ())))
     m.layers[0].attention.q_norm.weight.normal_(1.0, 0.5)
     m.layers[0].attention.k_norm.weight.normal_(1.0, 0.5)
-    toks = torch.randint(0, cfg.vocab_size, (2, 5))
-    c1, c2 = KVCache(cfg, 2, 16, dtype=torch.float32), KVCache(cfg, 2, 16, dtype=torch.float32)
-    m.prefill(toks, c1)
-    m.prefill(toks, c2)
-    nxt, pos = torch.randint(0, cfg.vocab_size, (2,)), torch.tensor([5, 3])
-    ref = m.decode(nxt, pos, c1)
-    m.backend = "triton"
-    got = m.decode(nxt, pos, c2)
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
-    torch.testing.assert_close(c2.k, c1.k, atol=1e-6, rtol=0)  # the normed, rotated keys in the cache
+    assert_triton_decode_equals_torch(m)
 
 
 @pytest.mark.parametrize("backend", ["ref", "torch"])
