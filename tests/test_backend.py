@@ -61,6 +61,17 @@ def test_pdl_switch(monkeypatch):
     _common.set_pdl(None)
 
 
+def test_pdl_override_restores_the_setting(monkeypatch):
+    monkeypatch.setattr(_common, "_PDL", True)
+    with _common.pdl_override(False):
+        assert not _common.pdl_switch()
+    assert _common._PDL is True
+    with pytest.raises(RuntimeError):
+        with _common.pdl_override(False):
+            raise RuntimeError("inside")
+    assert _common._PDL is True
+
+
 def test_log_once_inside_a_fullgraph_compile(monkeypatch, caplog):
     """The auto backend's one-line fallback log (log_once) must not break torch.compile(fullgraph=True): Dynamo
     cannot enter its lock, so it stays silent while tracing and logs on the next eager call."""

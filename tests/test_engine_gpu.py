@@ -124,7 +124,7 @@ def test_graph_captured_without_pdl_equals_with_it():
     captured with it and one captured without give the same logits, step after step (a kernel reading its
     input before the previous kernel finished would not)."""
     from fastdecode.engine.cuda_graph import DecodeGraphRunner
-    from fastdecode.ops import pdl_enabled, set_pdl
+    from fastdecode.ops import pdl_enabled, pdl_override
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90+")
@@ -134,11 +134,8 @@ def test_graph_captured_without_pdl_equals_with_it():
     caches = [KVCache(cfg, 2, 64, device=DEV) for _ in range(2)]
     runners = [DecodeGraphRunner(model, c, buckets=[2]) for c in caches]
     runners[0].capture()
-    before = set_pdl(False)
-    try:
+    with pdl_override(False):
         runners[1].capture()
-    finally:
-        set_pdl(before)
     tok = torch.randint(0, cfg.vocab_size, (2,), device=DEV)
     pos = torch.tensor([0, 0], device=DEV)
     for _ in range(6):

@@ -52,6 +52,7 @@ the kernel benchmarks this one measures the engine, so it imports ``fastdecode.e
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Optional, Sequence
@@ -60,7 +61,7 @@ import torch
 
 from fastdecode.bench.decode_results import add_speedup_vs_peer
 from fastdecode.models.llama import KERNELS
-from fastdecode.ops import set_pdl
+from fastdecode.ops import pdl_override
 
 IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdecode-graph-cublas", "fastdecode-graph")
 # not in the default list: every GEMM through the skinny Triton kernels (the table's best Triton config), and
@@ -129,12 +130,8 @@ class DecodeRunner:
             from fastdecode.engine.cuda_graph import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(model, cache, buckets=[batch])
-            before = set_pdl(False) if pdl_off else None
-            try:
+            with pdl_override(False) if pdl_off else contextlib.nullcontext():
                 self.graphs.capture()
-            finally:
-                if pdl_off:
-                    set_pdl(before)
 
     def step(self, tokens, pos):
         if self.graphs is not None:

@@ -106,17 +106,14 @@ def time_cuda(
     replays; the per-call time is replay time / calls_per_graph. graph=False: time each eager call
     of a whole rotation round and divide.
 
-    Programmatic dependent launch is off while timing (``fastdecode.ops.set_pdl``): back-to-back calls of
+    Programmatic dependent launch is off while timing (``fastdecode.ops.pdl_override``): back-to-back calls of
     one kernel would overlap each other's launch and tail, which a baseline launched without it cannot
     (the decode benchmark measures PDL where it belongs, between the different kernels of a step).
     """
-    from fastdecode.ops import set_pdl
+    from fastdecode.ops import pdl_override
 
-    before = set_pdl(False)
-    try:
+    with pdl_override(False):
         return _time_cuda(list(calls), graph, calls_per_graph, warmup, reps)
-    finally:
-        set_pdl(before)
 
 
 def _time_cuda(calls, graph: bool, calls_per_graph: int, warmup: int, reps: int) -> Timing:

@@ -12,7 +12,7 @@ from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref
 from fastdecode.ops.allreduce import CommWorkspace, all_reduce, all_reduce_add_rms_norm, all_reduce_ref
 from fastdecode.ops.gemm import get_linear_config, linear, linear_fp8, linear_fp8_ref, linear_ref
 from fastdecode.ops.int4 import get_int4_config, int4_linear, int4_linear_fp8, int4_linear_fp8_ref, int4_linear_ref
-from fastdecode.ops._common import pdl_enabled, set_pdl
+from fastdecode.ops._common import pdl_enabled, pdl_override, set_pdl
 
 __all__ = [
     "fused_add_rms_norm", "fused_add_rms_norm_fp8", "fused_add_rms_norm_fp8_ref", "fused_add_rms_norm_ref",
@@ -22,5 +22,5 @@ __all__ = [
     "CommWorkspace", "all_reduce", "all_reduce_add_rms_norm", "all_reduce_ref",
     "get_linear_config", "linear", "linear_fp8", "linear_fp8_ref", "linear_ref",
     "get_int4_config", "int4_linear", "int4_linear_fp8", "int4_linear_fp8_ref", "int4_linear_ref",
-    "pdl_enabled", "set_pdl",
+    "pdl_enabled", "pdl_override", "set_pdl",
 ]

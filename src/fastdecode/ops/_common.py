@@ -16,6 +16,7 @@ explicit request that cannot be met raises ``RuntimeError``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -95,6 +96,16 @@ def set_pdl(enabled: Optional[bool]) -> Optional[bool]:
     global _PDL
     before, _PDL = _PDL, None if enabled is None else bool(enabled)
     return before
+
+
+@contextlib.contextmanager
+def pdl_override(enabled: bool):
+    """``set_pdl(enabled)`` inside the block, the previous setting restored after it."""
+    before = set_pdl(enabled)
+    try:
+        yield
+    finally:
+        set_pdl(before)
 
 
 @functools.lru_cache(maxsize=None)
