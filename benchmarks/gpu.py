@@ -19,6 +19,10 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               (``FASTDECODE_CONFIG_DIR``, recorded in their rows). Commit the table only from such a run.
 * ``tune-int4`` ``fastdecode.bench.int4 tune --merge --quick`` (``--tune-int4-ms``, default every M) into
               ``<out-dir>/configs/``, from a copy of the package's int4 table, read by the suites after it.
+* ``hf``      transformers' ``generate`` on 8B shapes (random weights), plain / compiled / patched by
+              ``fastdecode.integrations.transformers.apply`` / patched with FP8 and int4 linears (``bench hf``).
+* ``serve``   ``bench serve``: a concurrency sweep of the in-process server beside one static batch, on the
+              embedded SmolLM2 and on 8B random weights, with its plot (needs ``fastdecode[serve]``).
 * ``tp``      multi-GPU: the all-reduce tests, the all-reduce benchmark, 70B decode at TP = all GPUs.
 
 What it never does: copy files into ``src/`` (tuned tables are written only by
@@ -92,6 +96,15 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         return [(f"profile {q}", [PY, str(ROOT / "benchmarks" / "profile_decode.py"),
                                   *([] if q == "bf16" else ["--quant", q]),
                                   "--out", str(out / f"profile_{q}.json")], 150) for q in ("bf16", "fp8", "int4")]
+    if name == "hf":
+        return [("bench hf", _fd("bench", "hf", "--preset", "llama-3.1-8b", "--iters", "5", "--warmup", "1",
+                                 "--out", str(out / "hf.json")), 420)]
+    if name == "serve":
+        common = ("--concurrency", "1", "8", "32", "--duration", "10", "--max-batch", "32", "--out",
+                  str(out / "serve.json"), "--plot", str(out / "serve.png"))
+        return [("bench serve embedded", _fd("bench", "serve", *common), 240),
+                ("bench serve 8b", _fd("bench", "serve", "--model", "llama-3.1-8b", "--input-len", "32", *common),
+                 300)]
     if name == "tp":
         if n_gpu < 2:
             return []
@@ -107,7 +120,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     raise ValueError(f"unknown suite {name!r}")
 
 
-SUITES = ("tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "tp")
+SUITES = ("tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "hf", "serve", "tp")
 
 
 class Log:

@@ -58,6 +58,17 @@ def test_every_suite_writes_only_into_the_out_dir(gpu, tmp_path, n_gpu):
             assert 0 < timeout <= 600, label
 
 
+def test_hf_and_serve_suites(gpu, tmp_path):
+    """``hf`` runs ``bench hf`` on 8B shapes; ``serve`` runs the embedded model and 8B random weights, one plot."""
+    [(label, argv, _)] = gpu.suite_commands("hf", tmp_path, 1)
+    assert argv[argv.index("bench") + 1] == "hf" and argv[argv.index("--preset") + 1] == "llama-3.1-8b", label
+    steps = gpu.suite_commands("serve", tmp_path, 1)
+    assert [s[0] for s in steps] == ["bench serve embedded", "bench serve 8b"]
+    assert "--model" not in steps[0][1] and steps[1][1][steps[1][1].index("--model") + 1] == "llama-3.1-8b"
+    for _, argv, _ in steps:
+        assert argv[argv.index("--plot") + 1] == str(tmp_path / "serve.png")
+
+
 def test_tests_suite_record(gpu, tmp_path, monkeypatch):
     """The tests suite runs one pytest process and records counts, failures, env and sha."""
     seen = {}
