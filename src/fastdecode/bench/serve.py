@@ -6,8 +6,12 @@ For each concurrency C, C clients (asyncio, httpx) send streamed ``/v1/completio
 prompts in turn), ``output_len`` tokens out (``ignore_eos``), greedy. Per request: time to first token (send ->
 first text), the gaps between streamed chunks (inter-token latency; a chunk is one token except where the
 detokeniser holds text back). Per run: completed / failed requests, generated tokens / s (wall time from the first
-send to the last answer), and with ``check`` the requests whose text differs from the prompt generated alone by
-``Engine.generate`` (``wrong_text``; greedy, so any difference is an error on fp32, or a near tie in bf16).
+send to the last answer), and with ``check`` each answer compared with the prompt generated alone by
+``Engine.generate`` (greedy). In fp32 any difference is an error (``wrong_text``, the exit code). In bf16 / fp16 a
+row's tokens depend on which rows share its step: the GEMMs of a batch of 1 and of 8 sum in different orders and
+move logits by ~1e-2, which flips near ties (random weights are full of them) and every token after; there the
+run reports ``differs_from_alone`` and ``common_prefix`` (the mean fraction of the reference text a served answer
+starts with), not errors. The batcher's exactness is tested in fp32 on the GPU (tests/test_serve_batching_gpu.py).
 
 The static baseline runs ``Engine.generate`` on min(C, slots) prompts at once (after one unmeasured run): its TTFT
 is the batch prefill, its ITL the decode step, its tokens / s the batch's. Rows follow the other benchmarks
@@ -57,13 +61,23 @@ def _metrics(ttft: list, itl: list, tokens: int, seconds: float, **extra) -> dic
 # ----------------------------------------------------------------------------- clients
 
 
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 async def _client_load(url: str, model: str, prompts: list[list[int]], refs: Optional[list[str]], concurrency: int,
-                       duration: float, output_len: int) -> dict:
+                       duration: float, output_len: int, exact: bool = True) -> dict:
     import httpx
 
     ttft, itl, tokens = [], [], 0
-    stats = dict(requests=0, completed=0, failed=0, wrong_text=0)
+    stats = dict(requests=0, completed=0, failed=0, **({"wrong_text": 0} if exact else {"differs_from_alone": 0}))
     errors: list[str] = []
+    prefix: list[float] = []
     deadline = time.perf_counter() + duration
     counter = iter(range(10**9))
 
@@ -106,8 +120,11 @@ async def _client_load(url: str, model: str, prompts: list[list[int]], refs: Opt
             return
         stats["completed"] += 1
         tokens += used
-        if refs is not None and "".join(text) != refs[k % len(prompts)]:
-            stats["wrong_text"] += 1
+        if refs is not None:
+            got, ref = "".join(text), refs[k % len(prompts)]
+            if got != ref:
+                stats["wrong_text" if exact else "differs_from_alone"] += 1
+            prefix.append(_common_prefix(got, ref) / max(len(ref), 1))
 
     async def worker(client) -> None:
         while time.perf_counter() < deadline:
@@ -120,6 +137,8 @@ async def _client_load(url: str, model: str, prompts: list[list[int]], refs: Opt
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         seconds = time.perf_counter() - t
     out = _metrics(ttft, itl, tokens, seconds, **stats)
+    if refs is not None and not exact:
+        out["common_prefix"] = round(sum(prefix) / len(prefix), 4) if prefix else None
     if errors:
         out["errors"] = errors
     return out
@@ -189,17 +208,19 @@ def bench_serve(model: Optional[str], *, concurrency: Sequence[int], duration: f
             rows.append(make_row("serve", "fastdecode-static", {**shape, "concurrency": c, "batch": b}, None, **m))
             log(f"static   C={c:<4} {m['tokens_per_s']} tok/s, TTFT p50 {m['ttft_p50_ms']} ms, "
                 f"ITL p50 {m['itl_p50_ms']} ms")
+    exact = engine.dtype == torch.float32  # see the module docstring
     handle = start_in_thread(engine, model_names=("bench",), prefill_chunk=prefill_chunk,
                              max_waiting=max(concurrency) + 16)
     try:
         # warm-up, not reported: on the CPU the first decode step of each batch size and length is slow
         asyncio.run(_client_load(handle.url, "bench", prompts, None, max(concurrency), min(duration, 1.0), output_len))
         for c in concurrency:
-            m = asyncio.run(_client_load(handle.url, "bench", prompts, refs, c, duration, output_len))
+            m = asyncio.run(_client_load(handle.url, "bench", prompts, refs, c, duration, output_len, exact))
             rows.append(make_row("serve", "fastdecode-serve", {**shape, "concurrency": c}, None, **m))
             log(f"serve    C={c:<4} {m['tokens_per_s']} tok/s, TTFT p50 {m['ttft_p50_ms']} ms p99 {m['ttft_p99_ms']} "
                 f"ms, ITL p50 {m['itl_p50_ms']} ms p99 {m['itl_p99_ms']} ms; {m['completed']}/{m['requests']} "
-                f"completed, {m['failed']} failed, {m.get('wrong_text', 0)} wrong")
+                f"completed, {m['failed']} failed, " + (f"{m.get('wrong_text', 0)} wrong" if exact else
+                f"{m.get('differs_from_alone', 0)} differ from alone (common prefix {m.get('common_prefix')})"))
     finally:
         handle.stop()
     return rows
