@@ -23,6 +23,10 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               ``fastdecode.integrations.transformers.apply`` / patched with FP8 and int4 linears (``bench hf``).
 * ``serve``   ``bench serve``: a concurrency sweep of the in-process server beside one static batch, on the
               embedded SmolLM2 and on 8B random weights, with its plot (needs ``fastdecode[serve]``).
+* ``startup`` ``bench startup``: the start-up of ``generate`` on the embedded SmolLM2 (native int4), phase by
+              phase, in fresh processes: a cold Triton cache, then warm; then with 32 KV slots as ``serve`` has
+              them (the environment's Triton cache): every bucket captured at start-up (eager: twice, the
+              second run warm), and none (lazy).
 * ``tp``      multi-GPU: the all-reduce tests, the all-reduce benchmark, 70B decode at TP = all GPUs.
 
 What it never does: copy files into ``src/`` (tuned tables are written only by
@@ -105,6 +109,12 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         return [("bench serve embedded", _fd("bench", "serve", *common), 240),
                 ("bench serve 8b", _fd("bench", "serve", "--model", "llama-3.1-8b", "--input-len", "32", *common),
                  300)]
+    if name == "startup":  # --timeout: one run's limit, so a hung run fails inside the step's
+        rows = ("--out", str(out / "startup.json"))
+        serve = ("--max-batch", "32", "--timeout", "110", *rows)  # the environment's Triton cache, warmed by run 1
+        return [("bench startup", _fd("bench", "startup", "--runs", "cold", "warm", "--timeout", "110", *rows), 240),
+                ("bench startup serve eager", _fd("bench", "startup", "--runs", "warm", "warm", *serve), 240),
+                ("bench startup serve lazy", _fd("bench", "startup", "--graph-capture", "lazy", *serve), 120)]
     if name == "tp":
         if n_gpu < 2:
             return []
@@ -120,7 +130,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     raise ValueError(f"unknown suite {name!r}")
 
 
-SUITES = ("tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "hf", "serve", "tp")
+SUITES = ("tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "hf", "serve", "startup",
+          "tp")
 
 
 class Log:

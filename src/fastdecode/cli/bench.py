@@ -1,9 +1,10 @@
 """``fastdecode bench ...`` and ``fastdecode tune ...``: the kernel benchmarks and tuners (GPU; one ``error:``
 line on a machine without one), the decode benchmark (``bench decode``: ``fastdecode.bench.decode``, also on
-the CPU), the serving benchmark (``bench serve``: ``fastdecode.bench.serve``, also on the CPU) and transformers'
-``generate``, plain and patched (``bench hf``: ``fastdecode.bench.hf``, also on the CPU).
+the CPU), the serving benchmark (``bench serve``: ``fastdecode.bench.serve``, also on the CPU), transformers'
+``generate``, plain and patched (``bench hf``: ``fastdecode.bench.hf``, also on the CPU) and the start-up of
+``generate`` phase by phase (``bench startup``: ``fastdecode.bench.startup``, also on the CPU).
 
-    fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode|serve|hf
+    fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode|serve|hf|startup
     fastdecode tune linear|int4         measure GEMM launch configs on this GPU, write them as data
 """
 
@@ -193,7 +194,7 @@ def cmd_bench_serve(args) -> int:
     except USER_ERRORS as e:
         return fail(e)
     print_table(rows, ("impl", "shape", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                       "completed", "failed", "wrong_text"))
+                       "completed", "failed", "wrong_text", "differs_from_alone", "common_prefix"))
     out = args.out if args.out is not None else (DEFAULT_OUT if device.type == "cuda" else "")
     if out:
         merged = merge_rows(rows, out, key=row_key)
@@ -289,6 +290,68 @@ def add_hf_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "the same op, impl and shape are replaced, the others kept; '' writes nothing")
 
 
+# ----------------------------------------------------------------------------- bench startup
+
+
+def cmd_bench_startup(args) -> int:
+    """``fastdecode bench startup``: the start-up of ``generate`` phase by phase, each run in a fresh process
+    (``fastdecode.bench.startup``); the table on stdout, the rows merged into ``--out`` (default
+    ``benchmarks/results/startup.json`` on CUDA, none on a CPU). Exit code 1 when a run failed."""
+    from fastdecode.bench.harness import merge_rows
+    from fastdecode.bench.startup import DEFAULT_OUT, bench_startup, print_phases
+    from fastdecode.cli.common import USER_ERRORS, check_device
+
+    try:
+        device = check_device(args.device)
+        rows = bench_startup(args.model, quant=args.quant, quant_head=args.quant_head, device=device,
+                             dtype=args.dtype, backend=args.backend, runs=args.runs, max_batch=args.max_batch,
+                             graph_capture=args.graph_capture, cuda_graph=not args.no_cuda_graph,
+                             prompt=args.prompt, timeout=args.timeout,
+                             log=lambda m: print(m, file=sys.stderr, flush=True))
+    except USER_ERRORS as e:
+        return fail(e)
+    print_phases(rows)
+    out = args.out if args.out is not None else (DEFAULT_OUT if device.type == "cuda" else "")
+    if out:
+        merged = merge_rows(rows, out)
+        print(f"wrote {out} ({len(rows)} rows, {len(merged)} in the file)", file=sys.stderr)
+    elif args.out is None:
+        print("a CPU run writes no results file unless --out names one", file=sys.stderr)
+    errors = [r for r in rows if "error" in r]
+    for r in errors:
+        print(f"error: {r['impl']}: {r['error']}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def add_startup_bench_arguments(p: argparse.ArgumentParser) -> None:
+    from fastdecode.bench.startup import DEFAULT_PROMPT, RUNS
+
+    p.add_argument("--model", default=None,
+                   help="a .gguf file, a HF directory, a preset (random weights) or nothing for the embedded "
+                        "SmolLM2-135M-Instruct (GGUF Q4_1: native int4 on CUDA)")
+    p.add_argument("--quant", default=None, choices=list(METHODS), help="as generate --quant (default: as stored)")
+    p.add_argument("--quant-head", default=None, choices=list(METHODS))
+    p.add_argument("--device", default=None, help="default: cuda when available")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--backend", default=None, choices=["auto", "triton", "torch"])
+    p.add_argument("--runs", nargs="+", default=None, choices=list(RUNS),
+                   help="fresh processes in turn: cold (an empty temporary Triton cache), warm (that cache as the "
+                        "runs before left it; alone: the environment's own) (default: cold warm on CUDA, warm on "
+                        "a CPU)")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="the engine's KV slots: one CUDA graph per batch bucket up to it (generate: 1; serve: 32)")
+    p.add_argument("--graph-capture", default="eager", choices=["eager", "lazy"],
+                   help="eager: every bucket at start-up; lazy: each on first use (the first token's decode "
+                        "bucket only)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="an eager engine (no graphs)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the chat prompt of the first token")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    p.add_argument("--out", default=None,
+                   help="JSON result file (default: benchmarks/results/startup.json on CUDA, no file on a CPU); "
+                        "rows of the same impl (cold-cache / warm-cache) and shape are replaced, the others kept; "
+                        "'' writes nothing")
+
+
 # ----------------------------------------------------------------------------- wiring
 
 
@@ -343,6 +406,13 @@ def add_parsers(subparsers) -> None:
                          "as the baseline. Exit code 1 when a variant failed.")
     add_hf_bench_arguments(hf)
     hf.set_defaults(func=cmd_bench_hf)
+    st = bsub.add_parser("startup", help="start-up time of generate, phase by phase, in fresh processes (CPU too)",
+                         description="Load the model as `fastdecode generate` does and generate one token, in a fresh "
+                         "process per run, timing each phase: imports, CUDA init, checkpoint parsing, int4 "
+                         "repacking, copies to the device, kernel warm-up (Triton compiles), CUDA graph capture "
+                         "per batch bucket, the first token. Exit code 1 when a run failed.")
+    add_startup_bench_arguments(st)
+    st.set_defaults(func=cmd_bench_startup)
 
     t = subparsers.add_parser("tune", help="measure launch configs on this GPU and write them as data")
     t.add_argument("what", choices=["linear", "int4"])

@@ -130,7 +130,8 @@ def _engine(args, max_batch=1, need_tokenizer: bool = True):
         max_batch = max_batch(loaded.config, min(max_seq_len, loaded.model.rope_len), dtype)
     eng = Engine(loaded.model, tok, max_batch=max_batch,
                  max_seq_len=min(max_seq_len, loaded.model.rope_len),  # KVCacheMemoryError if it does not fit
-                 cuda_graph=False if args.no_cuda_graph else None)
+                 cuda_graph=False if args.no_cuda_graph else None,
+                 graph_capture=getattr(args, "graph_capture", "eager"))  # serve --graph-capture
     tp = loaded.model.tp
     if tp is None or tp.rank == 0:
         print(f"[{loaded.config.name} on {device}, {str(dtype).replace('torch.', '')}"

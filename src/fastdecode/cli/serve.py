@@ -108,6 +108,10 @@ def add_parser(subparsers) -> None:
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: the checkpoint's name; --model works too)")
     add_serve_arguments(s)
+    s.add_argument("--graph-capture", default="eager", choices=["eager", "lazy"],
+                   help="eager: capture the decode graph of every batch bucket up to --max-batch at start-up (the "
+                        "memory is taken then); lazy: capture each bucket on the first step that needs it (a faster "
+                        "start; the first batch of a new size waits for its capture)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     s.set_defaults(func=cmd_serve)

@@ -13,9 +13,11 @@ import torch
 
 from fastdecode.engine.kv_cache import KVCache, check_kv_memory
 from fastdecode.engine.sampler import Sampler, SamplingParams, seen_mask
+from fastdecode.engine.timing import Timings, phase
 
 Prompt = Union[str, Sequence[int]]
 DEFAULT_MAX_SEQ_LEN = 4096
+GRAPH_CAPTURE = ("eager", "lazy")
 
 
 @dataclass
@@ -61,11 +63,17 @@ class Engine:
     """A model, its tokenizer and a static KV cache for up to ``max_batch`` sequences of ``max_seq_len`` tokens.
 
     ``max_seq_len`` defaults to the model's context capped at 4096. ``cuda_graph``: replay the decode step
-    as a CUDA graph per batch-size bucket (default: on for CUDA).
+    as a CUDA graph per batch-size bucket (default: on for CUDA). ``graph_capture``: "eager" captures every
+    bucket up to ``max_batch`` here (``max_batch=1``: one graph), "lazy" each bucket on the first step that
+    needs it (``engine.cuda_graph``: a step boundary; its memory is then taken while serving, not up front).
+    ``timings``: an ``engine.timing.Timings`` that gets ``kv_cache``, ``kernel_warmup`` and ``graph_capture``.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch: int = 1, max_seq_len: Optional[int] = None,
-                 cuda_graph: Optional[bool] = None, batch_buckets: Optional[Sequence[int]] = None):
+                 cuda_graph: Optional[bool] = None, batch_buckets: Optional[Sequence[int]] = None,
+                 graph_capture: str = "eager", timings: Optional[Timings] = None):
+        if graph_capture not in GRAPH_CAPTURE:
+            raise ValueError(f"graph_capture must be one of {GRAPH_CAPTURE}, got {graph_capture!r}")
         self.model, self.tokenizer = model, tokenizer
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -75,18 +83,20 @@ class Engine:
             raise ValueError(f"max_seq_len ({max_seq_len}) exceeds the model's RoPE table ({model.rope_len}); "
                              "load the model with a larger max_seq_len")
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        # before allocating; under TP every rank agrees (one short of memory stops all)
-        check_kv_memory(model.config, max_batch, max_seq_len, self.dtype, self.device,
-                        group=getattr(getattr(model, "tp", None), "group", None))
-        self.cache = KVCache(model.config, max_batch, max_seq_len, dtype=self.dtype, device=self.device)
+        with phase(timings, "kv_cache"):
+            # before allocating; under TP every rank agrees (one short of memory stops all)
+            check_kv_memory(model.config, max_batch, max_seq_len, self.dtype, self.device,
+                            group=getattr(getattr(model, "tp", None), "group", None))
+            self.cache = KVCache(model.config, max_batch, max_seq_len, dtype=self.dtype, device=self.device)
         if cuda_graph is None:
             cuda_graph = self.device.type == "cuda"
         self.graphs = None
         if cuda_graph:
             from fastdecode.engine.cuda_graph import DecodeGraphRunner
 
-            self.graphs = DecodeGraphRunner(model, self.cache, buckets=batch_buckets)
-            self.graphs.capture()
+            self.graphs = DecodeGraphRunner(model, self.cache, buckets=batch_buckets, lazy=graph_capture == "lazy")
+            if graph_capture == "eager":
+                self.graphs.capture(timings=timings)
 
     # ------------------------------------------------------------------ steps
 
@@ -114,7 +124,7 @@ class Engine:
         return self.model.decode(tokens, input_pos, self.cache)
 
     def decode_rows(self, n: int) -> int:
-        """How many cache rows a decode step covering rows [:n] runs: the smallest captured graph bucket >= n
+        """How many cache rows a decode step covering rows [:n] runs: the smallest graph bucket >= n
         (CUDA graphs; a caller passing fewer rows gets padding rows that write position 0 of rows [n, bucket)),
         else n."""
         return self.graphs.bucket_for(n) if self.graphs is not None else n

@@ -33,6 +33,7 @@ from fastdecode.engine.checkpoint.gguf_io import open_gguf
 from fastdecode.engine.checkpoint.hf import open_hf
 from fastdecode.engine.checkpoint.spec import Checkpoint
 from fastdecode.engine.sharding import apply_tp_structure
+from fastdecode.engine.timing import Timings, phase
 from fastdecode.engine.tokenizer import Tokenizer
 from fastdecode.models.config import ModelConfig
 from fastdecode.models.llama import Transformer
@@ -52,7 +53,8 @@ class Loaded:
 def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtype] = None,
          backend: Optional[str] = None, max_seq_len: Optional[int] = None, progress: bool = True,
          quant: Optional[str] = None, tp: Optional[tuple[int, int]] = None,
-         gguf_native: Optional[bool] = None, quant_head: Optional[str] = None) -> Loaded:
+         gguf_native: Optional[bool] = None, quant_head: Optional[str] = None,
+         timings: Optional[Timings] = None) -> Loaded:
     """Load ``path``: a ``.gguf`` file, a HF directory (config.json + safetensors), a preset name
     (random weights, no tokenizer) or None for the embedded default model.
 
@@ -66,6 +68,9 @@ def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtyp
     ``quant`` is None and ``device`` is CUDA.
     ``quant_head``: None (the lm head as stored), "fp8" or "int4": the head quantised after loading
     (``models.quantize.quantize_head``; under ``tp``, this rank's rows).
+    ``timings``: a ``engine.timing.Timings`` that gets the phases (``checkpoint_open``, ``model_build``,
+    ``weights_int4`` (int4 weights read and repacked), ``weights_dense`` (the others read, dequantised,
+    quantised), ``weights_to_device``, ``assign``, ``tokenizer``, ``quant_head``; a preset: ``random_init``).
     """
     from fastdecode.models.quantize import QUANT_METHODS, check_head
 
@@ -77,34 +82,42 @@ def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtyp
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if backend is None:
         backend = "torch" if device.type == "cpu" else "auto"
-    kind, source = resolve_source(path)  # a preset's config, or the path of a HF directory / GGUF file
+    with phase(timings, "checkpoint_open"):
+        kind, source = resolve_source(path)  # a preset's config, or the path of a HF directory / GGUF file
+        if kind != "preset":
+            ckpt = open_hf(source, quant=quant) if kind == "hf" else open_gguf(source, quant=quant, device=device,
+                                                                                native=gguf_native)
     if kind == "preset":
-        loaded = _load_preset(source, device=device, dtype=dtype, backend=backend, max_seq_len=max_seq_len,
-                              quant=quant, tp=tp)
+        with phase(timings, "random_init"):
+            loaded = _load_preset(source, device=device, dtype=dtype, backend=backend, max_seq_len=max_seq_len,
+                                  quant=quant, tp=tp)
     else:
-        ckpt = open_hf(source, quant=quant) if kind == "hf" else open_gguf(source, quant=quant, device=device,
-                                                                            native=gguf_native)
         model = _load_model(ckpt, device=device, dtype=dtype, backend=backend, max_seq_len=max_seq_len,
-                            progress=progress, quant=quant, tp=tp)
-        tok, tok_error = _tokenizer(ckpt)
+                            progress=progress, quant=quant, tp=tp, timings=timings)
+        with phase(timings, "tokenizer"):
+            tok, tok_error = _tokenizer(ckpt)
         loaded = Loaded(model, tok, ckpt.config, source, tok_error)
     if quant_head is not None:
         from fastdecode.models.quantize import quantize_head
 
-        quantize_head(loaded.model, quant_head)
+        with phase(timings, "quant_head"):
+            quantize_head(loaded.model, quant_head)
     return loaded
 
 
-def _load_model(ckpt: Checkpoint, *, device, dtype, backend, max_seq_len, progress, quant, tp) -> Transformer:
+def _load_model(ckpt: Checkpoint, *, device, dtype, backend, max_seq_len, progress, quant, tp,
+                timings: Optional[Timings] = None) -> Transformer:
     """The model of an opened checkpoint: names checked, built on meta (rank's shard, FP8 modules), weights
     read (rank's shard; quantised where asked), int4 modules swapped in, weights assigned."""
-    stored4 = check_tensors(ckpt)
-    rope_len = max_seq_len or ckpt.config.max_seq_len
-    model = build_meta_model(ckpt, dtype=dtype, backend=backend, rope_len=rope_len, tp=tp,
-                             fp8=ckpt.fp8_ckpt or quant == "fp8")
-    weights = WeightReader(ckpt, stored4, device=device, dtype=dtype, quant=quant, tp=tp).read(progress)
-    swap_int4_modules(model, weights, dtype)
-    assign_weights(model, weights, rope_len=rope_len, device=device)
+    with phase(timings, "model_build"):
+        stored4 = check_tensors(ckpt)
+        rope_len = max_seq_len or ckpt.config.max_seq_len
+        model = build_meta_model(ckpt, dtype=dtype, backend=backend, rope_len=rope_len, tp=tp,
+                                 fp8=ckpt.fp8_ckpt or quant == "fp8")
+    weights = WeightReader(ckpt, stored4, device=device, dtype=dtype, quant=quant, tp=tp).read(progress, timings)
+    with phase(timings, "assign"):
+        swap_int4_modules(model, weights, dtype)
+        assign_weights(model, weights, rope_len=rope_len, device=device)
     return model
 
 

@@ -22,6 +22,7 @@ import torch
 from fastdecode.engine.checkpoint.errors import CheckpointError
 from fastdecode.engine.checkpoint.spec import BLOCK_LINEARS, Checkpoint, scale_name
 from fastdecode.engine.sharding import apply_tp_structure, shard_int4, shard_part, shard_rule
+from fastdecode.engine.timing import Timings, phase
 from fastdecode.models.int4 import Int4Linear
 from fastdecode.models.llama import Transformer
 from fastdecode.quant.int4 import Int4Weight
@@ -148,7 +149,10 @@ class WeightReader:
         self.fp8 = ckpt.fp8_ckpt or quant == "fp8"
         self.rank, self.world = tp or (0, 1)
 
-    def read(self, progress: bool) -> Weights:
+    def read(self, progress: bool, timings: Optional[Timings] = None) -> Weights:
+        """Every tensor; ``timings`` (``engine.timing``) gets ``weights_int4`` (int4 projections read and repacked:
+        GGUF Q4 on the device), ``weights_dense`` (the others read, dequantised, quantised) and
+        ``weights_to_device`` (the copies to the device afterwards)."""
         out = Weights()
         spec = self.ckpt.spec
         with progress_bar(len(spec), f"loading {os.path.basename(self.source.rstrip('/'))}", progress) as prog:
@@ -156,13 +160,20 @@ class WeightReader:
                 transform = self.ckpt.qkv_transform if how == "qkv" else None
                 if our.endswith(BLOCK_LINEARS) and (self.quant == "int4"
                                                     or any(n in self.stored4 for n, _ in parts)):
-                    w, t, fmt = self.int4_projection(our, parts, transform)
-                    if w is not None:
-                        out.packed[our], out.formats = w.to(self.device), out.formats | {fmt}
-                    else:
-                        out.state[our] = t.to(device=self.device, dtype=self.dtype)
+                    with phase(timings, "weights_int4"):
+                        w, t, fmt = self.int4_projection(our, parts, transform)
+                    with phase(timings, "weights_to_device"):
+                        if w is not None:
+                            out.packed[our], out.formats = w.to(self.device), out.formats | {fmt}
+                        else:
+                            out.state[our] = t.to(device=self.device, dtype=self.dtype)
                 else:
-                    self.dense(our, parts, transform, out.state)
+                    with phase(timings, "weights_dense"):
+                        ts, as_stored = self.dense(our, parts, transform)
+                    with phase(timings, "weights_to_device"):
+                        for name, t in ts.items():
+                            out.state[name] = t.to(self.device) if as_stored else t.to(device=self.device,
+                                                                                        dtype=self.dtype)
                 if prog is not None:
                     prog.advance(prog.task_ids[0])
         return out
@@ -237,8 +248,8 @@ class WeightReader:
         else:
             ws = [self.fetch4(name, shape, our, transform) if name in stored4 else None for name, shape in parts]
         # dense (some parts are, or the int4 parts do not fuse): dequantised, then RTN if int4 is asked for
-        ts = [dequantize_int4(w, torch.float32) if w is not None else self.fetch(name, shape, our, transform)
-              for w, (name, shape) in zip(ws, parts)]
+        ts = [dequantize_int4(w, torch.float32).cpu() if w is not None else self.fetch(name, shape, our, transform)
+              for w, (name, shape) in zip(ws, parts)]  # (a source may repack on the device: cat on the CPU)
         t = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
         if self.quant != "int4":
             return None, t, ""
@@ -250,8 +261,9 @@ class WeightReader:
             raise CheckpointError(f"{source}: cannot quantise {our} to int4: {e}") from e
         return w, None, INT4_FORMAT
 
-    def dense(self, our, parts, transform, state: dict) -> None:
-        """One model tensor (fused parts concatenated) into ``state``; FP8 block projections with their scales."""
+    def dense(self, our, parts, transform) -> tuple[dict, bool]:
+        """({name: tensor}, as_stored) of one model tensor (fused parts concatenated): an FP8 block projection with
+        its scale (as_stored: their dtypes kept), else the tensor (to be cast to the model dtype)."""
         source, device, dtype = self.source, self.device, self.dtype
         quantised = self.fp8 and our.endswith(BLOCK_LINEARS)
         ts, scales = [], []
@@ -278,9 +290,8 @@ class WeightReader:
             ts.append(t)
         t = ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
         if quantised:
-            state[our], state[scale_name(our)] = t.to(device), torch.cat(scales).to(device)
-        else:
-            state[our] = t.to(device=device, dtype=dtype)
+            return {our: t, scale_name(our): torch.cat(scales)}, True
+        return {our: t}, False
 
 
 # ----------------------------------------------------------------------------- 4. int4 modules, 5. assignment

@@ -236,18 +236,21 @@ def hf_int4_source(fmt: str, qc: dict, get: Callable, available: set[str],
 
 class GGUFQ4Source(Int4Source):
     """GGUF Q4_0 / Q4_1 tensors (``tensors``: name -> gguf ReaderTensor) as int4 weights, as they are
-    (group 32; Q4_0 zero mode "sym", Q4_1 "min"); other types are stored dense for this purpose."""
+    (group 32; Q4_0 zero mode "sym", Q4_1 "min"); other types are stored dense for this purpose.
+
+    The raw blocks go to ``device`` first and are repacked there (the same integer ops, so the same bits): on a
+    GPU the repacking then takes milliseconds instead of seconds of CPU time (SmolLM2-135M: 2-7 s on 2 cores)."""
 
     dequantise_unfusable = True
 
-    def __init__(self, tensors: dict):
+    def __init__(self, tensors: dict, device="cpu"):
         import gguf
 
         from fastdecode.models.quantize import INT4_FAMILY
         from fastdecode.quant.int4 import from_gguf_q4_0, from_gguf_q4_1
 
         self.format = f"{INT4_FAMILY}-gguf"
-        self.gguf_tensors = tensors
+        self.gguf_tensors, self.device = tensors, torch.device(device)
         self.q4 = {gguf.GGMLQuantizationType.Q4_0: from_gguf_q4_0, gguf.GGMLQuantizationType.Q4_1: from_gguf_q4_1}
 
     def tensors(self, name, available):
@@ -257,7 +260,8 @@ class GGUFQ4Source(Int4Source):
         """Raw Q4_0 / Q4_1 blocks of ``t`` (all of them, or a shard's) -> an ``Int4Weight`` of ``shape``."""
         import numpy as np
 
-        return self.q4[t.tensor_type](torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1)), shape)
+        raw = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1))  # a copy: the mapping is read-only
+        return self.q4[t.tensor_type](raw.to(self.device), shape)
 
     def read(self, name, shape):
         t = self.gguf_tensors[name]

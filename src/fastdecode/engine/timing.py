@@ -1,0 +1,47 @@
+"""Wall time of the start-up phases (``fastdecode bench startup``): an optional ``Timings`` that ``loader.load`` and
+``Engine`` take as ``timings=``; without one, ``phase`` is a no-op (no clock read, no synchronisation).
+
+    t = Timings()
+    loaded = load(path, device="cuda", timings=t)
+    eng = Engine(loaded.model, loaded.tokenizer, timings=t)
+    t.phases   # {"checkpoint_open": 0.21, "model_build": 0.05, "weights_int4": 0.4, ..., "graph_capture": 0.03}
+
+On CUDA each phase synchronises the device before and after (once CUDA is initialised: a phase never initialises
+it), so a phase's time includes the GPU work it queued. A phase entered twice adds up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Optional
+
+import torch
+
+
+def cuda_sync() -> None:
+    """``torch.cuda.synchronize()`` once CUDA is initialised (never initialises it)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class Timings:
+    """Seconds per named phase, in the order first entered."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        cuda_sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            cuda_sync()
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
+
+
+def phase(timings: Optional[Timings], name: str):
+    """``timings.phase(name)``, or a no-op context when ``timings`` is None."""
+    return timings.phase(name) if timings is not None else contextlib.nullcontext()
