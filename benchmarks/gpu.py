@@ -27,6 +27,10 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               phase, in fresh processes: a cold Triton cache, then warm; then with 32 KV slots as ``serve`` has
               them (the environment's Triton cache): every bucket captured at start-up (eager: twice, the
               second run warm), and none (lazy).
+* ``overhead`` host time per eager call of the ops a patched transformers model runs, against the PyTorch ops
+              they replace (``benchmarks/profile_eager_overhead.py``: why ``bench hf``'s patched rows are slower).
+* ``profile-small`` per-kernel time of one decode step of the embedded model's shapes (SmolLM2-135M, random
+              weights, bf16): the launch-bound step of ``fastdecode generate``.
 * ``tp``      multi-GPU: the all-reduce tests, the all-reduce benchmark, 70B decode at TP = all GPUs.
 
 What it never does: copy files into ``src/`` (tuned tables are written only by
@@ -115,6 +119,12 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         return [("bench startup", _fd("bench", "startup", "--runs", "cold", "warm", "--timeout", "110", *rows), 240),
                 ("bench startup serve eager", _fd("bench", "startup", "--runs", "warm", "warm", *serve), 240),
                 ("bench startup serve lazy", _fd("bench", "startup", "--graph-capture", "lazy", *serve), 120)]
+    if name == "overhead":
+        return [("eager overhead", [PY, str(ROOT / "benchmarks" / "profile_eager_overhead.py"),
+                                    "--out", str(out / "eager_overhead.json")], 180)]
+    if name == "profile-small":
+        return [("profile smollm2", [PY, str(ROOT / "benchmarks" / "profile_decode.py"), "--preset", "smollm2-135m",
+                                     "--out", str(out / "profile_smollm2.json")], 150)]
     if name == "tp":
         if n_gpu < 2:
             return []
@@ -131,7 +141,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
 
 
 SUITES = ("tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "hf", "serve", "startup",
-          "tp")
+          "overhead", "profile-small", "tp")
 
 
 class Log:
