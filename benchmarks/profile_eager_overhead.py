@@ -10,7 +10,8 @@ decides is each call's host time. For every op, at Llama-3.1-8B shapes and M = 1
 * ``torch``: what the plain model runs instead (transformers' RMSNorm arithmetic, ``F.silu(g) * u``, ``F.linear``,
   ``torch._scaled_mm`` with row-wise scales);
 * ``fastdecode``: the public op as the patch calls it (argument checks, dispatch, the registered custom op);
-* ``custom_op``: the registered ``torch.ops.fastdecode`` op alone, on prepared arguments (its dispatcher cost).
+* ``registered_op``: the registered ``torch.ops.fastdecode`` op alone, on prepared arguments (its dispatcher
+  cost; a ``torch.library.Library`` definition since session 8, ``torch.library.custom_op`` before).
 
 ``host_us``: wall time of ``n`` back-to-back calls (one synchronisation at the end) / n: the host's rate when it
 is slower than the GPU, else the GPU's (``gpu_us``, CUDA events around the same loop, tells which). Then
@@ -112,7 +113,7 @@ def main() -> None:
     rows = []
     cases = {
         "rms_norm": {"torch": hf_rms, "fastdecode": lambda: rms_norm(x, w, 1e-5, backend="triton"),
-                     "custom_op": lambda: _rms_norm_op(x, None, w, out, None, None, 1e-5, "triton")},
+                     "registered_op": lambda: _rms_norm_op(x, None, w, out, None, None, 1e-5, "triton")},
         "add_rms_norm": {"torch": hf_add_rms,
                          "fastdecode": lambda: fused_add_rms_norm(res.clone(), x.clone(), w, 1e-5, backend="triton"),
                          "clone_x2 (inside the fastdecode row)": lambda: (res.clone(), x.clone())},

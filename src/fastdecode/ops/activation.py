@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from fastdecode.ops._registry import define_op
 from fastdecode.ops._common import (
     pdl_enabled,
     OUT_FP8_DYNAMIC, out_mode,
@@ -42,7 +43,7 @@ def silu_config(M: int, I: int, dynamic_fp8: bool) -> dict:
     return {"BLOCK": block, "num_warps": max(1, min(block // 256, 8))}
 
 
-@torch.library.custom_op("fastdecode::silu_and_mul", mutates_args=("out", "scale_out"))
+@define_op("silu_and_mul", mutates_args=("out", "scale_out"))
 def _silu_and_mul_op(
     x: torch.Tensor,
     out: torch.Tensor,

@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fastdecode.ops._registry import define_op
 from fastdecode.ops._common import (
     out_mode,
     FP8_DTYPE, as_rows, check_eps, check_out, check_same_device, check_tensor, is_tracing, load_config_table,
@@ -273,7 +274,7 @@ def _check_ws(workspace) -> CommWorkspace:
 # ----------------------------------------------------------------------------- registered ops
 
 
-@torch.library.custom_op("fastdecode::all_reduce", mutates_args=("out",))
+@define_op("all_reduce", mutates_args=("out",))
 def _all_reduce_op(x: torch.Tensor, out: torch.Tensor, handle: int, path: str) -> None:
     ws = _get(handle)
     if path in ("one_shot", "two_shot"):
@@ -291,9 +292,7 @@ def _(x, out, handle, path):
     return None
 
 
-@torch.library.custom_op(
-    "fastdecode::all_reduce_add_rms_norm", mutates_args=("residual", "out", "scale_out")
-)
+@define_op("all_reduce_add_rms_norm", mutates_args=("residual", "out", "scale_out"))
 def _all_reduce_add_rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
     scale_in: Optional[torch.Tensor], scale_out: Optional[torch.Tensor], eps: float, handle: int,

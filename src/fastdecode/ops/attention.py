@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import triton
 
+from fastdecode.ops._registry import define_op
 from fastdecode.ops._common import (
     pdl_enabled,
     check_out, check_same_device, check_tensor, interpreter_on, is_tracing, resolve_backend,
@@ -53,7 +54,7 @@ def decode_attention_config(B: int, Hq: int, Hkv: int, T: int, D: int, dtype: to
 # ----------------------------------------------------------------------------- registered op
 
 
-@torch.library.custom_op("fastdecode::decode_attention", mutates_args=("out",))
+@define_op("decode_attention", mutates_args=("out",))
 def _decode_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
     out: torch.Tensor, scale: float, num_splits: int, backend: str,
@@ -155,7 +156,7 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale: Optional[float] =
 # ----------------------------------------------------------------------------- RoPE + KV-cache write
 
 
-@torch.library.custom_op("fastdecode::rope_kv_write", mutates_args=("q_out", "k_cache", "v_cache"))
+@define_op("rope_kv_write", mutates_args=("q_out", "k_cache", "v_cache"))
 def _rope_kv_write_op(
     qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor, q_out: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, n_q_heads: int, backend: str,

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from fastdecode.ops._registry import define_op
 from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
 from fastdecode.ops import _common
 from fastdecode.ops._common import (
@@ -230,7 +231,7 @@ def _choose(impl: str, x, weight, cublas_ok: bool) -> tuple[str, Optional[dict]]
 # ----------------------------------------------------------------------------- registered ops
 
 
-@torch.library.custom_op("fastdecode::linear", mutates_args=("out",), device_types=None)
+@define_op("linear", mutates_args=("out",))
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                out: torch.Tensor, impl: str) -> None:
     """x (M, K) unit stride in K; weight (N, K) contiguous; out (M, N) contiguous.
@@ -252,7 +253,7 @@ def _(x, weight, bias, out, impl):
     return None
 
 
-@torch.library.custom_op("fastdecode::linear_fp8", mutates_args=("out",), device_types=None)
+@define_op("linear_fp8", mutates_args=("out",))
 def _linear_fp8_op(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                    weight_scale: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
                    impl: str) -> None:

@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from fastdecode.ops._registry import define_op
 from fastdecode.ops import _common
 from fastdecode.ops._common import (
     pdl_enabled,
@@ -194,7 +195,7 @@ def int4_linear_dequant_cublas(x, w: Int4Weight, bias, out) -> None:
         torch.addmm(bias, x, wd.t(), out=out)
 
 
-@torch.library.custom_op("fastdecode::int4_linear", mutates_args=("out",), device_types=None)
+@define_op("int4_linear", mutates_args=("out",))
 def _int4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                     zm: Optional[torch.Tensor], perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                     out: torch.Tensor, group_size: int, zero_mode: str, impl: str) -> None:
@@ -223,7 +224,7 @@ def _(x, qweight, scales, zm, perm, bias, out, group_size, zero_mode, impl):
     return None
 
 
-@torch.library.custom_op("fastdecode::int4_linear_fp8", mutates_args=("out",), device_types=None)
+@define_op("int4_linear_fp8", mutates_args=("out",))
 def _int4_linear_fp8_op(x: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                         zm: Optional[torch.Tensor], perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                         out: torch.Tensor, group_size: int, zero_mode: str, impl: str) -> None:

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from fastdecode.ops._registry import define_op
 from fastdecode.ops._common import (
     pdl_enabled,
     OUT_NATIVE, out_mode,
@@ -56,9 +57,7 @@ def norm_config(M: int, H: int, fp8: bool = False) -> dict:
 # ----------------------------------------------------------------------------- registered op
 
 
-@torch.library.custom_op(
-    "fastdecode::rms_norm", mutates_args=("residual", "out", "scale_out"), device_types=None
-)
+@define_op("rms_norm", mutates_args=("residual", "out", "scale_out"))
 def _rms_norm_op(
     x: torch.Tensor,
     residual: Optional[torch.Tensor],

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from fastdecode.ops._registry import define_op
 from fastdecode.ops._common import (
     pdl_enabled,
     FP8_DTYPE, FP8_MIN_SCALE, as_rows, check_out, check_tensor, require_sm, resolve_backend, static_scale,
@@ -22,7 +23,7 @@ from fastdecode.ops._common import (
 from fastdecode.ops.norm import norm_config, quantize_rows_ref
 
 
-@torch.library.custom_op("fastdecode::quantize_fp8", mutates_args=("out", "scale_out"))
+@define_op("quantize_fp8", mutates_args=("out", "scale_out"))
 def _quantize_fp8_op(
     x: torch.Tensor,
     out: torch.Tensor,
