@@ -2,6 +2,8 @@
 through our engine, our model as a transformers model (an independent reference), the embedded SmolLM2
 (or a skip), prefill into a fresh KV cache, relative RMS error, and a record of the loader's reads."""
 
+import os
+
 import pytest
 import torch
 
@@ -40,6 +42,43 @@ def smollm2_tokenizer():
     from fastdecode.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf_metadata(read_gguf(smollm2_path())[0])
+
+
+def _reuse_results(fn):
+    """``fn`` with each result kept per (hashable) argument list: a second call with the same arguments returns
+    the first call's object."""
+    results = {}
+
+    def call(*args, **kw):
+        key = (args, tuple(sorted(kw.items())))
+        try:
+            hash(key)
+        except TypeError:
+            return fn(*args, **kw)
+        if key not in results:
+            results[key] = fn(*args, **kw)
+        return results[key]
+
+    return call
+
+
+def hf_gguf(path):
+    """(model in fp32, tokenizer) as Hugging Face transformers loads the GGUF file ``path`` itself: the independent
+    reference of the GGUF tests. transformers parses the file three times (config, weights, tokenizer) and builds
+    gguf's tensor-name table once per module (~400 times): 17 of the 29 s this took on the CPU machine (24 s on the
+    H200's host). Both are read-only and the same for one file, so during this load each is made once and reused
+    (gguf.GGUFReader, gguf.get_tensor_name_map): the same model and tokenizer, bit for bit, in ~12 s."""
+    import gguf
+    import transformers
+
+    d, f = os.path.dirname(path), os.path.basename(path)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("GGUFReader", "get_tensor_name_map"):
+            if hasattr(gguf, name):
+                mp.setattr(gguf, name, _reuse_results(getattr(gguf, name)))
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    return model, tok
 
 
 def save_tiny_smollm2_vocab(path, **config):

@@ -1,5 +1,6 @@
 """Tolerances and comparisons shared by the tests (one table, STYLE.md habit 7)."""
 
+import functools
 import json
 import os
 import re
@@ -106,7 +107,21 @@ def free_port() -> int:
 # ----------------------------------------------------------------------------- processes
 
 
-def _rank_entry(rank, world, port, backend, fn, args, errq):
+def _rank_context():
+    """Where the ranks come from: a fork server (multiprocessing's "forkserver" start method) that imported
+    torch once, then forks a rank per request. A spawned rank imported torch itself, ~2 s of every
+    ``run_ranks`` on the 2-core CPU machine and more with a CUDA build; forked from the server it starts in a
+    fraction of a second. CUDA-safe, as "spawn": the server never touches the GPU, each rank initialises CUDA
+    itself. The server starts on the first call and stays for the rest of the run."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])  # read when the server starts (the first call); later calls reuse it
+    return ctx
+
+
+def _rank_entry(rank, world, port, backend, fn, args, errq, env):
+    # the environment the test runs with now, as a spawned rank would inherit it (the server's is its start's)
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     code = 0
@@ -130,15 +145,18 @@ def _rank_entry(rank, world, port, backend, fn, args, errq):
 
 
 def run_ranks(world, fn, *args, backend="gloo", timeout=180, expect_fail=False) -> list:
-    """Spawn ``world`` ranks (a process group on ``backend``) running ``fn(rank, world, *args)``.
+    """Start ``world`` ranks (a process group on ``backend``) running ``fn(rank, world, *args)``, each a
+    process of its own (``_rank_context``).
 
     Every rank must exit cleanly (or, with ``expect_fail``, every rank must fail); a rank still running
     after ``timeout`` s fails the test as a hang instead of blocking the suite. Returns the error reports.
     """
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     errq = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, backend, fn, args, errq)) for r in range(world)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, backend, fn, args, errq, env))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -158,6 +176,43 @@ def run_ranks(world, fn, *args, backend="gloo", timeout=180, expect_fail=False) 
     assert not errors, "\n".join(errors)
     assert codes == [0] * world, f"exit codes {codes}"
     return errors
+
+
+# ----------------------------------------------------------------------------- compiles
+
+
+class _CompileOnly:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` compiles it (``warmup``) and launches nothing."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return functools.partial(self.kernel.warmup, grid=grid)
+
+    def __getattr__(self, name):  # .warmup, .device_caches, ...: the kernel's own
+        return getattr(self.kernel, name)
+
+
+def precompile_calls(calls, kernels) -> int:
+    """Make each of ``calls`` (functions of no argument: a test's own op calls, the dispatcher's choice included)
+    with every launch of ``kernels`` ((module, name) pairs) turned into a compile that
+    ``kernels.compile.precompile`` queues to parallel threads: a GPU test module compiles the kernels its tests
+    launch all at once instead of one test after another (~0.3-3 s each on the H200's host). Only a warm-up:
+    what the calls compute is garbage, a call that fails is left for its test to report, and under the
+    interpreter nothing happens. Returns the number of calls made."""
+    from fastdecode.kernels.compile import precompile
+
+    if interpreter_on():
+        return 0
+    saved = [(module, name, getattr(module, name)) for module, name in kernels]
+    try:
+        for module, name, kernel in saved:
+            setattr(module, name, _CompileOnly(kernel))
+        return precompile(lambda call: call(), calls)
+    finally:
+        for module, name, kernel in saved:
+            setattr(module, name, kernel)
 
 
 # ----------------------------------------------------------------------------- generated code

@@ -1,8 +1,6 @@
 """The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1) against Hugging Face transformers
 loading the same file in fp32: same tokenizer ids, same greedy tokens, close logits."""
 
-import os
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from fastdecode.engine.generate import Engine  # noqa: E402
 from fastdecode.engine.kv_cache import KVCache  # noqa: E402
 from fastdecode.engine.checkpoint.detect import default_model_path  # noqa: E402
 from fastdecode.engine.loader import load  # noqa: E402
+from engine_helpers import hf_gguf  # noqa: E402
 
 try:
     GGUF = default_model_path()
@@ -31,10 +30,7 @@ LOGITS_ATOL = 1e-3
 
 @pytest.fixture(scope="module")
 def hf():
-    d, f = os.path.dirname(GGUF), os.path.basename(GGUF)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
-    return model, tok
+    return hf_gguf(GGUF)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,12 @@ def _hf_dir(path, vocab=301, tie=True, seed=None, hidden=64, inter=96):
 # ----------------------------------------------------------------------------- ranks
 
 
-def _tp_equals_tp1(rank, world, path, prompt, backend):
+def _tp_equals_tp1(rank, world, path, prompt, backends):
+    for backend in backends:
+        _tp_equals_tp1_on(rank, world, path, prompt, backend)
+
+
+def _tp_equals_tp1_on(rank, world, path, prompt, backend):
     from fastdecode.engine.loader import load
     from fastdecode.engine.tp import load_tp
 
@@ -106,6 +111,11 @@ def _tp_int4(rank, world, path, prompt):
     assert got == want
 
 
+def _tp_fp8_then_int4(rank, world, fp8_path, int4_path, prompt):
+    _tp_fp8_and_apply_tp(rank, world, fp8_path, prompt)
+    _tp_int4(rank, world, int4_path, prompt)
+
+
 def _missing_on_rank1(rank, world, path):
     from fastdecode.engine.tp import load_tp
 
@@ -148,20 +158,19 @@ def _prompts(vocab=301):
     return [torch.randint(0, vocab, (7,), generator=g).tolist(), torch.randint(0, vocab, (4,), generator=g).tolist()]
 
 
-@pytest.mark.parametrize("backend", ["torch", "ref"])
-def test_tp2_greedy_tokens_equal_tp1(tmp_path, backend):
+def test_tp2_greedy_tokens_equal_tp1(tmp_path):
+    """Each rank holds its shard, and TP=2 gives TP=1's greedy tokens and logits, on the "torch" and the "ref"
+    backend in turn (one pair of ranks: each pair of processes costs ~10 s on the H200's host)."""
     path = _hf_dir(str(tmp_path / "ckpt"))
-    run_ranks(2, _tp_equals_tp1, path, _prompts(), backend, timeout=JOIN_TIMEOUT)
+    run_ranks(2, _tp_equals_tp1, path, _prompts(), ["torch", "ref"], timeout=JOIN_TIMEOUT)
 
 
-def test_tp2_fp8_and_apply_tp(tmp_path):
-    path = _hf_dir(str(tmp_path / "ckpt"), vocab=300, tie=False)
-    run_ranks(2, _tp_fp8_and_apply_tp, path, _prompts(300), timeout=JOIN_TIMEOUT)
-
-
-def test_tp2_int4_shards_quantised_at_load(tmp_path):
-    path = _hf_dir(str(tmp_path / "ckpt"), vocab=300, tie=False, hidden=256, inter=512)
-    run_ranks(2, _tp_int4, path, _prompts(300), timeout=JOIN_TIMEOUT)
+def test_tp2_fp8_and_apply_tp_then_int4_shards_quantised_at_load(tmp_path):
+    """FP8 + TP (weight scales sharded with their rows, logits as close to fp32 as FP8 at TP=1; apply_tp on a
+    whole model), then int4 quantised at load on each rank's shard (_tp_int4), in one pair of ranks."""
+    fp8 = _hf_dir(str(tmp_path / "fp8"), vocab=300, tie=False)
+    int4 = _hf_dir(str(tmp_path / "int4"), vocab=300, tie=False, hidden=256, inter=512)
+    run_ranks(2, _tp_fp8_then_int4, fp8, int4, _prompts(300), timeout=JOIN_TIMEOUT)
 
 
 def test_int4_row_parallel_shard_must_hold_whole_groups():

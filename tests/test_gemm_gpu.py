@@ -5,19 +5,25 @@ The tests marked ``gpu`` skip without CUDA (conftest.py); the CPU interpreter su
 The unmarked tests at the end pin the FP8 rounding recipe on the CPU (interpreter, emulated cuBLAS).
 """
 
+import itertools
+from functools import partial
+
 import pytest
 import torch
 
+import fastdecode.kernels.gemm as KG
 import fastdecode.ops.gemm as L
 from fastdecode.bench.gemm import candidates
 from fastdecode.constants import SCALE_TENSOR, SCALE_VECTOR
 from fastdecode.quant import quantize_activation_fp8, quantize_weight_fp8
-from helpers import assert_close, interpreter_on, poison_
+from helpers import assert_close, interpreter_on, poison_, precompile_calls
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
 SHAPES = [(6144, 4096), (4096, 14336), (28672, 4096), (111, 4099)]  # (N, K); the last is odd
 FP8_SHAPES = [(6144, 4096), (4096, 14336), (111, 4099)]
+MS = [1, 3, 16, 64]
+TUNER_MS = [1, 2, 4, 16, 64, 256]
 
 
 def _weight(N, K, dtype=torch.float32):
@@ -35,15 +41,96 @@ def _fp8_ok():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+def _bf16_operands(N, K, M, bias):
+    x = torch.randn(M, K, device=DEV).bfloat16()
+    w = _weight(N, K, torch.bfloat16)
+    return x, w, torch.randn(N, device=DEV).bfloat16() if bias else None
+
+
+def _fp16_strided_x(M):
+    return torch.randn(M, 4096 + 8, device=DEV).half()[:, :4096]
+
+
+def _fp8_bias(N, bias):
+    return torch.randn(N, device=DEV).bfloat16() if bias else None
+
+
+def _tuner_operands(dkey, M):
+    """(x, weight, x_scale, x_mode, w_scale, w_mode, reference) of test_every_tuner_candidate: N = K = 4096,
+    FP8 with per-tensor scales, as the tuner runs them (it shares their compiled kernels)."""
+    N, K = 4096, 4096
+    if dkey == "fp8":
+        xq, xs, wq, ws = _fp8_operands(M, N, K, "tensor", False)
+        return xq, wq, xs, 1, ws, 1, L.linear_fp8_ref(xq, xs, wq, ws)
+    x, w = torch.randn(M, K, device=DEV).bfloat16(), _weight(N, K, torch.bfloat16)
+    return x, w, None, 0, None, 0, L.linear_ref(x, w)
+
+
+def _tuner_configs(dkey, M):
+    """Every config the tuner may try at (M, 4096, 4096): its candidates, and each FMA one with PREFETCH."""
+    cands = candidates(M, 4096, 4096, dkey, torch.cuda.get_device_properties(0).multi_processor_count)
+    return cands + [{**c, "PREFETCH": True} for c in cands if c["kind"] == "fma"]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """The kernels the parametrized tests below launch (test_linear_bf16, test_linear_fp16_and_strided_rows,
+    test_linear_fp8, test_every_tuner_candidate, test_fp8_bias_cancelling_a_large_product_rounds_once), compiled
+    first in parallel threads: the tests' calls (operands of the same shapes, dtypes, strides and scale modes;
+    the dispatcher, or each config) made once with every launch turned into a compile (helpers.precompile_calls).
+    One after another these compiles took ~50 s of the tests on the H200's host; the tests then launch and check
+    every kernel as before."""
+    if not torch.cuda.is_available():
+        return
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def bf16(N, K, M, bias, impl):
+        L.linear(*_bf16_operands(N, K, M, bias), impl=impl)
+
+    def fp16_strided(M, impl):
+        L.linear(_fp16_strided_x(M), _weight(6144, 4096, torch.float16), impl=impl)
+
+    def fp8(N, K, M, scales, bias, impl):
+        x_gran, w_gran = scales.split("-")
+        L.linear_fp8(*_fp8_operands(M, N, K, w_gran, x_gran == "token"), _fp8_bias(N, bias), impl=impl)
+
+    def tuner(dkey, M):
+        x, w, xs, x_mode, ws, w_mode, _ = _tuner_operands(dkey, M)
+        for cfg in _tuner_configs(dkey, M):
+            L.linear_with_config(x, w, None, xs, x_mode, ws, w_mode,
+                                 torch.empty(M, 4096, device=DEV, dtype=torch.bfloat16), cfg)
+
+    def bias_cancelling(scales):
+        M, N, K = 3, 4096, 4096
+        xq, xs, wq, ws, b = _cancelling_fp8(M, N, K, scales, DEV, torch.bfloat16)
+        for impl in (None, "triton"):
+            L.linear_fp8(xq, xs, wq, ws, b, impl=impl)
+        x_mode = SCALE_TENSOR if xs.numel() == 1 else SCALE_VECTOR
+        w_mode = SCALE_TENSOR if ws.numel() == 1 else SCALE_VECTOR
+        for cfg in candidates(M, N, K, "fp8", sms):
+            out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+            L.linear_with_config(xq, wq, b, xs.reshape(-1), x_mode, ws, w_mode, out, cfg)
+
+    impls = (None, "triton")  # cuBLAS compiles nothing
+    calls = [partial(bf16, N, K, M, bias, impl)
+             for (N, K), M, bias, impl in itertools.product(SHAPES, MS, (False, True), impls)]
+    calls += [partial(fp16_strided, M, impl) for M, impl in itertools.product(MS, impls)]
+    calls += [partial(tuner, "bf16", M) for M in TUNER_MS]
+    if _fp8_ok():
+        calls += [partial(fp8, N, K, M, scales, bias, impl)
+                  for (N, K), M, (scales, bias), impl in itertools.product(FP8_SHAPES, MS, SCALES_BIAS, impls)]
+        calls += [partial(tuner, "fp8", M) for M in TUNER_MS]
+        calls += [partial(bias_cancelling, scales) for scales in BIAS_CANCELLING_SCALES]
+    precompile_calls(calls, [(KG, "_skinny_linear_kernel")])
+
+
 @gpu
 @pytest.mark.parametrize("impl", [None, "triton", "cublas"])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("M", [1, 3, 16, 64])
+@pytest.mark.parametrize("M", MS)
 @pytest.mark.parametrize("N,K", SHAPES)
-def test_linear_bf16(N, K, M, bias, impl):
-    x = torch.randn(M, K, device=DEV).bfloat16()
-    w = _weight(N, K, torch.bfloat16)
-    b = torch.randn(N, device=DEV).bfloat16() if bias else None
+def test_linear_bf16(N, K, M, bias, impl, compiled):
+    x, w, b = _bf16_operands(N, K, M, bias)
     out = poison_(torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
     y = L.linear(x, w, b, out=out, impl=impl)
     assert y is out
@@ -55,10 +142,9 @@ def test_linear_bf16(N, K, M, bias, impl):
 
 @gpu
 @pytest.mark.parametrize("impl", [None, "triton"])
-@pytest.mark.parametrize("M", [1, 3, 16, 64])
-def test_linear_fp16_and_strided_rows(M, impl):
-    base = torch.randn(M, 4096 + 8, device=DEV).half()
-    x = base[:, :4096]
+@pytest.mark.parametrize("M", MS)
+def test_linear_fp16_and_strided_rows(M, impl, compiled):
+    x = _fp16_strided_x(M)  # row stride 4104
     w = _weight(6144, 4096, torch.float16)
     assert_close(L.linear(x, w, impl=impl), L.linear_ref(x, w))
 
@@ -72,14 +158,14 @@ SCALES_BIAS = [("tensor-tensor", False), ("token-channel", True), ("tensor-chann
 @pytest.mark.skipif(not _fp8_ok(), reason="FP8 needs sm_89+")
 @pytest.mark.parametrize("impl", [None, "triton", "cublas"])
 @pytest.mark.parametrize("scales,bias", SCALES_BIAS)
-@pytest.mark.parametrize("M", [1, 3, 16, 64])
+@pytest.mark.parametrize("M", MS)
 @pytest.mark.parametrize("N,K", FP8_SHAPES)
-def test_linear_fp8(N, K, M, scales, bias, impl):
+def test_linear_fp8(N, K, M, scales, bias, impl, compiled):
     x_gran, w_gran = scales.split("-")
     if impl == "cublas" and (N % 16 or K % 16):
         pytest.skip("torch._scaled_mm needs N and K multiples of 16")
     xq, xs, wq, ws = _fp8_operands(M, N, K, w_gran, x_gran == "token")
-    b = torch.randn(N, device=DEV).bfloat16() if bias else None
+    b = _fp8_bias(N, bias)
     out = poison_(torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
     y = L.linear_fp8(xq, xs, wq, ws, b, out=out, impl=impl)
     assert y is out
@@ -88,26 +174,15 @@ def test_linear_fp8(N, K, M, scales, bias, impl):
 
 @gpu
 @pytest.mark.parametrize("dkey", ["bf16", "fp8"])
-@pytest.mark.parametrize("M", [1, 2, 4, 16, 64, 256])
-def test_every_tuner_candidate(dkey, M):
+@pytest.mark.parametrize("M", TUNER_MS)
+def test_every_tuner_candidate(dkey, M, compiled):
     """Each config the tuner may pick compiles (registers, shared memory) and is right."""
     if dkey == "fp8" and not _fp8_ok():
         pytest.skip("FP8 needs sm_89+")
-    N, K = 4096, 4096
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if dkey == "fp8":  # per-tensor scales, as the tuner runs them (shares its compiled kernels)
-        xq, xs, wq, ws = _fp8_operands(M, N, K, "tensor", False)
-        ref = L.linear_fp8_ref(xq, xs, wq, ws)
-    else:
-        x, w = torch.randn(M, K, device=DEV).bfloat16(), _weight(N, K, torch.bfloat16)
-        ref = L.linear_ref(x, w)
-    cands = candidates(M, N, K, dkey, sms)
-    for cfg in cands + [{**c, "PREFETCH": True} for c in cands if c["kind"] == "fma"]:
-        out = poison_(torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
-        if dkey == "fp8":
-            L.linear_with_config(xq, wq, None, xs, 1, ws, 1, out, cfg)
-        else:
-            L.linear_with_config(x, w, None, None, 0, None, 0, out, cfg)
+    x, w, xs, x_mode, ws, w_mode, ref = _tuner_operands(dkey, M)
+    for cfg in _tuner_configs(dkey, M):
+        out = poison_(torch.empty(M, 4096, device=DEV, dtype=torch.bfloat16))
+        L.linear_with_config(x, w, None, xs, x_mode, ws, w_mode, out, cfg)
         try:
             assert_close(out, ref)
         except AssertionError as e:
@@ -186,10 +261,13 @@ def test_capture_before_any_call_falls_back_to_one_split():
         L._LOCKS.update(saved)
 
 
+BIAS_CANCELLING_SCALES = ["token-channel", "tensor-tensor", "tensor-channel"]
+
+
 @gpu
 @pytest.mark.skipif(not _fp8_ok(), reason="FP8 needs sm_89+")
-@pytest.mark.parametrize("scales", ["token-channel", "tensor-tensor", "tensor-channel"])
-def test_fp8_bias_cancelling_a_large_product_rounds_once(scales):
+@pytest.mark.parametrize("scales", BIAS_CANCELLING_SCALES)
+def test_fp8_bias_cancelling_a_large_product_rounds_once(scales, compiled):
     """Every path (the dispatcher's, each tuner candidate, cuBLAS) rounds ``acc * xs * ws + bias`` once,
     as the reference: within one ulp of the output where the bias cancels a large product. cuBLAS used
     to round the product to bf16 and then add the bias (a second rounding): up to half an ulp of the

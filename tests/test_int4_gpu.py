@@ -10,16 +10,20 @@ config that cannot launch.
 import dataclasses
 import itertools
 import logging
+from functools import partial
 
 import pytest
 import torch
 
+import fastdecode.kernels.int4 as KI
+import fastdecode.kernels.int4_dequant as KD
 import fastdecode.ops.int4 as I
 from fastdecode.bench import int4 as B
 from fastdecode.bench.int4 import candidates
 from fastdecode.kernels.compile import precompile
 from fastdecode.quant import quantize_activation_fp8
 from fastdecode.quant import int4 as Q
+from helpers import precompile_calls
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -43,11 +47,14 @@ def _close(y, ref):
     torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2 * max(ref.float().abs().max().item(), 1e-3))
 
 
+REAL_MS = [1, 3, 16, 33, 64, 257]
+
+
 @gpu
 @pytest.mark.parametrize("impl", [None, "triton"])
-@pytest.mark.parametrize("M", [1, 3, 16, 33, 64, 257])
+@pytest.mark.parametrize("M", REAL_MS)
 @pytest.mark.parametrize("N,K", SHAPES)
-def test_int4_linear_bf16_real_sizes(N, K, M, impl):
+def test_int4_linear_bf16_real_sizes(N, K, M, impl, compiled):
     w = _packed(N, K, 128 if K % 128 == 0 else K)
     x = torch.randn(M, K, device=DEV).bfloat16()
     b = torch.randn(N, device=DEV).bfloat16()
@@ -65,25 +72,51 @@ def _warm(x, w, x_scale=None) -> None:
 
 
 @pytest.fixture(scope="module")
-def compiled_dispatch():
-    """The kernels the parametrized dispatcher tests below launch, compiled first in parallel threads
-    (kernels.compile.precompile; each is ~0.9 s one after another on the H200's host): the tests then
-    launch and check every one of them as before."""
+def compiled():
+    """The kernels the tests below launch (the dispatcher's at every group size and mode, W4A8, the real sizes,
+    the embedded model's shapes, the dequant path, both conversions of the dot path), compiled first in parallel
+    threads (kernels.compile.precompile; each is ~0.9 s one after another on the H200's host): the tests' calls
+    made once with every launch turned into a compile (helpers.precompile_calls). The tests then launch and
+    check every one of them as before. (The tuner test compiles its candidates itself, also in parallel.)"""
     if not torch.cuda.is_available():
         return
-    jobs = []
+    calls = []
     for g, fmt in itertools.product(GROUP_MODE_GS, GROUP_MODE_FMTS):
         w = _packed(1024, 4096, g, fmt, torch.float16 if fmt == "zero" else torch.bfloat16)
         for M in GROUP_MODE_MS:
             for dt in (torch.bfloat16,) + ((torch.float16,) if M in (1, 48) else ()):
-                jobs.append((torch.empty(M, 4096, device=DEV, dtype=dt), w, None))
+                calls.append(partial(_warm, torch.empty(M, 4096, device=DEV, dtype=dt), w))
     if torch.cuda.get_device_capability() >= (8, 9):
         for fmt, g in W4A8_FMTS:
             w = _packed(2048, 4096, g, fmt)
             for M in W4A8_MS:
                 xq = torch.zeros(M, 4096, device=DEV).to(torch.float8_e4m3fn)
-                jobs += [(xq, w, torch.ones(M, 1, device=DEV)), (xq, w, torch.ones(1, device=DEV))]
-    precompile(lambda j: _warm(*j), jobs)
+                calls += [partial(_warm, xq, w, torch.ones(M, 1, device=DEV)),
+                          partial(_warm, xq, w, torch.ones(1, device=DEV))]
+
+    def dispatch(M, w, bias=None, impl=None):  # int4_linear as the tests call it
+        I.int4_linear(torch.empty(M, w.K, device=DEV, dtype=torch.bfloat16), w, bias, impl=impl)
+
+    for N, K in SHAPES:
+        w, b = _packed(N, K, 128 if K % 128 == 0 else K), torch.empty(N, device=DEV, dtype=torch.bfloat16)
+        calls += [partial(dispatch, M, w, b, impl) for M, impl in itertools.product(REAL_MS, (None, "triton"))]
+    for N, K in EMBEDDED_SHAPES:
+        w = _packed(N, K, 32, "min")
+        calls += [partial(dispatch, M, w, None, impl) for M in EMBEDDED_MS
+                  for impl in (None, "triton") + (("dequant",) if M > 16 else ())]
+    w = _packed(4096, 4096, 128, "zero")
+    calls += [partial(dispatch, M, w, None, "dequant") for M in DEQUANT_MS]
+
+    def dot(fmt, g, x_dtype, w_dtype, cfg):  # test_dot_fast_conversion_equals_portable's launches, and the next
+        M, K = 48, 4224 if g == 96 else 4096
+        x, out = torch.empty(M, K, device=DEV, dtype=x_dtype), torch.empty(M, 1024, device=DEV, dtype=x_dtype)
+        I.int4_linear_with_config(x, _packed(1024, K, g, fmt, w_dtype), None, out, cfg)
+
+    for (fmt, g), x_dtype in itertools.product(DOT_FAST_FMTS, DOT_X_DTYPES):
+        calls += [partial(dot, fmt, g, x_dtype, x_dtype, DOT_CFG),
+                  partial(dot, fmt, g, x_dtype, x_dtype, {**DOT_CFG, "fast_cvt": False})]
+    calls.append(partial(dot, "min", 32, torch.bfloat16, torch.float16, DOT_CFG))  # fp16 scales, bf16 x
+    precompile_calls(calls, [(KI, "_int4_linear_kernel"), (KD, "_int4_dequant_kernel")])
 
 
 GROUP_MODE_FMTS, GROUP_MODE_GS, GROUP_MODE_MS = ["sym", "zero", "min"], [32, 64, 128, 4096], [1, 5, 48, 300]
@@ -94,7 +127,7 @@ W4A8_FMTS, W4A8_MS = [("sym", 128), ("zero", 32), ("min", 64)], [1, 7, 64, 512]
 @pytest.mark.parametrize("fmt", GROUP_MODE_FMTS)
 @pytest.mark.parametrize("g", GROUP_MODE_GS)
 @pytest.mark.parametrize("M", GROUP_MODE_MS)
-def test_int4_linear_every_group_and_mode(M, g, fmt, compiled_dispatch):
+def test_int4_linear_every_group_and_mode(M, g, fmt, compiled):
     N, K = 1024, 4096
     w = _packed(N, K, g, fmt, torch.float16 if fmt == "zero" else torch.bfloat16)
     x = torch.randn(M, K, device=DEV).bfloat16()
@@ -104,10 +137,13 @@ def test_int4_linear_every_group_and_mode(M, g, fmt, compiled_dispatch):
         _close(I.int4_linear(xh, w, impl="triton"), I.int4_linear_ref(xh, w))
 
 
+EMBEDDED_SHAPES, EMBEDDED_MS = [(192, 576), (576, 576), (3072, 576), (576, 1536)], [1, 7, 128]
+
+
 @gpu
-@pytest.mark.parametrize("M", [1, 7, 128])
-@pytest.mark.parametrize("N,K", [(192, 576), (576, 576), (3072, 576), (576, 1536)])
-def test_embedded_model_shapes_q4_1(N, K, M):
+@pytest.mark.parametrize("M", EMBEDDED_MS)
+@pytest.mark.parametrize("N,K", EMBEDDED_SHAPES)
+def test_embedded_model_shapes_q4_1(N, K, M, compiled):
     """The embedded SmolLM2's projections as its GGUF loads them (Q4_1: group 32, mins; K = 576 is 2.25
     layout tiles), at decode and prefill sizes, every path the dispatcher may take."""
     w = _packed(N, K, 32, "min")
@@ -117,9 +153,12 @@ def test_embedded_model_shapes_q4_1(N, K, M):
         _close(I.int4_linear(x, w, impl=impl), ref)
 
 
+DEQUANT_MS = [256, 1024]
+
+
 @gpu
-@pytest.mark.parametrize("M", [256, 1024])
-def test_dequant_cublas_path(M):
+@pytest.mark.parametrize("M", DEQUANT_MS)
+def test_dequant_cublas_path(M, compiled):
     w = _packed(4096, 4096, 128, "zero")
     x = torch.randn(M, 4096, device=DEV).bfloat16()
     _close(I.int4_linear(x, w, impl="dequant"), I.int4_linear_ref(x, w))
@@ -196,7 +235,7 @@ def test_precompile_fills_the_jit_cache_before_the_launches():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="FP8")
 @pytest.mark.parametrize("fmt,g", W4A8_FMTS)
 @pytest.mark.parametrize("M", W4A8_MS)
-def test_w4a8(M, fmt, g, compiled_dispatch):
+def test_w4a8(M, fmt, g, compiled):
     N, K = 2048, 4096
     w = _packed(N, K, g, fmt)
     xq, xs = quantize_activation_fp8(torch.randn(M, K, device=DEV))
@@ -266,16 +305,21 @@ def test_split_k_deterministic_graph_capture_and_compile():
     _close(f(x), I.int4_linear_ref(x, w))
 
 
+DOT_FAST_FMTS = [("sym", 128), ("zero", 32), ("min", 64), ("sym", 4096), ("zero", 96)]
+DOT_X_DTYPES = [torch.bfloat16, torch.float16]
+DOT_CFG = dict(kind="dot", BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3)
+
+
 @gpu
-@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("fmt,g", [("sym", 128), ("zero", 32), ("min", 64), ("sym", 4096), ("zero", 96)])
-def test_dot_fast_conversion_equals_portable(fmt, g, x_dtype):
+@pytest.mark.parametrize("x_dtype", DOT_X_DTYPES)
+@pytest.mark.parametrize("fmt,g", DOT_FAST_FMTS)
+def test_dot_fast_conversion_equals_portable(fmt, g, x_dtype, compiled):
     """The packed-pair PTX conversion (fast_cvt) against the bitcast form the interpreter runs: the same
     dequantised operand up to the rounding of the scale to x.dtype, so results agree to the output rounding."""
     N, K, M = 1024, 4224 if g == 96 else 4096, 48  # 4224 = 44 groups of 96
     w = _packed(N, K, g, fmt, x_dtype)  # scales of x's dtype: the fast conversion's condition
     x = torch.randn(M, K, device=DEV).to(x_dtype)
-    cfg = dict(kind="dot", BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3)
+    cfg = DOT_CFG
     fast = torch.full((M, N), float("nan"), device=DEV, dtype=x_dtype)
     slow = torch.full((M, N), float("nan"), device=DEV, dtype=x_dtype)
     I.int4_linear_with_config(x, w, None, fast, cfg)
@@ -380,7 +424,7 @@ def test_tuner_skips_a_config_that_cannot_launch_with_one_log_line(monkeypatch, 
 
 
 @gpu
-def test_fp16_scales_under_bf16_activations_round_once():
+def test_fp16_scales_under_bf16_activations_round_once(compiled):
     """GGUF Q4_1 keeps fp16 ``d`` / ``m``; under bf16 activations the dot path used to round them to bf16
     in its packed conversion (two more roundings per weight, coherent over a group). Now such weights take
     the portable conversion: within summation order of ``int4_linear_ref``, several times closer than the
@@ -391,7 +435,7 @@ def test_fp16_scales_under_bf16_activations_round_once():
     w = _packed(N, K, 32, "min", torch.float16)
     x = torch.randn(M, K, device=DEV).bfloat16()
     assert not fast_cvt_ok(x, True, 0, torch.float16) and fast_cvt_ok(x, True, 0, torch.bfloat16)
-    cfg = dict(kind="dot", BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=3)
+    cfg = DOT_CFG
     y = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
     I.int4_linear_with_config(x, w, None, y, cfg)
     ref = I.int4_linear_ref(x, w).float()

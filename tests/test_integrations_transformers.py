@@ -4,7 +4,6 @@ against unpatched (same greedy tokens in fp32), tiny random Llama / Mistral / Qw
 
 import copy
 import json
-import os
 import subprocess
 import sys
 
@@ -63,13 +62,9 @@ def untouched(model) -> bool:
 def smollm2():
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
-    from engine_helpers import smollm2_path
+    from engine_helpers import hf_gguf, smollm2_path
 
-    path = smollm2_path()
-    d, f = os.path.dirname(path), os.path.basename(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
-    return model, tok
+    return hf_gguf(smollm2_path())
 
 
 def test_smollm2_patched_greedy_tokens_equal_unpatched_fp32(smollm2):
