@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Optional
 
 import torch
 
@@ -20,6 +21,20 @@ from fastdecode.quant.formats import METHODS
 
 KERNELS_OUT = "benchmarks/results/norm_activation_quant.json"
 
+
+
+def _write_rows(rows: list, out_arg: Optional[str], default_out: str, device: torch.device, **merge_kw) -> str:
+    """Merge ``rows`` into ``--out`` (default ``default_out`` on CUDA, no file on a CPU; '' writes nothing) and say
+    so on stderr; returns the path written, or ''."""
+    from fastdecode.bench.harness import merge_rows
+
+    out = out_arg if out_arg is not None else (default_out if device.type == "cuda" else "")
+    if out:
+        merged = merge_rows(rows, out, **merge_kw)
+        print(f"wrote {out} ({len(rows)} rows, {len(merged)} in the file)", file=sys.stderr)
+    elif out_arg is None:
+        print("a CPU run writes no results file unless --out names one", file=sys.stderr)
+    return out
 
 # ----------------------------------------------------------------------------- kernel benchmarks, tuners (GPU)
 
@@ -177,7 +192,7 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_bench_serve(args) -> int:
     """``fastdecode bench serve``: the concurrency sweep (``fastdecode.bench.serve``), the table on stdout, the rows
     merged into the results file (default ``benchmarks/results/serve.json`` on CUDA, none on a CPU), the plot."""
-    from fastdecode.bench.harness import merge_rows, print_table
+    from fastdecode.bench.harness import print_table
     from fastdecode.bench.serve import DEFAULT_OUT, bench_serve, plot_rows, row_key
     from fastdecode.cli.common import USER_ERRORS, check_device
     from fastdecode.serve.server import require_serve_deps
@@ -195,12 +210,7 @@ def cmd_bench_serve(args) -> int:
         return fail(e)
     print_table(rows, ("impl", "shape", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                        "completed", "failed", "wrong_text", "differs_from_alone", "common_prefix"))
-    out = args.out if args.out is not None else (DEFAULT_OUT if device.type == "cuda" else "")
-    if out:
-        merged = merge_rows(rows, out, key=row_key)
-        print(f"wrote {out} ({len(rows)} rows, {len(merged)} in the file)", file=sys.stderr)
-    elif args.out is None:
-        print("a CPU run writes no results file unless --out names one", file=sys.stderr)
+    out = _write_rows(rows, args.out, DEFAULT_OUT, device, key=row_key)
     if args.plot is not None:
         path = args.plot or (out.rsplit(".", 1)[0] + ".png" if out else "serve.png")
         plot_rows(rows, path)
@@ -241,7 +251,7 @@ def add_serve_bench_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_bench_hf(args) -> int:
     """``fastdecode bench hf``: transformers' ``generate`` plain and patched (``fastdecode.bench.hf``), the table on
     stdout, the rows merged into ``--out`` (default ``benchmarks/results/hf.json`` on CUDA, none on a CPU)."""
-    from fastdecode.bench.harness import merge_rows, print_table
+    from fastdecode.bench.harness import print_table
     from fastdecode.cli.common import USER_ERRORS, check_device
 
     try:
@@ -259,12 +269,7 @@ def cmd_bench_hf(args) -> int:
     except USER_ERRORS as e:
         return fail(e)
     print_table(rows, ("impl", "ms_per_step", "tokens_per_s", "speedup_vs_plain", "tbps", "tokens_match_plain"))
-    out = args.out if args.out is not None else (DEFAULT_OUT if device.type == "cuda" else "")
-    if out:
-        merged = merge_rows(rows, out)
-        print(f"wrote {out} ({len(rows)} rows, {len(merged)} in the file)", file=sys.stderr)
-    elif args.out is None:
-        print("a CPU run writes no results file unless --out names one", file=sys.stderr)
+    _write_rows(rows, args.out, DEFAULT_OUT, device)
     return 1 if any("error" in r for r in rows) else 0
 
 
@@ -297,7 +302,6 @@ def cmd_bench_startup(args) -> int:
     """``fastdecode bench startup``: the start-up of ``generate`` phase by phase, each run in a fresh process
     (``fastdecode.bench.startup``); the table on stdout, the rows merged into ``--out`` (default
     ``benchmarks/results/startup.json`` on CUDA, none on a CPU). Exit code 1 when a run failed."""
-    from fastdecode.bench.harness import merge_rows
     from fastdecode.bench.startup import DEFAULT_OUT, bench_startup, print_phases
     from fastdecode.cli.common import USER_ERRORS, check_device
 
@@ -311,12 +315,7 @@ def cmd_bench_startup(args) -> int:
     except USER_ERRORS as e:
         return fail(e)
     print_phases(rows)
-    out = args.out if args.out is not None else (DEFAULT_OUT if device.type == "cuda" else "")
-    if out:
-        merged = merge_rows(rows, out)
-        print(f"wrote {out} ({len(rows)} rows, {len(merged)} in the file)", file=sys.stderr)
-    elif args.out is None:
-        print("a CPU run writes no results file unless --out names one", file=sys.stderr)
+    _write_rows(rows, args.out, DEFAULT_OUT, device)
     errors = [r for r in rows if "error" in r]
     for r in errors:
         print(f"error: {r['impl']}: {r['error']}", file=sys.stderr)
