@@ -146,17 +146,25 @@ def test_decode_step_bytes_drop_by_the_head(fmt):
     assert bh.format_label == f"int4-w4a16-g128-zero+head-{fmt}" and q.format_label == f"head-{fmt}"
 
 
+# A decoded token may differ from prefill's argmax only at a near tie: with FP8 activations the two paths sum in
+# another order, and a value on an e4m3 rounding boundary of the next per-token quantisation moves one step. Measured
+# over 200 seeds x 12 positions: one such flip (FP8, gap 0.0087 with a logit std of 0.59: 1.5% of it), none for int4.
+NEAR_TIE = 0.03  # of the logits' standard deviation
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_greedy_generate_with_a_quantised_head(fmt):
     q = quantize_model(_model(), "fp8" if fmt == "fp8" else "int4", head=fmt)
     prompt = [[1, 2, 3], [4, 5]]
     tokens, _ = greedy(q, prompt, 6)
-    for p, toks in zip(prompt, tokens):  # the same tokens as re-running prefill over the growing sequence
+    for p, toks in zip(prompt, tokens):  # prefill over the growing sequence (the decoded tokens fed back) agrees
+        assert len(toks) == 6
         seq = list(p)
-        for _ in range(6):
-            logits, _ = prefill(q, torch.tensor([seq]))
-            seq.append(int(logits[0, -1].argmax()))
-        assert toks == seq[len(p):]
+        for t in toks:
+            logits = prefill(q, torch.tensor([seq]))[0][0, -1]
+            best = int(logits.argmax())
+            assert t == best or logits[best] - logits[t] <= NEAR_TIE * logits.std(), (seq, t, best)
+            seq.append(t)
 
 
 def test_bench_decode_cli_quantises_the_head(tmp_path, capsys):
