@@ -247,21 +247,11 @@ def test_lazy_capture_gives_the_tokens_of_eager_capture(smollm2_cuda):
 def _batched(eng, tok, prompts, join_at, n=20):
     """Greedy tokens of each prompt through a ContinuousBatcher over ``eng``, prompt i joining at step join_at[i]."""
     from fastdecode.engine.batching import ContinuousBatcher, Request
+    from test_serve_batching import _run
 
-    batcher = ContinuousBatcher(eng, prefill_chunk=8)
     reqs = [Request(tok.encode(p), max_new_tokens=n, ignore_eos=True) for p in prompts]
-    got = {r.id: [] for r in reqs}
-    for r in reqs:
-        r.on_event = lambda ev: got[ev.request_id].extend(ev.token_ids)
-    step = 0
-    while step <= max(join_at) or batcher.has_work:
-        for r, at in zip(reqs, join_at):
-            if at == step:
-                batcher.add(r)
-        batcher.step()
-        step += 1
-        assert step < 1000
-    return [got[r.id] for r in reqs]
+    out = _run(ContinuousBatcher(eng, prefill_chunk=8), reqs, join_at=join_at)
+    return [out[r.id][0] for r in reqs]
 
 
 @pytest.mark.gpu

@@ -395,7 +395,7 @@ def add_parsers(subparsers) -> None:
                          description="Throughput (tok/s), time to first token and inter-token latency (p50 / p99) "
                          "of `fastdecode serve` (in process) for each --concurrency, beside the same engine "
                          "driven with one static batch; every answer checked against the prompt generated alone. "
-                         "Exit code 1 when a request failed or answered wrong text. Needs fastdecode[serve].")
+                         "Exit code 1 when a request failed or, in fp32, answered wrong text. Needs fastdecode[serve].")
     add_serve_bench_arguments(sv)
     sv.set_defaults(func=cmd_bench_serve)
     hf = bsub.add_parser("hf", help="transformers generate, plain and patched by fastdecode (CPU too)",
