@@ -49,6 +49,7 @@ def test_startup_breakdown_on_the_cpu(tmp_path, capsys):
     assert row["shape"]["max_batch"] == 1 and row["shape"]["graph_capture"] == "eager"
     _check_row(row, "cpu")
     assert row["phases_s"]["weights_dense"] > 0 and row["phases_s"]["weights_int4"] == 0.0
+    assert row["dynamo_imported_at_ready"] is False  # torch._dynamo costs 1-6 s of start-up; nothing imports it
     table = capsys.readouterr().out
     assert "checkpoint_open" in table and "total_s" in table
 

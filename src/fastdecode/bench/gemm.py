@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-import triton
 
 from fastdecode.bench.harness import geomean, make_row, rotation_count, start_table, time_cuda, write_rows
+from fastdecode.kernels.host import next_pow2
 
 SHAPES = {  # name: (N, K)
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -163,7 +163,7 @@ def candidates(M: int, N: int, K: int, dkey: str, num_sms: int) -> list[dict]:
             out += [with_split_k(base, M, N, K, num_sms, s) for s in (3, 6)]
     if M >= 2 or dkey == "fp8":  # swap-AB tensor-core dot, BLOCK_M = the MMA's narrow side (FP8: at M=1
         # too; FP8 operands go straight into the MMA, while the FMA path converts every weight)
-        bm = min(max(triton.next_power_of_2(M), 16), 64)
+        bm = min(max(next_pow2(M), 16), 64)
         tiles = ((64, 256, 4, 4), (128, 256, 8, 3), (64, 128, 4, 5)) if dkey == "fp8" else \
                 ((64, 128, 4, 4), (128, 128, 8, 3), (64, 64, 4, 6))
         if M >= 128:

@@ -36,7 +36,6 @@ PHASES = (
     "python_start",  # the interpreter, until the first line of the child runs (measured by the parent's clock)
     "import_torch",
     "import_fastdecode",  # fastdecode, its engine (loader, Engine)
-    "import_torch_dynamo",  # torch._dynamo: imported by the first custom-op call or meta init anyway (~1.5 s)
     "import_triton",  # CUDA only
     "cuda_init",  # CUDA only: the context, the first allocation
     "checkpoint_open",  # resolve the path, parse the GGUF / safetensors headers and the config
@@ -71,8 +70,6 @@ def child(w0: float, t0: float, t1: float, argv: Sequence[str]) -> None:
     t2 = time.perf_counter()
     timings = Timings()
     timings.phases.update(import_torch=t1 - t0, import_fastdecode=t2 - t1)
-    with timings.phase("import_torch_dynamo"):  # else inside model_build (nn.Embedding's init on meta) or an op
-        import torch._dynamo  # noqa: F401
     device = torch.device(cfg["device"])
     if device.type == "cuda":
         with timings.phase("import_triton"):
@@ -92,6 +89,8 @@ def child(w0: float, t0: float, t1: float, argv: Sequence[str]) -> None:
                  cuda_graph=False if cfg.get("no_cuda_graph") else None, graph_capture=cfg["graph_capture"],
                  timings=timings)
     t_ready = time.perf_counter()
+    # the start-up imports no torch._dynamo (1-6 s); True means something on the way to ready brought it back
+    dynamo_at_ready = "torch._dynamo" in sys.modules
     prompt = cfg["prompt"] if loaded.tokenizer is not None else [1, 2, 3, 4]
     chat = loaded.tokenizer is not None and bool(loaded.tokenizer.chat_template)
     with timings.phase("first_token"):
@@ -110,7 +109,8 @@ def child(w0: float, t0: float, t1: float, argv: Sequence[str]) -> None:
            "buckets": list(graphs.buckets) if graphs is not None else [],
            "captured": sorted(graphs.graphs) if graphs is not None else [],
            "capture_s": {str(b): v for b, v in graphs.capture_s.items()} if graphs is not None else {},
-           "torch_threads": torch.get_num_threads()}
+           "torch_threads": torch.get_num_threads(),
+           "dynamo_at_ready": dynamo_at_ready}
     Path(out).write_text(json.dumps(res))
 
 
@@ -165,7 +165,8 @@ def _row(cfg: dict, run: str, cache: str, res: dict) -> dict:
                     buckets=res["buckets"], captured=res["captured"],
                     capture_s={b: {k: round(v, 4) for k, v in d.items()} for b, d in res["capture_s"].items()},
                     prompt_tokens=res["prompt_tokens"], quant_format=res["quant_format"], dtype=res["dtype"],
-                    torch_threads=res["torch_threads"], cpu_count=os.cpu_count())
+                    torch_threads=res["torch_threads"], cpu_count=os.cpu_count(),
+                    dynamo_imported_at_ready=res["dynamo_at_ready"])
 
 
 def bench_startup(model: Optional[str] = None, *, quant: Optional[str] = None, quant_head: Optional[str] = None,

@@ -5,6 +5,7 @@ import triton.language as tl
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
 from fastdecode.constants import OUT_FP8_DYNAMIC
+from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.quant import _dynamic_scale, _nan_flags, _store_fp8  # the NaN rule of FP8 outputs
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
@@ -79,9 +80,9 @@ def launch_silu_and_mul(x, out, scale, out_mode, config, pdl: bool = False):
     block = config["BLOCK"]
     if out_mode == OUT_FP8_DYNAMIC:
         grid = (M,)
-        num_chunks = triton.cdiv(I, block)
+        num_chunks = cdiv(I, block)
     else:
-        grid = (M * triton.cdiv(I, block),)
+        grid = (M * cdiv(I, block),)
         num_chunks = 1
     _silu_and_mul_kernel[grid](
         x, out, scale if scale is not None else x, I, x.stride(0), out.stride(0),

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
+from fastdecode.kernels.host import cdiv, next_pow2
 from fastdecode.kernels.norm import _finish_row
 
 
@@ -218,7 +219,7 @@ def launch_all_reduce(x, out, ws, two_shot, config):
     """x, out: contiguous, same numel; ``ws`` gives the peer address tensors and sizes."""
     n = x.numel()
     block = config["BLOCK"]
-    grid = (max(1, min(triton.cdiv(n, block), ws.max_blocks)),)
+    grid = (max(1, min(cdiv(n, block), ws.max_blocks)),)
     if two_shot:
         _two_shot_kernel[grid](x, out, n, ws.buf_ptrs, ws.res_ptrs, ws.flag_ptrs, ws.rank, WORLD=ws.world,
                                MAX_BLOCKS=ws.max_blocks, BLOCK=block, num_warps=config["num_warps"])
@@ -236,6 +237,6 @@ def launch_all_reduce_add_rms_norm(x, residual, weight, out, scale, eps, out_mod
         x, residual, weight, out, scale if scale is not None else weight, ws.push_ptrs, ws.eflag_ptrs,
         ws.counters, ws.rank, M, H, x.stride(0), residual.stride(0), out.stride(0), eps,
         ws.slab_elems(x.element_size()),
-        WORLD=ws.world, OUT_MODE=out_mode, BLOCK_H=triton.next_power_of_2(H),
+        WORLD=ws.world, OUT_MODE=out_mode, BLOCK_H=next_pow2(H),
         FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=num_warps,
     )

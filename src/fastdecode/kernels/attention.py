@@ -11,6 +11,7 @@ long contexts spread over many SMs; a second kernel merges the splits by their l
 import triton
 import triton.language as tl
 
+from fastdecode.kernels.host import next_pow2
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -138,7 +139,7 @@ def launch_decode_attention(q, k_cache, v_cache, seq_lens, out, o_part, lse, sca
     if splits > 1:
         _decode_attention_merge_kernel[(B, Hq)](
             o_part, lse, out, out.stride(0), out.stride(1), Hq,
-            D=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), USE_PDL=pdl,
+            D=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), USE_PDL=pdl,
             num_warps=1 if block_d <= 128 else 2, **launch_kwargs(pdl),
         )
 
@@ -199,6 +200,6 @@ def launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_head
         qkv.stride(0), rope.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HQ=n_q_heads, HKV=Hkv, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), USE_PDL=pdl,
+        HQ=n_q_heads, HKV=Hkv, HALF=half, BLOCK_HALF=next_pow2(half), USE_PDL=pdl,
         num_warps=1, **launch_kwargs(pdl),
     )

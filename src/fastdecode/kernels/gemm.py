@@ -28,6 +28,7 @@ a second kernel would cost ~1.5 us of graph-node gap on a 5-10 us GEMM.
 import triton
 import triton.language as tl
 
+from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 # x (activation) and w (weight) scales are applied in the epilogue by constexpr *_SCALE_MODE:
@@ -248,10 +249,10 @@ def _skinny_linear_kernel(
 
 def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
     """(number of BLOCK_K blocks, effective SPLIT_K): never more splits than blocks, no empty split."""
-    kb_total = triton.cdiv(K, config["BLOCK_K"])
+    kb_total = cdiv(K, config["BLOCK_K"])
     split = max(1, min(int(config.get("SPLIT_K", 1)), kb_total))
     # with cdiv(kb_total, split) blocks per split, the last splits could be empty: shrink split
-    split = triton.cdiv(kb_total, triton.cdiv(kb_total, split))
+    split = cdiv(kb_total, cdiv(kb_total, split))
     return kb_total, split
 
 
@@ -270,7 +271,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     N = weight.shape[0]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     _, split = split_k_blocks(K, config)
-    grid = (triton.cdiv(M, bm), split, triton.cdiv(N, bn))
+    grid = (cdiv(M, bm), split, cdiv(N, bn))
     dummy = out
     pdl = pdl or bool(config.get("PDL", False))
     _skinny_linear_kernel[grid](

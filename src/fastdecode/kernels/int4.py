@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
+from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import (
     _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _nibble_f32, _nibble_f32_asm, _slice_params, _uniform,
 )
@@ -268,9 +269,9 @@ def _int4_linear_kernel(
 
 def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
     """(number of BLOCK_K blocks, effective SPLIT_K): never more splits than blocks, no empty split."""
-    kb_total = triton.cdiv(triton.cdiv(K, 256) * 256, config["BLOCK_K"])
+    kb_total = cdiv(cdiv(K, 256) * 256, config["BLOCK_K"])
     split = max(1, min(int(config.get("SPLIT_K", 1)), kb_total))
-    split = triton.cdiv(kb_total, triton.cdiv(kb_total, split))
+    split = cdiv(kb_total, cdiv(kb_total, split))
     return kb_total, split
 
 
@@ -337,7 +338,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     N = qweight.shape[0]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     _, split = split_k_blocks(K, config)
-    grid = (triton.cdiv(M, bm), split, triton.cdiv(N, bn))
+    grid = (cdiv(M, bm), split, cdiv(N, bn))
     uniform = _uniform(group_size, bk)
     spg = slices_per_group(group_size, K, bk)
     # only the dot path reads FAST_CVT: skip the device checks on the decode (fma) launches

@@ -14,6 +14,7 @@ Layout (``fastdecode.quant.int4``): int32 words in tiles of 256 columns, word j 
 
 import triton
 import triton.language as tl
+from fastdecode.kernels.host import cdiv
 
 ZERO_SYM, ZERO_INT, ZERO_MIN = 0, 1, 2  # constexpr ZERO_MODE: "sym", "zero", "min"
 _ZERO_MODES = {"sym": ZERO_SYM, "zero": ZERO_INT, "min": ZERO_MIN}
@@ -238,7 +239,7 @@ def launch_int4_dequant(qweight, scales, zm, group_size: int, zero_mode: str, ou
                         block_k: int = 256):
     """out (N, K) contiguous bf16/fp16 <- dequantised qweight (N, Kp // 8), kernel column order."""
     N, K = out.shape
-    grid = (triton.cdiv(N, block_n), triton.cdiv(qweight.shape[1] * 8, block_k))
+    grid = (cdiv(N, block_n), cdiv(qweight.shape[1] * 8, block_k))
     _int4_dequant_kernel[grid](
         qweight, scales, zm if zm is not None else scales, out, N, K, scales.shape[1], qweight.shape[1],
         GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], UNIFORM=_uniform(group_size, block_k),

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
+from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.quant import _dynamic_scale, _nan_flags, _store_fp8  # the NaN rule of FP8 outputs
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
@@ -130,9 +131,9 @@ def launch_rms_norm(x, residual, weight, out, scale, eps, out_mode, config, pdl:
     """Launch on 2-D row views. ``config``: dict(BLOCK_M, BLOCK_H, num_warps)."""
     M, H = x.shape
     block_m, block_h = config["BLOCK_M"], config["BLOCK_H"]
-    num_chunks = triton.cdiv(H, block_h)
+    num_chunks = cdiv(H, block_h)
     has_res = residual is not None
-    grid = (triton.cdiv(M, block_m),)
+    grid = (cdiv(M, block_m),)
     _rms_norm_kernel[grid](
         x, residual if has_res else x, weight, out, scale if scale is not None else weight,
         M, H, x.stride(0), residual.stride(0) if has_res else 0, out.stride(0), eps,

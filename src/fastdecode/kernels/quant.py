@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
+from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 QUANT_STATIC = 1  # scale_ptr[0] given
@@ -137,8 +138,8 @@ def launch_quantize_fp8(x, out, scale, amax_bits, mode, config, pdl: bool = Fals
     """x, out: (M, H) rows; scale: (1,) or (M, 1) fp32; amax_bits: zeroed (1,) int32 for QUANT_FROM_AMAX."""
     M, H = x.shape
     block_m, block_h = config["BLOCK_M"], config["BLOCK_H"]
-    num_chunks = triton.cdiv(H, block_h)
-    grid = (triton.cdiv(M, block_m),)
+    num_chunks = cdiv(H, block_h)
+    grid = (cdiv(M, block_m),)
     if mode == QUANT_FROM_AMAX:
         _amax_kernel[grid](x, amax_bits, M, H, x.stride(0), BLOCK_M=block_m, BLOCK_H=block_h,
                            NUM_CHUNKS=num_chunks, USE_PDL=pdl, num_warps=config["num_warps"], **launch_kwargs(pdl))

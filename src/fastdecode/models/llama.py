@@ -307,8 +307,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.backend = backend
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
-        self.tok_embeddings.weight.requires_grad_(False)
+        # Built around its (uninitialised) weight, as every other parameter here: nn.Embedding's own init
+        # draws normal values, and on meta that first init imports torch._dynamo (~1-6 s of start-up).
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _freeze=True,
+                                           _weight=torch.empty(cfg.vocab_size, cfg.dim, device=device, dtype=dtype))
         self.layers = nn.ModuleList(Block(cfg, device=device, dtype=dtype) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device, dtype=dtype)
         self.output = Linear(cfg.dim, cfg.vocab_size, device=device, dtype=dtype)

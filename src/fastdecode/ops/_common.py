@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE, OUT_FP8_DYNAMIC, OUT_FP8_STATIC, OUT_NATIVE  # noqa: F401
+from fastdecode.kernels.host import cdiv, next_pow2  # noqa: F401  (the launchers' integer helpers; no triton import)
 
 log = logging.getLogger("fastdecode")
 
@@ -53,14 +54,6 @@ _TRITON_OK = importlib.util.find_spec("triton") is not None
 
 def triton_available() -> bool:
     return _TRITON_OK
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-int(a) // int(b))
 
 
 def device_capability(device: torch.device) -> tuple[int, int]:

@@ -12,12 +12,11 @@ import math
 from typing import Optional
 
 import torch
-import triton
 
 from fastdecode.ops._registry import define_op
 from fastdecode.ops._common import (
     pdl_enabled,
-    check_out, check_same_device, check_tensor, interpreter_on, is_tracing, resolve_backend,
+    check_out, check_same_device, check_tensor, interpreter_on, is_tracing, next_pow2, resolve_backend,
 )
 
 MAX_SPLITS = 64
@@ -38,8 +37,8 @@ def decode_attention_config(B: int, Hq: int, Hkv: int, T: int, D: int, dtype: to
     # anyway). Under the interpreter bf16 dots are wrong (docs/architecture.md, "The Triton interpreter"),
     # fp32 dots on GPUs would be TF32.
     use_dot = dtype in (torch.float16, torch.bfloat16) and not (interpreter_on() and dtype == torch.bfloat16)
-    block_g = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
-    block_d = triton.next_power_of_2(D)
+    block_g = max(16, next_pow2(group)) if use_dot else next_pow2(group)
+    block_d = next_pow2(D)
     block_n = 64 if use_dot else max(16, min(64, 4096 // (block_g * block_d)))
     if num_splits is None:
         if device.type == "cuda":
