@@ -97,6 +97,18 @@ def _split_k_partial(acc, part_ptr, stride_part, pid_k, lock, split_k, offs_m, o
 
 
 @triton.jit
+def _load_x(ptrs, mask, K, X_GLU: tl.constexpr):
+    """An activation tile in x's dtype. X_GLU: x holds ``[gate | up]`` rows of 2K columns and the GEMM's
+    input is ``silu(gate) * up`` (fp32 math, rounded once to x's dtype, as the SiLU-and-mul kernel stores it),
+    so ``linear(silu_and_mul(h))`` runs as one kernel with the same input values. Masked: 0 (silu(0) * 0)."""
+    if X_GLU:
+        g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        return (g / (1.0 + tl.exp(-g)) * u).to(ptrs.dtype.element_ty)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _load_w(ptrs, EVICT: tl.constexpr):
     """A weight tile, ``evict_first`` with EVICT."""
     if EVICT:
@@ -119,10 +131,13 @@ def _skinny_linear_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, stride_part, split_k,
     HAS_BIAS: tl.constexpr, X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP8: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, W_EVICT: tl.constexpr,
+    PREFETCH: tl.constexpr, W_EVICT: tl.constexpr, X_GLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles): the M tiles sharing a weight tile launch side by side (L2).
+
+    X_GLU: x is the ``[gate | up]`` output of the projection before (``(M, 2K)``, row stride stride_xm) and
+    the input is ``silu(gate) * up`` computed at each load (``_load_x``): SiLU-and-mul fused into the GEMM.
 
     USE_PDL (programmatic dependent launch): this grid may be scheduled while the previous kernel
     of the stream finishes. It waits for that kernel (and its memory) before touching any tensor,
@@ -163,11 +178,11 @@ def _skinny_linear_kernel(
         for kb in range(kb_start, kb_end):
             if EVEN_K:
                 w = _load_w(w_ptrs, W_EVICT)
-                x = tl.load(x_ptrs, mask=m_valid[:, None], other=0.0)
+                x = _load_x(x_ptrs, m_valid[:, None], K, X_GLU)
             else:
                 k_mask = (kb * BLOCK_K + offs_k) < K
                 w = _load_w_masked(w_ptrs, k_mask[None, :], W_EVICT)
-                x = tl.load(x_ptrs, mask=m_valid[:, None] & k_mask[None, :], other=0.0)
+                x = _load_x(x_ptrs, m_valid[:, None] & k_mask[None, :], K, X_GLU)
             if DOT_FP8:
                 # Hopper's FP8 MMA adds into a reduced-precision accumulator; by default Triton lets it
                 # run over the whole K (max_num_imprecise_acc = 2**30): 1e-3 relative errors, seen on
@@ -228,12 +243,12 @@ def _skinny_linear_kernel(
                 w = _load_w(w_ptrs, W_EVICT).to(tl.float32)
             else:
                 w = _load_w_masked(w_ptrs, k_mask[None, :], W_EVICT).to(tl.float32)
-            acc0 += w * tl.load(x0_ptrs, mask=m0, other=0.0).to(tl.float32)[None, :]
+            acc0 += w * _load_x(x0_ptrs, m0, K, X_GLU).to(tl.float32)[None, :]
             if BLOCK_M > 1:
-                acc1 += w * tl.load(x0_ptrs + stride_xm, mask=m1, other=0.0).to(tl.float32)[None, :]
+                acc1 += w * _load_x(x0_ptrs + stride_xm, m1, K, X_GLU).to(tl.float32)[None, :]
             if BLOCK_M > 2:
-                acc2 += w * tl.load(x0_ptrs + 2 * stride_xm, mask=m2, other=0.0).to(tl.float32)[None, :]
-                acc3 += w * tl.load(x0_ptrs + 3 * stride_xm, mask=m3, other=0.0).to(tl.float32)[None, :]
+                acc2 += w * _load_x(x0_ptrs + 2 * stride_xm, m2, K, X_GLU).to(tl.float32)[None, :]
+                acc3 += w * _load_x(x0_ptrs + 3 * stride_xm, m3, K, X_GLU).to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x0_ptrs += BLOCK_K
         acc = _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M)
@@ -257,7 +272,7 @@ def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
 
 
 def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scale_mode,
-                         out, part, locks, config, pdl: bool = False):
+                         out, part, locks, config, pdl: bool = False, glu: bool = False):
     """Launch on 2-D views: x (M, K) unit stride in K, weight (N, K) contiguous, out (M, N) contiguous.
 
     ``part``: fp32 workspace of ``SPLIT_K * M * N`` elements and ``locks``: zeroed int32 counters
@@ -266,9 +281,10 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     DOT_FP8 (fp8 operands straight into tl.dot), PDL (programmatic dependent launch, sm_90+),
     PREFETCH (FMA path: register double buffer of the weight tile), EVICT (weights ``evict_first``)).
     ``pdl``: programmatic dependent launch (``kernels.pdl``) whatever the config says.
+    ``glu``: x is (M, 2K) ``[gate | up]`` and the input is ``silu(gate) * up`` (SiLU-and-mul fused in).
     """
-    M, K = x.shape
-    N = weight.shape[0]
+    M = x.shape[0]
+    N, K = weight.shape
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     _, split = split_k_blocks(K, config)
     grid = (cdiv(M, bm), split, cdiv(N, bn))
@@ -282,7 +298,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
         HAS_BIAS=bias is not None, X_SCALE_MODE=x_scale_mode, W_SCALE_MODE=w_scale_mode,
         USE_DOT=config["kind"] == "dot", DOT_FP8=bool(config.get("DOT_FP8", False)),
         EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=bool(config.get("PREFETCH", False)),
-        W_EVICT=bool(config.get("EVICT", False)),
+        W_EVICT=bool(config.get("EVICT", False)), X_GLU=glu,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

@@ -39,9 +39,11 @@ Tensor parallelism (``fastdecode.engine.tp.apply_tp``): the norm after each row-
 all-reduce (``RMSNorm.comm``), fused with the residual add and the norm; ``model.tp`` makes the embedding
 and the lm head vocab-parallel.
 
-Kernel switches for the ablation: ``model.set_kernels(fused_norm=..., fused_act=..., skinny_gemm=...,
-fused_allreduce=..., int4_gemm=...)``; a switched-off fusion runs as separate plain-PyTorch ops (an int4 GEMM
-as dequantise + cuBLAS).
+Kernel switches for the ablation: ``model.set_kernels(fused_norm=..., fused_act=..., fused_down=...,
+skinny_gemm=..., fused_allreduce=..., int4_gemm=...)``; a switched-off fusion runs as separate plain-PyTorch ops
+(an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA the MLP's SiLU-and-mul runs inside its down
+projection (``silu_and_mul_linear`` / ``silu_and_mul_int4_linear``: one kernel fewer per layer); off, the
+SiLU-and-mul kernel and the GEMM run apart (FP8 W8A8 always does: its activation is quantised per token).
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -67,7 +69,7 @@ from fastdecode.models.qk_norm import norm_heads, norm_qk_rows
 from fastdecode.models.rope import apply_rope, rope_cache, rope_inv_freq  # noqa: F401  (rope_inv_freq: re-exported)
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
 from fastdecode.ops.allreduce import all_reduce, all_reduce_add_rms_norm
-from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref
+from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref, silu_and_mul_linear
 from fastdecode.ops.attention import decode_attention, decode_attention_ref, rope_kv_write, rope_kv_write_ref
 from fastdecode.ops.norm import (
     fused_add_rms_norm, fused_add_rms_norm_fp8, fused_add_rms_norm_fp8_ref, fused_add_rms_norm_ref, rms_norm,
@@ -77,7 +79,7 @@ from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref
 from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
-KERNELS = ("fused_norm", "fused_act", "skinny_gemm", "fused_allreduce", "int4_gemm")
+KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm")
 
 
 def unique_param_bytes(params, seen: Optional[set] = None) -> int:
@@ -133,6 +135,13 @@ class Linear(nn.Module):
         if backend in ("ref", "torch") or not x.is_cuda or self.gemm_impl == "cublas":
             return F.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, backend=backend, impl=self.gemm_impl)
+
+    def forward_glu(self, h: torch.Tensor, backend: str) -> Optional[torch.Tensor]:
+        """``forward(silu_and_mul(h))`` as one kernel (CUDA, fastdecode's dispatcher), else None: the caller
+        runs the two ops."""
+        if backend in ("ref", "torch") or not h.is_cuda or self.gemm_impl == "cublas":
+            return None
+        return silu_and_mul_linear(h, self.weight, self.bias, backend=backend, impl=self.gemm_impl)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -281,10 +290,16 @@ class FeedForward(nn.Module):
         self.w2 = Linear(cfg.intermediate_size, cfg.dim, device=device, dtype=dtype)
         self.fp8_act = False  # SiLU-and-mul emits (fp8, per-token scale) for an Fp8Linear w2
         self.fused = True  # False (ablation): plain-PyTorch SiLU-and-mul
+        self.fuse_down = True  # SiLU-and-mul inside w2's GEMM where w2 offers it (forward_glu); False: ablation
 
     def forward(self, x, backend):
         h = self.w13(x, backend)  # [.., 2I] = gate | up
         be = backend if self.fused else "ref"
+        glu = getattr(self.w2, "forward_glu", None) if self.fuse_down and be != "ref" else None
+        if glu is not None:
+            y = glu(h, be)
+            if y is not None:
+                return y
         if self.fp8_act:
             h = silu_and_mul_fp8_ref(h) if be == "ref" else silu_and_mul_fp8(h, backend=be)
         else:
@@ -454,6 +469,7 @@ class Transformer(nn.Module):
                 norm.fused = k["fused_norm"]
                 norm.fp8_out = isinstance(consumer, Fp8Linear) and k["fused_norm"]
             f.fused = k["fused_act"]
+            f.fuse_down = k["fused_down"]
             f.fp8_act = isinstance(f.w2, Fp8Linear) and k["fused_act"]
         for norm in [self.norm] + [m for layer in self.layers for m in (layer.attention_norm, layer.ffn_norm)]:
             norm.fuse_comm = k["fused_allreduce"]
