@@ -83,3 +83,19 @@ def test_split_k_locks_are_one_buffer_per_device():
     assert L._LOCKS is _tuned.SPLIT_K_LOCKS and _tuned.SPLIT_K_LOCKS[("cpu", None)] is a
     assert _tuned.device_info(None) == ("cpu", _tuned.DEFAULT_NUM_SMS)
     assert _tuned.device_info(torch.device("cpu")) == ("cpu", _tuned.DEFAULT_NUM_SMS)
+
+
+def test_split_k_partials_are_one_growing_buffer_per_device():
+    """One fp32 workspace per device: reused while large enough, replaced (the old one kept alive for graphs that
+    captured it) when a launch needs more; both GEMM families take their partials from it."""
+    dev = torch.device("cpu")
+    _tuned.SPLIT_K_PARTIALS.pop(("cpu", None), None)
+    a = _tuned.split_k_partials(dev, 10)
+    assert a.dtype == torch.float32 and a.numel() >= 10 and _tuned.split_k_partials(dev, a.numel()) is a
+    retired = len(_tuned._LOCKS_RETIRED)
+    b = _tuned.split_k_partials(dev, a.numel() + 1)
+    assert b is not a and b.numel() > a.numel() and _tuned.SPLIT_K_PARTIALS[("cpu", None)] is b
+    assert _tuned._LOCKS_RETIRED[retired] is a
+    import fastdecode.ops.int4 as I
+
+    assert L.split_k_partials is I.split_k_partials is _tuned.split_k_partials

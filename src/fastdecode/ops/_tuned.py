@@ -126,5 +126,33 @@ def split_k_locks(device: torch.device, n: int) -> Optional[torch.Tensor]:
     return buf
 
 
-__all__ = ["DEFAULT_NUM_SMS", "SPLIT_K_LOCKS", "clear_config_cache", "device_info", "load_table", "lookup_cache",
-           "nearest_m", "split_k_locks"]
+#: (device type, index) -> fp32 workspace for the split-K partials, shared like the counters
+SPLIT_K_PARTIALS: dict = {}
+
+
+def split_k_partials(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` fp32 elements for the partial sums of one split-K launch on ``device``.
+
+    One workspace per device instead of a ``torch.empty`` per call (on the H200's host an allocation took
+    8-35 us of an eager GEMM's host time, ``benchmarks/results/eager_overhead.json``). Sharing it is safe for the
+    reason sharing the counters is: launches on one stream run one after the other (under programmatic dependent
+    launch too: a kernel writes its partials only after ``griddepcontrol.wait``, i.e. after the kernel before it
+    has finished); the same caveat holds, no split-K GEMMs on two streams of one device at once. Grown outside
+    graph capture; during a capture a too-small workspace is not replaced: that call allocates its own buffer,
+    from the graph's pool, as every call did before.
+    """
+    key = (device.type, device.index)
+    buf = SPLIT_K_PARTIALS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty(n, dtype=torch.float32, device=device)
+    if buf is not None:
+        _LOCKS_RETIRED.append(buf)  # captured graphs may still point at it
+    buf = torch.empty(max(n, _LOCKS_MIN), dtype=torch.float32, device=device)
+    SPLIT_K_PARTIALS[key] = buf
+    return buf
+
+
+__all__ = ["DEFAULT_NUM_SMS", "SPLIT_K_LOCKS", "SPLIT_K_PARTIALS", "clear_config_cache", "device_info", "load_table",
+           "lookup_cache", "nearest_m", "split_k_locks", "split_k_partials"]

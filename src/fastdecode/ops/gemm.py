@@ -38,7 +38,7 @@ from fastdecode.ops._common import (
 )
 from fastdecode.ops._tuned import (  # noqa: F401  (clear_config_cache, DEFAULT_NUM_SMS: this module's API too)
     DEFAULT_NUM_SMS, SPLIT_K_LOCKS, clear_config_cache, device_info, load_table, lookup_cache, nearest_m,
-    split_k_locks,
+    split_k_locks, split_k_partials,
 )
 
 IMPLS = (None, "triton", "cublas")
@@ -168,7 +168,7 @@ def linear_with_config(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, c
             config = {**config, "SPLIT_K": 1}
             split = 1
         else:
-            part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
+            part = split_k_partials(x.device, split * M * N)
     launch_skinny_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, part, locks, config,
                          pdl=pdl_enabled(x), glu=glu)
 

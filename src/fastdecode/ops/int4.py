@@ -34,6 +34,7 @@ from fastdecode.ops._common import (
 )
 from fastdecode.ops._tuned import (  # noqa: F401  (clear_config_cache, DEFAULT_NUM_SMS: this module's API too)
     DEFAULT_NUM_SMS, clear_config_cache, device_info, load_table, lookup_cache, nearest_m, split_k_locks,
+    split_k_partials,
 )
 from fastdecode.ops.gemm import check_bias
 from fastdecode.ops.int4_format import LAYOUT, Int4Weight, dequantize_int4, packed_cols
@@ -179,7 +180,7 @@ def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=N
                        "capture; this capture runs without split-K (call int4_linear once before capturing)")
             config, split = {**config, "SPLIT_K": 1}, 1
         else:
-            part = torch.empty(split * M * N, dtype=torch.float32, device=x.device)
+            part = split_k_partials(x.device, split * M * N)
     xs_mode = 0 if x_scale is None else (1 if x_scale.numel() == 1 else 2)
     launch_int4_linear(x, w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, bias, out, part, locks, config,
                        x_scale, xs_mode, warmup=warmup, pdl=pdl_enabled(x), glu=glu)
