@@ -544,7 +544,7 @@ sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", 
        "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"] == "dot", UNIFORM=True, SPG=4,
               EVEN_K=True, X_SCALE_MODE=0, FAST_CVT=cfg["kind"] == "dot", PREFETCH=cfg.get("PF", False),
-              LOP3_ASM=cfg["kind"] == "fma", USE_PDL=False, X_GLU=False,
+              LOP3_ASM=cfg["kind"] == "fma", USE_PDL=False,
               BLOCK_M=cfg["BLOCK_M"],
               BLOCK_N=cfg["BLOCK_N"], BLOCK_K=256, SPLIT=True)
 sig.update({k: "constexpr" for k in consts})

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdecode.kernels.gemm import _epilogue, _fma_rows, _load_x, _split_k_partial
+from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import (
     _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _nibble_f32, _nibble_f32_asm, _slice_params, _uniform,
@@ -70,7 +70,7 @@ def _int4_linear_kernel(
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
     UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
     FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, LOP3_ASM: tl.constexpr, USE_PDL: tl.constexpr,
-    X_GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles). BLOCK_K is a multiple of 256 (whole layout tiles); KW is the
     number of words per weight row (Kp // 8); columns >= K are masked (x and scales read as 0).
@@ -97,9 +97,6 @@ def _int4_linear_kernel(
     converts the integers ``q - zero`` (or ``q`` for "min"), exact in e4m3, to FP8 and runs FP8
     ``tl.dot`` per shift (32 columns, one group: UNIFORM is required), then ``acc += dot * scale[n]``
     (+ ``min[n] * sum(x)`` for "min"); x_scale in the epilogue.
-
-    X_GLU (W4A16 only): x holds ``[gate | up]`` rows of 2K columns and the input is ``silu(gate) * up``, computed
-    at each load (``kernels.gemm._load_x``): SiLU-and-mul fused into the MLP's down projection.
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
     if USE_PDL and not PREFETCH:  # programmatic dependent launch: kernels.pdl (with PREFETCH: below)
@@ -180,8 +177,8 @@ def _int4_linear_kernel(
                     k_mask = col0 < BLOCK_K
                 else:
                     k_mask = kcol < K
-                x = _load_x(x_ptr + rm[:, None] * stride_xm + kcol[None, :], m_valid[:, None] & k_mask[None, :],
-                            K, X_GLU)
+                x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
+                            mask=m_valid[:, None] & k_mask[None, :], other=0.0)
                 acc = tl.dot(x, tl.trans(ws[p]), acc)
         else:
             qw_hi = qw >> 16
@@ -209,8 +206,8 @@ def _int4_linear_kernel(
                 elif USE_DOT:
                     s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE, UNIFORM)
                     w = _dequant(qw, p, s, z, ZERO_MODE, W_DTYPE)  # [BLOCK_N, BK8]
-                    x = _load_x(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
-                                m_valid[:, None] & k_mask[None, :], K, X_GLU)
+                    x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
+                                mask=m_valid[:, None] & k_mask[None, :], other=0.0)
                     acc = tl.dot(x, tl.trans(w), acc)
                 else:
                     # fp32 2**23 + q * 16**j (j = p % 4), then d = f * 16**-j - (2**(23 - 4j) + zero) in one
@@ -221,12 +218,14 @@ def _int4_linear_kernel(
                         f = _nibble_f32(qw, qw_hi, p)
                     INV = 1.0 / (16.0 ** (p % 4))
                     BIAS = 8388608.0 * INV
-                    x0 = _load_x(x0_ptr + kcol, k_mask & (r0 < M), K, X_GLU).to(tl.float32)
+                    x0 = tl.load(x0_ptr + kcol, mask=k_mask & (r0 < M), other=0.0).to(tl.float32)
                     if BLOCK_M > 1:
-                        x1 = _load_x(x0_ptr + stride_xm + kcol, k_mask & (r0 + 1 < M), K, X_GLU).to(tl.float32)
+                        x1 = tl.load(x0_ptr + stride_xm + kcol, mask=k_mask & (r0 + 1 < M), other=0.0).to(tl.float32)
                     if BLOCK_M > 2:
-                        x2 = _load_x(x0_ptr + 2 * stride_xm + kcol, k_mask & (r0 + 2 < M), K, X_GLU).to(tl.float32)
-                        x3 = _load_x(x0_ptr + 3 * stride_xm + kcol, k_mask & (r0 + 3 < M), K, X_GLU).to(tl.float32)
+                        x2 = tl.load(x0_ptr + 2 * stride_xm + kcol, mask=k_mask & (r0 + 2 < M),
+                                     other=0.0).to(tl.float32)
+                        x3 = tl.load(x0_ptr + 3 * stride_xm + kcol, mask=k_mask & (r0 + 3 < M),
+                                     other=0.0).to(tl.float32)
                     if SPG > 0:
                         first = p % SPG == 0
                         last = p % SPG == SPG - 1
@@ -321,8 +320,7 @@ def fast_cvt_ok(x, uniform: bool, x_scale_mode: int = 0, scale_dtype=None) -> bo
 
 
 def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
-                       config: dict, x_scale=None, x_scale_mode: int = 0, warmup: bool = False, pdl: bool = False,
-                       glu: bool = False):
+                       config: dict, x_scale=None, x_scale_mode: int = 0, warmup: bool = False, pdl: bool = False):
     """Launch on 2-D views: x (M, K) unit stride in K (kernel column order), qweight (N, Kp // 8) int32,
     scales / zm (N, K // group_size) contiguous (zm: zeros uint8, mins, or None), out (M, N) contiguous.
 
@@ -335,13 +333,8 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     fast_cvt (default True: the packed-pair PTX conversion where it applies).
     ``warmup``: compile (or, under ``kernels.precompile``, queue the compile of) the kernel, launch nothing.
     ``pdl``: programmatic dependent launch (``kernels.pdl``).
-    ``glu``: x is (M, 2K) ``[gate | up]`` (W4A16) and the input ``silu(gate) * up``.
     """
     M, K = x.shape
-    if glu:
-        if x_scale_mode != 0:
-            raise ValueError("glu (SiLU-and-mul fused in) is W4A16 only: x must not be FP8")
-        K //= 2
     N = qweight.shape[0]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     _, split = split_k_blocks(K, config)
@@ -359,7 +352,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
         USE_DOT=config["kind"] == "dot", UNIFORM=uniform, SPG=spg, EVEN_K=K % bk == 0,
         X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=bool(config.get("PREFETCH", False)),
-        LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl, X_GLU=glu,
+        LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fastdecode.ops.int4 import int4_linear, int4_linear_ref, silu_and_mul_int4_linear
+from fastdecode.ops.int4 import int4_linear, int4_linear_ref
 from fastdecode.ops.int4_format import LAYOUT, Int4Weight, packed_cols
 
 INT4_ACT_DTYPES = (torch.bfloat16, torch.float16)  # what the int4 kernels take; fp32 runs the reference
@@ -87,13 +87,6 @@ class Int4Linear(nn.Module):
         # impl applies to the Triton backend on CUDA (the torch backend has one path; no cuBLAS on the CPU)
         impl = self.impl if x.is_cuda and backend != "torch" else None
         return int4_linear(x, w, self.bias, backend=backend, impl=impl)
-
-    def forward_glu(self, h: torch.Tensor, backend: str):
-        """``forward(silu_and_mul(h))`` as one kernel (CUDA, the Triton int4 path), else None: the caller runs
-        the two ops."""
-        if backend in ("ref", "torch") or not h.is_cuda or h.dtype not in INT4_ACT_DTYPES or self.impl == "dequant":
-            return None
-        return silu_and_mul_int4_linear(h, self.packed, self.bias, backend=backend, impl=self.impl)
 
     def weight_bytes(self) -> int:
         """Bytes a forward reads: N * K / 2 of nibbles (not the layout's padding past K, which the kernels

@@ -41,9 +41,10 @@ and the lm head vocab-parallel.
 
 Kernel switches for the ablation: ``model.set_kernels(fused_norm=..., fused_act=..., fused_down=...,
 skinny_gemm=..., fused_allreduce=..., int4_gemm=...)``; a switched-off fusion runs as separate plain-PyTorch ops
-(an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA the MLP's SiLU-and-mul runs inside its down
-projection (``silu_and_mul_linear`` / ``silu_and_mul_int4_linear``: one kernel fewer per layer); off, the
-SiLU-and-mul kernel and the GEMM run apart (FP8 W8A8 always does: its activation is quantised per token).
+(an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA the MLP's SiLU-and-mul runs inside a bf16 / fp16
+down projection's skinny GEMM (``silu_and_mul_linear``: one kernel fewer per layer); off, the SiLU-and-mul kernel
+and the GEMM run apart, as they always do for int4 (fused, its GEMM was slower: benchmarks/NOTES.md, session 10)
+and FP8 W8A8 (its activation is quantised per token).
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that

@@ -160,16 +160,13 @@ def _zm(w: Int4Weight) -> Optional[torch.Tensor]:
     return w.zeros if w.zero_mode == "zero" else (w.mins if w.zero_mode == "min" else None)
 
 
-def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=None, warmup: bool = False,
-                            glu: bool = False) -> None:
+def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=None, warmup: bool = False) -> None:
     """Run the kernel on 2-D views (x already in kernel column order) with an explicit config: the entry point of
     the int4 tuner and benchmark (``fastdecode.bench.int4``); no validation and no dispatch (``int4_linear`` /
-    ``int4_linear_fp8`` are the checked ops). ``warmup``: compile only, see ``kernels.precompile``.
-    ``glu``: x is (M, 2K) ``[gate | up]`` and the input ``silu(gate) * up`` (``silu_and_mul_int4_linear``)."""
+    ``int4_linear_fp8`` are the checked ops). ``warmup``: compile only, see ``kernels.precompile``."""
     from fastdecode.kernels.int4 import launch_int4_linear, split_k_blocks
 
-    M = x.shape[0]
-    K = x.shape[1] // 2 if glu else x.shape[1]
+    M, K = x.shape
     N = w.N
     _, split = split_k_blocks(K, config)
     part = locks = None
@@ -183,7 +180,7 @@ def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=N
             part = split_k_partials(x.device, split * M * N)
     xs_mode = 0 if x_scale is None else (1 if x_scale.numel() == 1 else 2)
     launch_int4_linear(x, w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, bias, out, part, locks, config,
-                       x_scale, xs_mode, warmup=warmup, pdl=pdl_enabled(x), glu=glu)
+                       x_scale, xs_mode, warmup=warmup, pdl=pdl_enabled(x))
 
 
 def int4_linear_dequant_cublas(x, w: Int4Weight, bias, out) -> None:
@@ -228,36 +225,6 @@ def _(x, qweight, scales, zm, perm, bias, out, group_size, zero_mode, impl):
     return None
 
 
-@define_op("silu_and_mul_int4_linear", mutates_args=("out",))
-def _silu_and_mul_int4_linear_op(h: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                                 zm: Optional[torch.Tensor], perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                                 out: torch.Tensor, group_size: int, zero_mode: str, impl: str) -> None:
-    """h (M, 2K) ``[gate | up]``; the weight's tensors in the kernel layout; out (M, N)."""
-    from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref
-
-    K = h.shape[1] // 2
-    if impl == "torch":
-        _int4_linear_op(silu_and_mul_ref(h), qweight, scales, zm, perm, bias, out, group_size, zero_mode, impl)
-        return
-    which, cfg = get_int4_config(h.shape[0], qweight.shape[0], K, group_size, h.device)
-    if impl == "triton" or h.device.type != "cuda":
-        which = "triton"
-    elif impl == "dequant":
-        which = "dequant"
-    if which == "dequant" or perm is not None:  # large M, or act-order (the gather): the two kernels
-        _int4_linear_op(silu_and_mul(h, backend="triton"), qweight, scales, zm, perm, bias, out, group_size,
-                        zero_mode, which)
-        return
-    w = Int4Weight(qweight, scales, zm if zero_mode == "zero" else None, zm if zero_mode == "min" else None,
-                   group_size, zero_mode, perm, K)
-    int4_linear_with_config(h, w, bias, out, cfg, glu=True)
-
-
-@_silu_and_mul_int4_linear_op.register_fake
-def _(h, qweight, scales, zm, perm, bias, out, group_size, zero_mode, impl):
-    return None
-
-
 @define_op("int4_linear_fp8", mutates_args=("out",))
 def _int4_linear_fp8_op(x: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                         zm: Optional[torch.Tensor], perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -295,18 +262,6 @@ def _check_packed(packed, K: int) -> None:
                          f"{packed.qweight.dtype} {tuple(packed.qweight.shape)}")
 
 
-def _int4_impl(impl, backend, device, op: str) -> str:
-    """The registered op's impl argument: "torch", "auto", "triton" or "dequant" (checked)."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    be = resolve_backend(backend, device, op)
-    if be == "torch" and impl is not None:
-        raise ValueError(f"impl={impl!r} needs the triton backend, but {op} resolved to the torch backend")
-    if impl == "dequant" and device.type != "cuda":
-        raise RuntimeError(f"{op}: impl='dequant' needs CUDA tensors (cuBLAS), got tensors on {device}")
-    return "torch" if be == "torch" else (impl or "auto")
-
-
 def int4_linear(x, packed: Int4Weight, bias=None, *, out=None, backend: Optional[str] = None,
                 impl: Optional[str] = None) -> torch.Tensor:
     """``out = x @ dequantize_int4(packed, x.dtype).T + bias``: fp32 accumulation, one rounding to x.dtype.
@@ -326,45 +281,20 @@ def int4_linear(x, packed: Int4Weight, bias=None, *, out=None, backend: Optional
     check_same_device(x=x, qweight=packed.qweight, scales=packed.scales, bias=bias)
     out_shape = (*x.shape[:-1], N)
     check_out("out", out, out_shape, x.dtype, x.device)
-    impl_s = _int4_impl(impl, backend, x.device, "int4_linear")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    be = resolve_backend(backend, x.device, "int4_linear")
+    if be == "torch" and impl is not None:
+        raise ValueError(f"impl={impl!r} needs the triton backend, but int4_linear resolved to the torch backend")
+    if impl == "dequant" and x.device.type != "cuda":
+        raise RuntimeError(f"int4_linear: impl='dequant' needs CUDA tensors (cuBLAS), got tensors on {x.device}")
+    impl_s = "torch" if be == "torch" else (impl or "auto")
     out = torch.empty(out_shape, dtype=x.dtype, device=x.device) if out is None else out
     x2 = as_rows("x", x)
     if x2.shape[0] == 0 or N == 0:
         return out
     _int4_linear_op(x2, packed.qweight, packed.scales, _zm(packed), packed.perm, bias, out.view(-1, N),
                     packed.group_size, packed.zero_mode, impl_s)
-    return out
-
-
-def silu_and_mul_int4_linear(h, packed: Int4Weight, bias=None, *, out=None, backend: Optional[str] = None,
-                             impl: Optional[str] = None) -> torch.Tensor:
-    """``int4_linear(silu_and_mul(h), packed, bias)`` in one kernel where the int4 kernel runs: it computes
-    ``silu(gate) * up`` as it loads its input (rounded to h.dtype, the values ``silu_and_mul`` stores).
-    h: (..., 2K) ``[gate | up]`` bf16/fp16 (rows may be strided); the rest as :func:`int4_linear`. Where the
-    dispatcher picks dequantise + cuBLAS (large M), or the weight is act-order (a column permutation), SiLU-and-mul
-    runs first, as its own kernel."""
-    check_tensor("h", h, dtypes=X_DTYPES)
-    if h.dim() == 0:
-        raise ValueError("h must have at least 1 dimension (..., 2K), got a scalar")
-    if not isinstance(packed, Int4Weight):
-        _check_packed(packed, 0)  # the type error
-    K = packed.K
-    if h.shape[-1] != 2 * K:
-        raise ValueError(f"h must have shape (..., 2 * K) = (..., {2 * K}) for a weight with K = {K} "
-                         f"([gate | up], each K wide), got {tuple(h.shape)}")
-    _check_packed(packed, K)
-    N = packed.N
-    bias = check_bias(bias, N, (h.dtype,), "the weight")
-    check_same_device(h=h, qweight=packed.qweight, scales=packed.scales, bias=bias)
-    out_shape = (*h.shape[:-1], N)
-    check_out("out", out, out_shape, h.dtype, h.device)
-    impl_s = _int4_impl(impl, backend, h.device, "silu_and_mul_int4_linear")
-    out = torch.empty(out_shape, dtype=h.dtype, device=h.device) if out is None else out
-    h2 = as_rows("h", h)
-    if h2.shape[0] == 0 or N == 0:
-        return out
-    _silu_and_mul_int4_linear_op(h2, packed.qweight, packed.scales, _zm(packed), packed.perm, bias, out.view(-1, N),
-                                 packed.group_size, packed.zero_mode, impl_s)
     return out
 
 
