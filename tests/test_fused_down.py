@@ -89,7 +89,7 @@ def test_linear_errors_and_empty():
 
 def test_opcheck_the_fused_ops():
     """Schema, fake implementation and aliasing agree (torch backend)."""
-    from fastdecode.ops.gemm import _silu_and_mul_linear_op
+    from fastdecode.ops.glu_linear import _silu_and_mul_linear_op
 
     h = torch.randn(3, 64, device=DEV)
     torch.library.opcheck(_silu_and_mul_linear_op.default, (h, torch.randn(5, 32, device=DEV), None,

@@ -41,10 +41,8 @@ and the lm head vocab-parallel.
 
 Kernel switches for the ablation: ``model.set_kernels(fused_norm=..., fused_act=..., fused_down=...,
 skinny_gemm=..., fused_allreduce=..., int4_gemm=...)``; a switched-off fusion runs as separate plain-PyTorch ops
-(an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA the MLP's SiLU-and-mul runs inside a bf16 / fp16
-down projection's skinny GEMM (``silu_and_mul_linear``: one kernel fewer per layer); off, the SiLU-and-mul kernel
-and the GEMM run apart, as they always do for int4 (fused, its GEMM was slower: benchmarks/NOTES.md, session 10)
-and FP8 W8A8 (its activation is quantised per token).
+(an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA, SiLU-and-mul inside a bf16 / fp16 ``w2``'s GEMM
+(``Linear.forward_glu``); off, apart, as always for int4 and FP8 (``fastdecode.ops.glu_linear`` says why).
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -70,7 +68,8 @@ from fastdecode.models.qk_norm import norm_heads, norm_qk_rows
 from fastdecode.models.rope import apply_rope, rope_cache, rope_inv_freq  # noqa: F401  (rope_inv_freq: re-exported)
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
 from fastdecode.ops.allreduce import all_reduce, all_reduce_add_rms_norm
-from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref, silu_and_mul_linear
+from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref
+from fastdecode.ops.glu_linear import silu_and_mul_linear
 from fastdecode.ops.attention import decode_attention, decode_attention_ref, rope_kv_write, rope_kv_write_ref
 from fastdecode.ops.norm import (
     fused_add_rms_norm, fused_add_rms_norm_fp8, fused_add_rms_norm_fp8_ref, fused_add_rms_norm_ref, rms_norm,

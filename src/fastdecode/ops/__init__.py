@@ -10,7 +10,8 @@ from fastdecode.ops.norm import (
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
 from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref
 from fastdecode.ops.allreduce import CommWorkspace, all_reduce, all_reduce_add_rms_norm, all_reduce_ref
-from fastdecode.ops.gemm import get_linear_config, linear, linear_fp8, linear_fp8_ref, linear_ref, silu_and_mul_linear
+from fastdecode.ops.gemm import get_linear_config, linear, linear_fp8, linear_fp8_ref, linear_ref
+from fastdecode.ops.glu_linear import silu_and_mul_linear
 from fastdecode.ops.int4 import get_int4_config, int4_linear, int4_linear_fp8, int4_linear_fp8_ref, int4_linear_ref
 from fastdecode.ops._common import pdl_enabled, pdl_override, set_pdl
 
