@@ -211,8 +211,10 @@ def test_cli_bench_kernels_alias_and_merge_flag(monkeypatch, tmp_path):
     assert cli.main(["bench", "all", "--out", out]) == 0  # the old name of `kernels`
     assert cli.main(["bench", "kernels", "--out", out, "--replace"]) == 0
     assert cli.main(["bench", "norm"]) == 0
-    assert calls == [(["norm", "silu", "quant"], out, True), (["norm", "silu", "quant"], out, False),
-                     (["norm"], "benchmarks/results/norm_activation_quant.json", True)]
+    assert cli.main(["bench", "argmax", "--out", out]) == 0
+    every = ["norm", "silu", "quant", "argmax"]
+    assert calls == [(every, out, True), (every, out, False),
+                     (["norm"], "benchmarks/results/norm_activation_quant.json", True), (["argmax"], out, True)]
 
 
 def test_merge_rows_replaces_same_op_impl_shape(tmp_path):
@@ -255,6 +257,7 @@ def test_bench_suites_rows_and_fp8_baselines_on_cpu():
     nav.bench_add_rms_norm(rows, Hs=(64,), Ms=(2,), dtype=torch.float16, runner=runner)
     nav.bench_silu_and_mul(rows, Is=(32,), Ms=(2,), dtype=torch.float16, runner=runner)
     nav.bench_quantize_fp8(rows, Hs=(64,), Ms=(2,), dtype=torch.float16, runner=runner)
+    nav.bench_argmax(rows, Vs=(3000,), Ms=(2,), runner=runner)
     for r in rows:
         assert set(ROW_FIELDS) <= set(r), r
     err = rows[1]
@@ -270,7 +273,7 @@ def test_bench_suites_rows_and_fp8_baselines_on_cpu():
                 "quantize_fp8": ("per_token", "per_tensor", "static")}
     for op, modes in variants.items():
         assert impls[op] == {f"{who}_{m}" for m in modes for who in ("fastdecode", "torch_eager", "torch_compile")}
-    for op in ("add_rms_norm", "silu_and_mul"):
+    for op in ("add_rms_norm", "silu_and_mul", "argmax"):
         assert impls[op] == {"fastdecode", "torch_eager", "torch_compile"}
 
 

@@ -31,7 +31,9 @@ Ablation (``--ablate``): ``fastdecode-graph`` with one switch off at a time (``m
 ``-no-fused_act``, ``-no-skinny_gemm`` (cuBLAS / ``_scaled_mm``), ``-no-fused_allreduce`` (NCCL all-reduce,
 then the norm; TP only), ``-no-int4_gemm`` (the int4 projections dequantised into a scratch weight, then
 cuBLAS; int4 models only), ``-no-pdl`` (the graph captured without programmatic dependent launch,
-``fastdecode.kernels.pdl``) and ``fastdecode-eager`` (no CUDA graph).
+``fastdecode.kernels.pdl``), ``-no-argmax`` (the next tokens from ``torch.argmax`` rather than
+``fastdecode.argmax``) and ``fastdecode-eager`` (no CUDA graph). The fastdecode rows take the next tokens with
+``fastdecode.argmax`` (after the graph, as ``Engine``'s greedy sampler does), the torch rows with ``torch.argmax``.
 
 ``--quant fp8`` quantises the random-weight model (W8A8), ``--quant int4`` to W4A16 (RTN, group 128; a
 checkpoint path loads as stored when it is int4 already: GPTQ, AWQ, GGUF Q4_0 / Q4_1); ``--tp N`` runs under
@@ -61,7 +63,7 @@ import torch
 
 from fastdecode.bench.decode_results import add_speedup_vs_peer
 from fastdecode.models.llama import KERNELS
-from fastdecode.ops import pdl_override
+from fastdecode.ops import argmax as fd_argmax, pdl_override
 
 IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdecode-graph-cublas", "fastdecode-graph")
 # not in the default list: every GEMM through the skinny Triton kernels (the table's best Triton config), and
@@ -69,12 +71,17 @@ IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdec
 EXTRA_IMPLS = ("fastdecode-graph-triton", "peer-eager")
 PEER_IMPLS = ("peer-compile", "peer-eager")
 CPU_IMPLS = ("torch-eager", "peer-eager")
-ABLATIONS = ("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in KERNELS) + ("fastdecode-graph-no-pdl",)
+ABLATIONS = (("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in KERNELS)
+             + ("fastdecode-graph-no-pdl", "fastdecode-graph-no-argmax"))
 # what to lower when the KV cache would not fit (the hint of check_kv_memory's message)
 KV_FIX = "lower --batch, --input-len or --output-len"
 # Peak HBM bandwidth by GPU name fragment, bytes/s (vendor figures); the copy anchor is 4.24 TB/s on H200
 PEAK_BW = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
            "A100": 2.0e12}
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(logits, dim=-1)
 
 
 def peak_bandwidth(device: torch.device) -> Optional[float]:
@@ -97,7 +104,10 @@ class DecodeRunner:
         dev = cache.device
         model.set_kernels(**dict.fromkeys(KERNELS, True))  # also resets the GEMM impl (skinny_gemm on)
         pdl_off = impl == "fastdecode-graph-no-pdl"  # the graph captured without programmatic dependent launch
-        if pdl_off:
+        # the next tokens: fastdecode.argmax on the fastdecode rows, torch.argmax on the torch rows and the ablation
+        self.argmax = (fd_argmax if impl.startswith("fastdecode") and impl != "fastdecode-graph-no-argmax"
+                       else _torch_argmax)
+        if pdl_off or impl == "fastdecode-graph-no-argmax":
             model.backend = "triton"
         elif impl.startswith("fastdecode-graph-no-"):
             k = impl[len("fastdecode-graph-no-"):]
@@ -141,7 +151,7 @@ class DecodeRunner:
             logits = self.compiled(tokens, pos, self.cache)
         else:
             logits = self.model.decode(tokens, pos, self.cache)
-        return torch.argmax(logits, dim=-1)
+        return self.argmax(logits)
 
     def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
         """prompt [B, S] -> the first new tokens [B] (greedy, on device)."""
@@ -149,7 +159,7 @@ class DecodeRunner:
         if S == 1 and self.graphs is not None:  # a decode step at position 0, as Engine.prefill does
             return self.step(prompt[:, 0], torch.zeros(B, dtype=torch.long, device=prompt.device))
         logits = self.model.prefill(prompt, self.cache, last_idx=torch.full((B,), S - 1, device=prompt.device))
-        return torch.argmax(logits, dim=-1)
+        return self.argmax(logits)
 
     def generate(self, prompt: torch.Tensor, output_len: int):
         """prompt: [B, S] on device. Returns (prefill seconds, decode seconds); no host sync inside."""

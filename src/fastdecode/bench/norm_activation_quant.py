@@ -1,4 +1,5 @@
-"""Benchmark: fused add+RMSNorm, SiLU-and-mul, FP8 quantisation vs PyTorch eager and torch.compile.
+"""Benchmark: fused add+RMSNorm, SiLU-and-mul, FP8 quantisation, greedy argmax vs PyTorch eager and
+torch.compile.
 
 Every row is timed as CUDA-graph replays of 20 back-to-back calls over rotated inputs (see harness),
 the same for our kernels and the baselines. Bytes are the fewest a kernel must move:
@@ -6,6 +7,7 @@ the same for our kernels and the baselines. Bytes are the fewest a kernel must m
 * add+RMSNorm: read x and residual, write residual and out   -> M*H*(3*e + e_out)  (+4*M for scales)
 * SiLU-and-mul: read gate and up, write out                   -> M*I*(2*e + e_out)
 * quantize_fp8: read x, write q                               -> M*H*(e + 1)
+* argmax (fp32 logits, as the engine's): read x, write M int64 -> M*V*4 + 8*M
 """
 
 from __future__ import annotations
@@ -204,17 +206,41 @@ def bench_quantize_fp8(rows, Hs=(8192,), Ms=(1, 256, 32768), dtype=torch.bfloat1
             torch.cuda.empty_cache()
 
 
-SUITES = {"norm": bench_add_rms_norm, "silu": bench_silu_and_mul, "quant": bench_quantize_fp8}
+def argmax_eager(x):
+    return torch.argmax(x, dim=-1)
 
 
-def run(which=("norm", "silu", "quant"), out=None, quick=False, *, merge: bool = True) -> list[dict]:
+def bench_argmax(rows, Vs=(49152, 128256, 151936), Ms=(1, 8, 64, 256), dtype=torch.float32, *,
+                 runner: Runner | None = None):
+    """Greedy token choice over a vocabulary (SmolLM2, Llama-3, Qwen): ``fastdecode.argmax`` vs torch's."""
+    run = runner or Runner()
+    dev = run.device
+    e = torch.tensor([], dtype=dtype).element_size()
+    compiled = run.compile(argmax_eager)
+    for V in Vs:
+        for M in Ms:
+            nb = M * V * e + 8 * M
+            inputs = [{"x": torch.randn(M, V, device=dev, dtype=dtype)} for _ in range(rotation_count(nb))]
+            shape = {"M": M, "V": V, "dtype": str(dtype).replace("torch.", "")}
+            for impl, fn in (("fastdecode", fd.argmax), ("torch_eager", argmax_eager), ("torch_compile", compiled)):
+                run.bench(rows, "argmax", impl, shape, lambda d, f=fn: lambda: f(d["x"]), inputs, nb)
+            del inputs
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+SUITES = {"norm": bench_add_rms_norm, "silu": bench_silu_and_mul, "quant": bench_quantize_fp8,
+          "argmax": bench_argmax}
+
+
+def run(which=("norm", "silu", "quant", "argmax"), out=None, quick=False, *, merge: bool = True) -> list[dict]:
     """Run the suites in ``which`` and write their rows to ``out``: merged into the file (rows of the
     same op, impl and shape replaced, the others kept) unless ``merge=False``, which overwrites it."""
     if not torch.cuda.is_available():
         raise RuntimeError("benchmarks need a CUDA GPU; on the CPU run `fastdecode selfcheck`")
     rows: list[dict] = []
     for name in which:
-        kw = {"Ms": (1, 256, 32768)} if quick else {}
+        kw = {"Ms": (1, 256, 32768)} if quick and name != "argmax" else {}
         SUITES[name](rows, **kw)
     if out:
         (merge_rows if merge else write_rows)(rows, out)

@@ -364,7 +364,8 @@ def add_parsers(subparsers) -> None:
     b = subparsers.add_parser("bench", help="benchmarks, baselines side by side (GPU)")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     for name, what in (("norm", "fused add+RMSNorm (bf16 / FP8 out)"), ("silu", "SiLU-and-mul (bf16 / FP8 out)"),
-                       ("quant", "FP8 quantisation"), ("kernels", "norm + silu + quant")):
+                       ("quant", "FP8 quantisation"), ("argmax", "greedy argmax over a vocabulary"),
+                       ("kernels", "norm + silu + quant + argmax")):
         k = bsub.add_parser(name, help=f"{what} vs PyTorch eager and torch.compile",
                             aliases=["all"] if name == "kernels" else [],
                             description=f"Benchmark {what} against PyTorch eager and torch.compile (GPU). "

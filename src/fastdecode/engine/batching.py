@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from fastdecode.engine.generate import Engine, _Stream
-from fastdecode.engine.sampler import SamplingParams, apply_repetition_penalty, sample
+from fastdecode.engine.sampler import SamplingParams, apply_repetition_penalty, greedy_argmax, sample
 from fastdecode.models.prefill import prefill_chunk
 
 _ids = itertools.count(1)
@@ -223,7 +223,7 @@ class ContinuousBatcher:
         plain = [i for i, s in enumerate(seqs) if s.req.sampling.greedy and s.seen is None]
         if plain:
             idx = torch.tensor(plain, device=logits.device)
-            out[idx] = torch.argmax(logits[idx], dim=-1)
+            out[idx] = greedy_argmax(logits[idx])
         for i, s in enumerate(seqs):
             if s.req.sampling.greedy and s.seen is None:
                 continue

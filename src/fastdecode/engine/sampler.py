@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from fastdecode.ops.argmax import argmax
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -105,10 +107,19 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            generator: Optional[torch.Generator] = None, min_p: float = 0.0) -> torch.Tensor:
     """logits: [B, V] -> [B] int64. Draws with the exponential race ``argmax(p / E)``, E ~ Exp(1),
-    which samples from p without ``multinomial`` (no host sync, CUDA-graph friendly)."""
+    which samples from p without ``multinomial`` (no host sync, CUDA-graph friendly). Both argmaxes are
+    ``fastdecode.argmax`` on a GPU (torch's rule and result; torch's own reduction of one 128K row runs in
+    one block, 27.7 us on the H200) and ``torch.argmax`` elsewhere."""
     if temperature == 0:
-        return torch.argmax(logits, dim=-1)
+        return greedy_argmax(logits)
     logits = filter_logits(logits.float() / temperature, top_k, top_p, min_p)
     probs = torch.softmax(logits, dim=-1)
     e = torch.empty_like(probs).exponential_(generator=generator)
-    return torch.argmax(probs / e, dim=-1)
+    return greedy_argmax(probs / e)
+
+
+def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] int64: ``fastdecode.argmax`` on CUDA, ``torch.argmax`` elsewhere (the same result)."""
+    if x.is_cuda:  # the backend from FASTDECODE_BACKEND (auto: the Triton kernels)
+        return argmax(x)
+    return torch.argmax(x, dim=-1)

@@ -13,6 +13,7 @@ from fastdecode.ops.allreduce import CommWorkspace, all_reduce, all_reduce_add_r
 from fastdecode.ops.gemm import get_linear_config, linear, linear_fp8, linear_fp8_ref, linear_ref
 from fastdecode.ops.glu_linear import silu_and_mul_linear
 from fastdecode.ops.int4 import get_int4_config, int4_linear, int4_linear_fp8, int4_linear_fp8_ref, int4_linear_ref
+from fastdecode.ops.argmax import argmax, argmax_ref
 from fastdecode.ops._common import pdl_enabled, pdl_override, set_pdl
 
 __all__ = [
@@ -23,5 +24,6 @@ __all__ = [
     "CommWorkspace", "all_reduce", "all_reduce_add_rms_norm", "all_reduce_ref",
     "get_linear_config", "linear", "linear_fp8", "linear_fp8_ref", "linear_ref", "silu_and_mul_linear",
     "get_int4_config", "int4_linear", "int4_linear_fp8", "int4_linear_fp8_ref", "int4_linear_ref",
+    "argmax", "argmax_ref",
     "pdl_enabled", "pdl_override", "set_pdl",
 ]
