@@ -73,7 +73,7 @@ def _decode(out: Path, *args: str) -> list[str]:
 def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "int4"), tune_dtypes=("bf16", "fp8"),
                    gpu="nvidia_h200", tune_int4_ms=None, tune_int4_fp8=True,
                    tune_int4_small_m_dot=False, tune_shapes=None,
-                   tune_int4_groups=None) -> list[tuple[str, list[str], int]]:
+                   tune_int4_groups=None, tune_int4_kinds=None) -> list[tuple[str, list[str], int]]:
     """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests)."""
     shapes = ["--shapes", tune_shapes] if tune_shapes else []
     if name == "tune":
@@ -83,6 +83,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         ms = ["--ms", ",".join(map(str, tune_int4_ms))] if tune_int4_ms else []
         ms += ([] if tune_int4_fp8 else ["--no-fp8"]) + (["--small-m-dot"] if tune_int4_small_m_dot else [])
         ms += shapes + (["--groups", tune_int4_groups] if tune_int4_groups else [])
+        ms += ["--kinds", tune_int4_kinds] if tune_int4_kinds else []
         return [("tune int4", [PY, "-m", "fastdecode.bench.int4", "tune", "--merge", "--quick", *ms,
                                "--out", str(out / "configs" / f"int4_linear_{gpu}.json")], 480)]
     if name == "kernels":
@@ -101,6 +102,11 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
             "int4": ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
                                             "--impl", "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl"),
                      420),
+            # the lm head quantised too (issue 18's "the head"; the peers keep a dense head)
+            "fp8-head": ("decode fp8 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
+                                                    "--quant-head", "fp8", "--impl", "fastdecode-graph"), 300),
+            "int4-head": ("decode int4 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
+                                                      "--quant-head", "int4", "--impl", "fastdecode-graph"), 300),
         }
         return [steps[f] for f in formats]
     if name == "profile":
@@ -317,8 +323,9 @@ def main(argv=None) -> int:
     p.add_argument("--tests-timeout", type=int, default=570)
     p.add_argument("--workers", type=int, default=0,
                    help="tests: pytest-xdist workers, for diagnosis only (the record says so); default one process")
-    p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4"], choices=["bf16", "fp8", "int4"],
-                   help="decode: the weight formats to run")
+    p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4"],
+                   choices=["bf16", "fp8", "int4", "fp8-head", "int4-head"],
+                   help="decode: the weight formats to run (-head: the lm head quantised as well)")
     p.add_argument("--tune-int4-ms", default=None, help="tune-int4: comma-separated token counts (default all)")
     p.add_argument("--tune-int4-no-fp8", action="store_true", help="tune-int4: W4A16 only (the W4A8 section is kept)")
     p.add_argument("--tune-int4-small-m-dot", action="store_true", help="tune-int4: dot tiles below M = 8 too")
@@ -327,6 +334,9 @@ def main(argv=None) -> int:
     p.add_argument("--tune-shapes", default=None,
                    help='tune, tune-int4: "NxK,..." (default the Llama shapes; the others in the tables are kept)')
     p.add_argument("--tune-int4-groups", default=None, help="tune-int4: comma-separated group sizes (default 128)")
+    p.add_argument("--tune-int4-kinds", default=None,
+                   help="tune-int4: comma-separated kernel kinds (fma, mma, dot; default all): the table's entry is "
+                        "timed again beside them")
     a = p.parse_args(argv)
 
     sha = a.git_sha
@@ -372,7 +382,7 @@ def main(argv=None) -> int:
                     shutil.copy(table, cfg_dir)
         int4_ms = [int(m) for m in a.tune_int4_ms.split(",")] if a.tune_int4_ms else None
         steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms, not a.tune_int4_no_fp8,
-                               a.tune_int4_small_m_dot, a.tune_shapes, a.tune_int4_groups)
+                               a.tune_int4_small_m_dot, a.tune_shapes, a.tune_int4_groups, a.tune_int4_kinds)
         if not steps:
             summary.append((s, f"not run: needs 2+ GPUs, this machine has {n_gpu}", 0))
         for label, cmd, timeout in steps:

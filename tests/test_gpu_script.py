@@ -125,6 +125,17 @@ def test_tune_shapes_and_groups_reach_both_tuners(gpu, tmp_path, monkeypatch):
     assert bi.main(i4[i4.index("tune"):]) == 0
     assert seen["shapes"] == {"960x576": (960, 576), "49152x576": (49152, 576)} and seen["groups"] == (32,)
     assert seen["merge"] is True and seen["out"] == str(tmp_path / "configs" / "int4_linear_nvidia_h200.json")
+    assert seen["kinds"] == ("fma", "mma", "dot")  # default: every kind
+    [(_, i4k, _)] = gpu.suite_commands("tune-int4", tmp_path, 1, tune_int4_kinds="mma")
+    assert bi.main(i4k[i4k.index("tune"):]) == 0 and seen["kinds"] == ("mma",)
+
+
+def test_decode_with_a_quantised_head(gpu, tmp_path):
+    """The -head formats: the same decode with ``--quant-head`` of the format (our rows only)."""
+    [(label, argv, _)] = gpu.suite_commands("decode", tmp_path, 1, formats=("int4-head",))
+    assert label == "decode int4 head"
+    assert argv[argv.index("--quant") + 1] == "int4" and argv[argv.index("--quant-head") + 1] == "int4"
+    assert argv[argv.index("--impl") + 1:] == ["fastdecode-graph"]
 
 
 def test_decode_small_runs_the_embedded_model_and_its_bf16_shapes(gpu, tmp_path):
@@ -157,10 +168,10 @@ def test_int4_tuner_dot_tiles_below_m8_only_when_asked():
     from fastdecode.bench.int4 import candidates
 
     for M in (1, 2, 4):
-        assert {c["kind"] for c in candidates(M, 4096, 4096)} == {"fma"}
+        assert {c["kind"] for c in candidates(M, 4096, 4096)} == {"fma", "mma"}  # mma: the swapped tiles
         dots = [c for c in candidates(M, 4096, 4096, small_m_dot=True) if c["kind"] == "dot"]
         assert dots and {c["BLOCK_M"] for c in dots} == {16} and max(c["SPLIT_K"] for c in dots) == 16
-    assert {c["kind"] for c in candidates(8, 4096, 4096)} == {"fma", "dot"}
+    assert {c["kind"] for c in candidates(8, 4096, 4096)} == {"fma", "mma", "dot"}
 
 
 def test_a_killed_run_still_names_what_failed_and_where_it_was(gpu, tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import fastdecode.ops.int4 as I
 from fastdecode.quant import int4 as Q
 import helpers
 from helpers import gptq_qweight, interpreter_on, k_loop, pack_words_along, poison_, sm90_ptx, strided_rows
+from fastdecode.kernels.host import next_pow2
 
 
 def assert_close(actual, expected):
@@ -322,6 +323,9 @@ CONFIGS = {
     "fma_m4_bk512_split2": dict(kind="fma", BLOCK_M=4, BLOCK_N=4, BLOCK_K=512, SPLIT_K=2),
     "dot_bk512": dict(kind="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, SPLIT_K=1),
     "dot_split3": dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=3),
+    # the mma kind (kernels.int4_mma; the interpreter runs its fp32 conversion, fp16 for tl.dot)
+    "mma_split3": dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=3),
+    "mma_m32_bn128": dict(kind="mma", BLOCK_M=32, BLOCK_N=128, BLOCK_K=256, SPLIT_K=1),
 }
 
 
@@ -587,6 +591,95 @@ def test_sm90_code_converts_int4_without_float_conversions(cfg):
         # two packed FMAs per pair: q - zero (exact), then * scale (+ min)
         assert len(re.findall(rf"fma\.rn\.{ty}", body)) == values, "packed FMAs per pair of nibbles"
         assert "mma" in body
+
+
+@pytest.mark.parametrize("g", [32, 128, 640])  # one shift a group, four, one group per row (K = 640)
+def test_mma_kind_groups_and_the_fallback(g):
+    """The mma kind at each group tiling (scales folded once a group, or per row); a weight it does not compute
+    (fp16 scales under bf16 activations in "min" mode, or W4A8) runs the heuristic's config instead."""
+    from fastdecode.kernels.int4_mma import mma_supported
+
+    N, K, M = 70, 640, 2
+    cfg = dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2)
+    for fmt in ("sym", "zero"):
+        w = _packed(fmt, N, K, g)
+        x = _x(M, K)
+        out = poison_(torch.empty(M, N, dtype=torch.float16))
+        I.int4_linear_with_config(x, w, None, out, cfg)
+        assert_close(out, I.int4_linear_ref(x, w))
+    w = _packed("min", N, K, 32)  # fp16 scales and mins
+    assert mma_supported(torch.float16, w.scales.dtype, "min", 32, K)
+    assert not mma_supported(torch.bfloat16, w.scales.dtype, "min", 32, K)
+    assert not mma_supported(torch.float8_e4m3fn, w.scales.dtype, "sym", 32, K)
+    assert not mma_supported(torch.float16, w.scales.dtype, "sym", 16, K)  # half a shift a group
+    x = _x(M, K, torch.bfloat16)
+    out = poison_(torch.empty(M, N, dtype=torch.bfloat16))
+    I.int4_linear_with_config(x, w, None, out, cfg)  # the heuristic's fma (no bf16 tl.dot here)
+    assert_close(out, I.int4_linear_ref(x, w))
+
+
+def test_tuner_proposes_mma_tiles_for_few_tokens_only():
+    from fastdecode.bench.int4 import candidates
+
+    for M in (1, 16, 64):
+        mma = candidates(M, 4096, 4096, kinds=("mma",))
+        assert mma and all(c["kind"] == "mma" and c["BLOCK_M"] == max(16, next_pow2(M)) for c in mma)
+        assert {c["BLOCK_N"] for c in mma} == {64, 128, 256}
+        assert all(c["num_warps"] == 8 for c in mma if c["BLOCK_N"] == 256)  # 4 warps spill there (sm_90 compile)
+        assert [c for c in candidates(M, 4096, 4096) if c["kind"] == "mma"] == mma
+    assert not candidates(128, 4096, 4096, kinds=("mma",))
+    assert not candidates(1, 4096, 4096, fp8=True, kinds=("mma",))  # W4A16 only
+    assert all(c["kind"] == "fma" for c in candidates(1, 4096, 4096, kinds=("fma",)))
+
+
+_MMA_SNIPPET = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastdecode.kernels.int4_mma import _int4_mma_kernel
+
+cfg = json.loads(sys.argv[1])
+xt = cfg["x"]
+zt = {0: xt, 1: "u8", 2: xt}[cfg["ZM"]]
+sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*" + xt, "z_ptr": "*" + zt, "bias_ptr": "*" + xt,
+       "out_ptr": "*" + xt, "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32",
+       "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_part": "i32", "split_k": "i32"}
+consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, SPG=4, EVEN_K=True, ASM=True, USE_PDL=True,
+              L2_PREFETCH=True, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True)
+sig.update({k: "constexpr" for k in consts})
+aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K", "G", "KW",
+           "stride_xm", "stride_om"}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in aligned}
+cc = triton.compile(ASTSource(_int4_mma_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": 4, "num_stages": 2})
+sys.stdout.write(cc.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("cfg", [dict(BLOCK_N=128, ZM=1, x="bf16"), dict(BLOCK_N=64, ZM=0, x="fp16"),
+                                 dict(BLOCK_N=64, ZM=2, x="bf16")], ids=["bn128_zero_bf16", "bn64_sym_fp16", "min"])
+def test_sm90_mma_kind_keeps_the_weight_in_registers(cfg):
+    """Speed guard, compiled ahead of time for sm_90: the mma loop feeds wgmma its weight operand from registers
+    (``wgmma ... {a0, a1, a2, a3}, desc_b``, no 16-bit weight tile in shared memory), converts two values per
+    LOP3 (and one packed add, or two packed FMAs for "min", per pair), two PRMT per two words, and prefetches
+    the first weight tiles into L2 before the PDL wait."""
+    import re
+
+    ptx = sm90_ptx(_MMA_SNIPPET, json.dumps(cfg))
+    body = k_loop(ptx)
+    pairs = cfg["BLOCK_N"] * 256 // 128 // 2  # packed pairs of weights per thread per K step (4 warps)
+    ty = "bf16x2" if cfg["x"] == "bf16" else "f16x2"
+    mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.\w+\.\w+\s+\{[^}]*\},\s*\{[^}]*\},", body)
+    assert len(mma) == cfg["BLOCK_N"] // 64 * 16, "every wgmma takes its weight operand from registers"
+    assert len(re.findall(r"lop3\.b32", body)) == pairs, "one LOP3 per pair of nibbles"
+    assert len(re.findall(r"prmt\.b32", body)) == pairs // 4, "two PRMT per two words"
+    assert len(re.findall(rf"fma\.rn\.{ty}", body)) == pairs * (2 if cfg["ZM"] == 2 else 1)
+    # the weight tile never goes through shared memory (the few stores there: the per-row scales and zeros
+    # changing layout, one value a thread and group)
+    assert len(re.findall(r"st\.shared", body)) < pairs // 4, "weights stored to shared memory in the loop"
+    head = ptx[:ptx.index("griddepcontrol.wait")]
+    assert "prefetch.global.L2" in head, "the L2 prefetch comes before the PDL wait"
 
 
 def test_precompile_does_nothing_under_the_interpreter():

@@ -17,6 +17,7 @@ import torch
 
 import fastdecode.kernels.int4 as KI
 import fastdecode.kernels.int4_dequant as KD
+import fastdecode.kernels.int4_mma as KM
 import fastdecode.ops.int4 as I
 from fastdecode.bench import int4 as B
 from fastdecode.bench.int4 import candidates
@@ -116,7 +117,14 @@ def compiled():
         calls += [partial(dot, fmt, g, x_dtype, x_dtype, DOT_CFG),
                   partial(dot, fmt, g, x_dtype, x_dtype, {**DOT_CFG, "fast_cvt": False})]
     calls.append(partial(dot, "min", 32, torch.bfloat16, torch.float16, DOT_CFG))  # fp16 scales, bf16 x
-    precompile_calls(calls, [(KI, "_int4_linear_kernel"), (KD, "_int4_dequant_kernel")])
+
+    def mma(fmt, g, N, K, M, x_dtype, cfg):  # test_mma_kind_every_group_mode_and_dtype's launches
+        x, out = torch.empty(M, K, device=DEV, dtype=x_dtype), torch.empty(M, N, device=DEV, dtype=x_dtype)
+        I.int4_linear_with_config(x, _packed(N, K, g, fmt, x_dtype), None, out, cfg)
+
+    for (fmt, g, N, K), M, x_dtype, cfg in itertools.product(MMA_FMTS, MMA_MS, DOT_X_DTYPES, MMA_CFGS):
+        calls.append(partial(mma, fmt, g, N, K, M, x_dtype, _mma_cfg(M, *cfg)))
+    precompile_calls(calls, [(KI, "_int4_linear_kernel"), (KD, "_int4_dequant_kernel"), (KM, "_int4_mma_kernel")])
 
 
 GROUP_MODE_FMTS, GROUP_MODE_GS, GROUP_MODE_MS = ["sym", "zero", "min"], [32, 64, 128, 4096], [1, 5, 48, 300]
@@ -326,6 +334,81 @@ def test_dot_fast_conversion_equals_portable(fmt, g, x_dtype, compiled):
     I.int4_linear_with_config(x, w, None, slow, {**cfg, "fast_cvt": False})
     _close(fast, slow)
     _close(fast, I.int4_linear_ref(x, w))
+
+
+# (fmt, group, N, K): every zero mode, groups of one to eight shifts and one per row, an odd N (200 rows: a
+# partial 64- / 128-row tile) and an odd K (4160: 16.25 layout tiles, 65 groups of 64)
+MMA_FMTS = [("sym", 128, 1024, 4096), ("zero", 32, 1024, 4096), ("zero", 64, 200, 4160), ("min", 64, 1024, 4096),
+            ("sym", 4096, 512, 4096), ("zero", 128, 4096, 14336)]
+MMA_MS = [1, 5, 16, 40]
+MMA_CFGS = [(64, 4, 1, 2), (128, 4, 4, 3), (256, 8, 16, 2)]  # (BLOCK_N, num_warps, SPLIT_K, num_stages)
+
+
+def _mma_cfg(M, bn, nw, sk, st, **kw):
+    return {"kind": "mma", "BLOCK_M": 16 if M <= 16 else 64, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
+            "num_warps": nw, "num_stages": st, **kw}
+
+
+@gpu
+@pytest.mark.parametrize("cfg", MMA_CFGS, ids=lambda c: "bn{}w{}s{}st{}".format(*c))
+@pytest.mark.parametrize("x_dtype", DOT_X_DTYPES)
+@pytest.mark.parametrize("M", MMA_MS)
+@pytest.mark.parametrize("fmt,g,N,K", MMA_FMTS)
+def test_mma_kind_every_group_mode_and_dtype(fmt, g, N, K, M, x_dtype, cfg, compiled):
+    """The mma kind (kernels.int4_mma: the weight as the tensor cores' register operand, its nibbles converted
+    by inline PTX two words at a time) against the reference: every zero mode and group tiling, bf16 and
+    fp16, 1-40 tokens (BLOCK_M 16 and 64), split-K, partial row tiles and a partial last layout tile. A wrong
+    pairing of the two words' halves (k, k + 1) or of the shifts would move every output."""
+    w = _packed(N, K, g, fmt, x_dtype)  # scales of x's dtype: what "min" needs (mma_supported)
+    x = torch.randn(M, K, device=DEV).to(x_dtype)
+    b = torch.randn(N, device=DEV).to(x_dtype)
+    out = torch.full((M, N), float("nan"), device=DEV, dtype=x_dtype)
+    I.int4_linear_with_config(x, w, b, out, _mma_cfg(M, *cfg))
+    _close(out, I.int4_linear_ref(x, w, b))
+
+
+@gpu
+def test_mma_kind_asm_equals_portable_and_replays_in_a_graph():
+    """The inline-PTX conversion against the fp32 form the interpreter runs (same values: both compute the
+    exact ``q - zero``, so the outputs agree to the MMA's summation order); under CUDA-graph replay with PDL
+    (the L2 prefetch of the first weight tiles before the wait) and fresh inputs; split-K deterministic."""
+    N, K, M = 4096, 4096, 3
+    w = _packed(N, K, 128, "zero")
+    x = torch.randn(M, K, device=DEV).bfloat16()
+    cfg = _mma_cfg(M, 128, 4, 4, 3)
+    fast, slow = (torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    I.int4_linear_with_config(x, w, None, fast, cfg)
+    I.int4_linear_with_config(x, w, None, slow, {**cfg, "asm": False})
+    torch.testing.assert_close(fast, slow, rtol=4e-3, atol=1e-3 * slow.float().abs().max().item())
+    again = torch.empty_like(fast)
+    I.int4_linear_with_config(x, w, None, again, cfg)
+    assert torch.equal(fast, again)
+    out = torch.empty_like(fast)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        I.int4_linear_with_config(x, w, None, out, cfg)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        _close(out, I.int4_linear_ref(x, w))
+
+
+@gpu
+def test_mma_config_on_a_weight_it_does_not_compute_takes_the_heuristic():
+    """A table entry of kind "mma" on a GGUF-style weight with fp16 scales under bf16 activations (the packed
+    FMAs would round the scales to bf16) runs the heuristic's config instead, with the right values."""
+    from fastdecode.kernels.int4_mma import mma_supported
+
+    N, K, M = 576, 1536, 1
+    w = _packed(N, K, 32, "min", torch.float16)
+    x = torch.randn(M, K, device=DEV).bfloat16()
+    assert not mma_supported(x.dtype, w.scales.dtype, "min", 32, K)
+    assert mma_supported(torch.float16, w.scales.dtype, "min", 32, K)
+    out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+    I.int4_linear_with_config(x, w, None, out, _mma_cfg(M, 64, 4, 1, 2))
+    _close(out, I.int4_linear_ref(x, w))
 
 
 # ----------------------------------------------------------------------------- tuner on the CPU (no gpu mark)

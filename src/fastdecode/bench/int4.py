@@ -142,9 +142,18 @@ def _ok(ops: _Operands, M: int, impl: str, config=None, fp8: bool = False) -> Op
 # ----------------------------------------------------------------------------- tuning
 
 
+MMA_MAX_M = 64
+KINDS = ("fma", "mma", "dot")
+
+
 def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
-               smem_limit: Optional[int] = None, small_m_dot: bool = False) -> list[dict]:
-    """A small config list per M: fma tiles for M <= 8, dot tiles for M >= 8, split-K 1..16.
+               smem_limit: Optional[int] = None, small_m_dot: bool = False,
+               kinds: Sequence[str] = KINDS) -> list[dict]:
+    """A small config list per M: fma tiles for M <= 8, mma tiles for M <= 64 (W4A16), dot tiles for M >= 8,
+    split-K 1..16; ``kinds``: only these kinds.
+
+    mma (``kernels.int4_mma``): tokens padded to BLOCK_M = 16 (32, 64 above), 64-256 weight rows a program
+    (256 on 8 warps: 4 warps spill there), 2-4 pipeline stages.
 
     Not dot tiles below M = 8 (``small_m_dot``, off by default): timed alone they beat the fma tiles at
     M = 1-4 on most shapes (up to 2x at M = 4), yet the 8B int4 decode step with that table ran at 3407 us
@@ -183,6 +192,14 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
                  "num_warps": nw, "num_stages": st, "PREFETCH": pf}
             if c not in out:
                 out.append(c)
+    if M <= MMA_MAX_M and not fp8:
+        bm = max(16, 1 << max(M - 1, 0).bit_length())
+        tiles = ((64, 4), (128, 4), (256, 8)) if quick else ((64, 4), (128, 4), (128, 8), (256, 8))
+        for (bn, nw), st in itertools.product(tiles, (2, 3) if quick else (2, 3, 4)):
+            for sk in (splits if M <= 16 else splits[:4]):
+                out.append({"kind": "mma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
+                            "num_warps": nw, "num_stages": st})
+    out = [c for c in out if c["kind"] in kinds]
     if smem_limit is not None:
         out = [c for c in out if smem_bytes(c, 1 if fp8 else 2) <= smem_limit]
     return out
@@ -234,13 +251,15 @@ def fastest(cands, check, time, what: str, warm=None) -> Optional[tuple[float, d
 
 def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, groups=(GROUP,), fp8: bool = True,
          max_candidates: Optional[int] = None, quick: bool = False, merge: bool = False,
-         small_m_dot: bool = False) -> dict:
+         small_m_dot: bool = False, kinds: Sequence[str] = KINDS) -> dict:
     """Time candidates per (N, K, group, M) and write the dispatcher table (returns it).
 
     Candidates over this GPU's shared memory (by ``ops.int4.smem_bytes``) are not tried; one that still
     cannot launch, or gives wrong values, is skipped with one log line (``try_config``). ``merge``: start
     from the table already at ``out_path`` (same GPU) and replace only the (shape, M) entries tuned here,
-    e.g. a run over ``ms=(1, 2, 4, 8)``; the table's ``env`` then names this run."""
+    e.g. a run over ``ms=(1, 2, 4, 8)``; the table's ``env`` then names this run. ``kinds``: only candidates of
+    these kinds, plus the (shape, M) entry already in the table (timed again in this run, so that the entry
+    kept is the faster of the two side by side)."""
     from fastdecode.ops.int4 import clear_config_cache, config_path, smem_limit, table_key
 
     shapes = dict(SHAPES) if shapes is None else shapes
@@ -259,7 +278,10 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
             entries = table[op].setdefault(table_key(N, K, g), {})
             impl = "triton_fp8" if is_fp8 else "triton"
             for M in ms:
-                cands = candidates(M, N, K, is_fp8, quick, smem_limit=limit, small_m_dot=small_m_dot)
+                cands = candidates(M, N, K, is_fp8, quick, smem_limit=limit, small_m_dot=small_m_dot, kinds=kinds)
+                old = entries.get(str(M))
+                if old and old.get("impl") == "triton" and old.get("config") and old["config"] not in cands:
+                    cands.append(dict(old["config"]))  # the incumbent, timed again beside the new kinds
                 if max_candidates is not None and len(cands) > max_candidates:
                     log.warning(f"fastdecode tune int4: {op} {sname} M={M}: timing the first {max_candidates} "
                                 f"of {len(cands)} candidates")
@@ -268,7 +290,7 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
                                lambda cfg: _time(ops.calls(M, impl, cfg), M).median_us, f"{op} {sname} g{g} M={M}",
                                warm=lambda cfg: ops.warm(M, cfg, is_fp8))
                 best = None if best is None else (best[0], "triton", best[1])
-                if not is_fp8 and M >= 128:
+                if not is_fp8 and (M >= 128 or (old or {}).get("impl") == "dequant"):
                     t = _time(ops.calls(M, "dequant"), M).median_us
                     if best is None or t < best[0]:
                         best = (t, "dequant", best[2] if best else None)
@@ -346,7 +368,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     """``python -m fastdecode.bench.int4 bench [--out F] [--quick]`` or ``... tune --out F [--ms 1,2,4,8]
-    [--shapes 960x576,...] [--groups 32] [--merge] [--quick] [--no-fp8] [--small-m-dot]``
+    [--shapes 960x576,...] [--groups 32] [--merge] [--quick] [--no-fp8] [--small-m-dot] [--kinds mma]``
     (``benchmarks/gpu.py``'s int4 suites)."""
     import argparse
 
@@ -360,6 +382,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-fp8", action="store_true", help="tune: skip the W4A8 section")
     p.add_argument("--small-m-dot", action="store_true", help="tune: also time dot tiles below M = 8 (see candidates)")
     p.add_argument("--shapes", default=None, help='tune: "NxK,..." or names of the Llama shapes (default those)')
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help="tune: comma-separated kernel kinds to time (default all; with --merge the table's entry "
+                        "is timed again beside them)")
     p.add_argument("--groups", default=str(GROUP), help=f"tune: comma-separated group sizes (default {GROUP}; "
                                                         "GGUF Q4_0 / Q4_1 use 32)")
     a = p.parse_args(argv)
@@ -369,7 +394,7 @@ def main(argv=None) -> int:
         ms = tuple(int(m) for m in a.ms.split(",")) if a.ms else None
         groups = tuple(int(g) for g in a.groups.split(","))
         tune(a.out, shapes=parse_shapes(a.shapes) if a.shapes else None, groups=groups, ms=ms, quick=a.quick,
-             merge=a.merge, fp8=not a.no_fp8, small_m_dot=a.small_m_dot)
+             merge=a.merge, fp8=not a.no_fp8, small_m_dot=a.small_m_dot, kinds=tuple(a.kinds.split(",")))
     else:
         run(a.out or "benchmarks/results/int4_linear.json", quick=a.quick)
     return 0

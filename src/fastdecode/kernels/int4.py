@@ -34,7 +34,9 @@ from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import (
     _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _nibble_f32, _nibble_f32_asm, _slice_params, _uniform,
+    slices_per_group,
 )
+from fastdecode.kernels.int4_mma import launch_int4_mma
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 
@@ -275,16 +277,6 @@ def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
     return kb_total, split
 
 
-def slices_per_group(group_size: int, K: int, bk: int) -> int:
-    """32-column shifts per group inside a 256-column layout tile (8 when a tile lies in one group), or 0
-    when the kernel's per-group paths do not apply (BLOCK_K > 256, or groups that straddle tiles)."""
-    if bk != 256:
-        return 0
-    if group_size % 256 == 0 or group_size >= K:
-        return 8
-    return group_size // 32 if 256 % group_size == 0 else 0
-
-
 @functools.cache
 def _sm_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
@@ -333,11 +325,17 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     fast_cvt (default True: the packed-pair PTX conversion where it applies).
     ``warmup``: compile (or, under ``kernels.precompile``, queue the compile of) the kernel, launch nothing.
     ``pdl``: programmatic dependent launch (``kernels.pdl``).
+    ``config["kind"] == "mma"``: the weight-as-register-operand tensor-core kernel of ``kernels.int4_mma``
+    (W4A16 only; the caller checks ``int4_mma.mma_supported``); optional key ``asm`` (default True): its
+    inline-PTX conversion where ``lop3_asm_ok``.
     """
     M, K = x.shape
+    _, split = split_k_blocks(K, config)
+    if config["kind"] == "mma":
+        return launch_int4_mma(x, qweight, scales, zm, group_size, zero_mode, bias, out, part, locks, config, split,
+                               asm=bool(config.get("asm", True)) and lop3_asm_ok(x), warmup=warmup, pdl=pdl)
     N = qweight.shape[0]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    _, split = split_k_blocks(K, config)
     grid = (cdiv(M, bm), split, cdiv(N, bn))
     uniform = _uniform(group_size, bk)
     spg = slices_per_group(group_size, K, bk)

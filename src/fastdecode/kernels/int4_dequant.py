@@ -205,6 +205,16 @@ def _dequant8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: t
                    tl.float16), is_pure=True, pack=1)
 
 
+def slices_per_group(group_size: int, K: int, bk: int) -> int:
+    """32-column shifts per group inside a 256-column layout tile (8 when a tile lies in one group), or 0
+    when the kernel's per-group paths do not apply (BLOCK_K > 256, or groups that straddle tiles)."""
+    if bk != 256:
+        return 0
+    if group_size % 256 == 0 or group_size >= K:
+        return 8
+    return group_size // 32 if 256 % group_size == 0 else 0
+
+
 def _uniform(group_size: int, bk: int) -> bool:
     # shift p of a tile covers one group: a single layout tile (columns 32p..32p+31 of it), or a
     # tile inside one group

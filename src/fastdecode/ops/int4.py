@@ -7,7 +7,9 @@
 registers exactly as ``dequantize_int4`` does (fp32 maths, one rounding to x.dtype), so the
 reference is ``x.float() @ dequantize_int4(w, x.dtype).float().T``.
 
-Dispatcher. Two Triton paths: "fma" (weight streaming with split-K, small M) and "dot" (tensor-core
+Dispatcher. Three Triton paths: "fma" (weight streaming with split-K, small M), "mma" (few tokens: the
+weight as the register operand of the tensor cores, ``kernels.int4_mma``; W4A16 with bf16 / fp16
+activations and groups that tile 256 columns, else the heuristic's config) and "dot" (tensor-core
 ``tl.dot``, larger M); ``impl="dequant"`` dequantises the whole weight with a Triton kernel into a
 scratch buffer and calls cuBLAS (large M, where the GEMM is compute bound and the conversion is
 amortised). The choice per (N, K, group, M) comes from tuned data in
@@ -91,6 +93,8 @@ def smem_bytes(config: dict, x_bytes: int = 2) -> int:
     cross-thread reduction of its ``[BLOCK_N, BLOCK_K/8]`` accumulators (compiled: at most 4 KB).
     """
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if config["kind"] == "mma":  # pipeline buffers of the x tiles and the words (compiled: at most this)
+        return config.get("num_stages", 2) * (bm * bk * x_bytes + bn * bk // 2)
     if config["kind"] != "dot":
         return bm * bn * (bk // 8) * 4
     return config.get("num_stages", 3) * (bm * bk * x_bytes + bn * bk // 2) + bn * bk * 2
@@ -165,9 +169,15 @@ def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=N
     the int4 tuner and benchmark (``fastdecode.bench.int4``); no validation and no dispatch (``int4_linear`` /
     ``int4_linear_fp8`` are the checked ops). ``warmup``: compile only, see ``kernels.precompile``."""
     from fastdecode.kernels.int4 import launch_int4_linear, split_k_blocks
+    from fastdecode.kernels.int4_mma import mma_supported
 
     M, K = x.shape
     N = w.N
+    if config["kind"] == "mma" and (x_scale is not None
+                                    or not mma_supported(x.dtype, w.scales.dtype, w.zero_mode, w.group_size, K)):
+        # a weight the mma kind does not compute (e.g. GGUF's fp16 scales under bf16 activations): the
+        # heuristic's choice for the shape (the table was tuned on bf16 scales, "sym")
+        config = heuristic_config(M, N, K, w.group_size, device_info(x.device)[1])[1]
     _, split = split_k_blocks(K, config)
     part = locks = None
     if split > 1:

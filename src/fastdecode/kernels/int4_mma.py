@@ -1,0 +1,302 @@
+"""Int4-weight GEMM for decode (W4A16, few tokens): the weight as the register operand of the tensor cores.
+
+``out = x @ dequantize_int4(w, x.dtype).T (+ bias)`` computed transposed, ``out^T[BLOCK_N, BLOCK_M] =
+W[BLOCK_N, 32] @ x^T[32, BLOCK_M]`` per 32-column shift (swap-AB, as ``kernels/gemm.py``'s skinny dot): the
+weight rows fill the MMA's 64-row side and the few tokens (padded to BLOCK_M >= 16) its narrow side. The
+weight never goes through shared memory as 16-bit values: Triton loads the int32 words in the MMA's
+operand layout (checked in the TTGIR: one ``convert_layout``, in the epilogue), and the nibbles become
+16-bit operands in registers.
+
+Why (benchmarks/NOTES.md, session 11): at M = 1 the FMA path of ``kernels/int4.py`` is issue-bound,
+4.5 SASS instructions per weight value (one LOP3, one FFMA for ``q - zero``, one FFMA per token row, plus
+loads and the group fold). Here, per pair of values: one LOP3 (nibble -> 16-bit ``MAGIC + q``), one
+packed add (``- (MAGIC + zero)``, exact) and, per 16 values, two PRMT and six shifts; the MMA does the
+multiply-add. sm_90 SASS of the loop at BLOCK_N = 128: 2.7 instructions per value.
+
+Conversion (constexpr ``ASM``: inline PTX on the GPU; the interpreter runs the same arithmetic on
+fp32): ``pack=2`` hands the asm two neighbouring words of a row (columns k and k + 1 of the MMA operand);
+``prmt`` puts their low (high) halves side by side, so that ``(v >> 4j) & 0x000F000F | MAGIC`` is a
+packed pair ``MAGIC + q`` of nibble j (j + 4) of both words (bf16 ``0x4300`` = 128, fp16 ``0x6400`` =
+1024: the ulp is 1 there, so q sits in the mantissa exactly). Then, by ``ZERO_MODE``:
+
+* "sym" / "zero": ``d = v - (MAGIC + zero)``, the exact integer ``q - zero``; the MMA sums ``d * x`` in
+  fp32 over a group's shifts and the group's scale multiplies that partial once (``acc += part * s``):
+  the exact dequantised weight in fp32, like the FMA path (``dequantize_int4`` rounds it to x.dtype).
+* "min" (GGUF Q4_1): ``w = (v - MAGIC) * scale + min`` in packed FMAs, one rounding to x.dtype, as
+  ``dequantize_int4``; needs scales of x's dtype (``mma_supported``).
+
+Layout (``fastdecode.quant.int4``): int32 words in tiles of 256 columns, word j of a tile holding columns
+32p + j in bits 4p..4p+3; shift p of a tile's words is a plain 32-column slice of x. A K step is one tile.
+Split-K and the epilogue are ``kernels/gemm.py``'s (deterministic, one launch).
+"""
+
+import triton
+import triton.language as tl
+
+import torch
+
+from fastdecode.kernels.gemm import _epilogue, _split_k_partial
+from fastdecode.kernels.host import cdiv
+from fastdecode.kernels.int4_dequant import _ZERO_MODES, slices_per_group
+from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
+
+# $0-$7: the packed pairs of shifts 0..7 (outputs, two columns each); $8, $9: the two words; then the
+# per-shift operands (q - zero: $10-$17 the -(MAGIC + zero) pairs; min: $10-$17 the scale pairs,
+# $18-$25 the min pairs). NIB(j, src) extracts nibble j of both words of a prmt-ed half.
+_HEAD = """
+{
+.reg .b32 a, b, u, t, one, nmg;
+mov.b32 one, ONE;
+mov.b32 nmg, NEG_MAGIC;
+prmt.b32 a, $8, $9, 0x5410;
+prmt.b32 b, $8, $9, 0x7632;
+"""
+
+
+def _nib(j: int, src: str, dst: str) -> str:
+    shift = f"shr.u32 u, {src}, {4 * j};\n" if j else f"mov.b32 u, {src};\n"
+    return shift + f"lop3.b32 {dst}, u, 0x000f000f, MAGIC, 0xea;\n"
+
+
+def _asm(mode: str, ty: str) -> str:
+    magic, one, neg = {"bf16x2": ("0x43004300", "0x3f803f80", "0xc300c300"),
+                       "f16x2": ("0x64006400", "0x3c003c00", "0xe400e400")}[ty]
+    body = _HEAD
+    for p in range(8):
+        src = "a" if p < 4 else "b"
+        if mode == "min":  # w = (v - MAGIC) * scale + min: one rounding
+            body += _nib(p % 4, src, "t")
+            body += f"fma.rn.{ty} t, t, one, nmg;\nfma.rn.{ty} ${p}, t, ${10 + p}, ${18 + p};\n"
+        else:  # d = v - (MAGIC + zero): exact
+            body += _nib(p % 4, src, "t")
+            body += f"fma.rn.{ty} ${p}, t, one, ${10 + p};\n"
+    body += "}\n"
+    return body.replace("NEG_MAGIC", neg).replace("MAGIC", magic).replace("ONE", one)
+
+
+_ASM_ZERO_BF16: tl.constexpr = tl.constexpr(_asm("zero", "bf16x2"))
+_ASM_ZERO_F16: tl.constexpr = tl.constexpr(_asm("zero", "f16x2"))
+_ASM_MIN_BF16: tl.constexpr = tl.constexpr(_asm("min", "bf16x2"))
+_ASM_MIN_F16: tl.constexpr = tl.constexpr(_asm("min", "f16x2"))
+_CONS_ZERO: tl.constexpr = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
+_CONS_MIN: tl.constexpr = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 18))
+_BF16X8: tl.constexpr = tl.constexpr((tl.bfloat16,) * 8)
+_F16X8: tl.constexpr = tl.constexpr((tl.float16,) * 8)
+
+
+@triton.jit
+def _portable(qw, p: tl.constexpr, s, z, ZERO_MODE: tl.constexpr, W_DTYPE: tl.constexpr):
+    """Shift p of ``qw`` as the asm computes it, in fp32: ``q - zero`` (exact), or ``q * scale + min`` rounded
+    once to W_DTYPE (``as_float(0x4B000000 | q) - 2**23 == q``: no int -> float conversion)."""
+    q = (((qw >> (4 * p)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    if ZERO_MODE == 2:
+        w = q * s[:, None] + z[:, None]
+    else:
+        w = q - z[:, None]
+    return w.to(W_DTYPE)
+
+
+@triton.jit
+def _tile_params(s_ptr, z_ptr, rn, G, k0, j: tl.constexpr, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr):
+    """fp32 scale and zero (or min) ``[BLOCK_N]`` of the j-th group of the layout tile at column k0
+    (clamped: padding columns >= K may point past the last group; their x is 0)."""
+    if GROUP <= 256:
+        gi = k0 // GROUP + j
+    else:
+        gi = k0 // GROUP
+    offs = rn * G + tl.minimum(gi, G - 1)
+    s = tl.load(s_ptr + offs).to(tl.float32)
+    if ZERO_MODE == 0:
+        z = s * 0.0 + 8.0
+    else:
+        z = tl.load(z_ptr + offs).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _wide(v, BLOCK_N: tl.constexpr, W_DTYPE: tl.constexpr):
+    """``[BLOCK_N]`` fp32 -> ``[BLOCK_N, 32]`` W_DTYPE (a broadcast: the asm's per-row operand)."""
+    return tl.broadcast_to(v.to(W_DTYPE)[:, None], (BLOCK_N, 32))
+
+
+@triton.jit
+def _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, SPG: tl.constexpr,
+             ASM: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The eight shifts of ``qw [BLOCK_N, 32]`` as W_DTYPE MMA operands: ``q - zero`` (exact) for "sym" /
+    "zero", ``q * scale + min`` (one rounding) for "min". Also returns the scales of the tile's groups (fp32,
+    up to 8 of them; unused ones repeat) for the per-group fold of "sym" / "zero"."""
+    if W_DTYPE == tl.bfloat16:
+        MAGIC: tl.constexpr = 128.0
+    else:
+        MAGIC: tl.constexpr = 1024.0
+    NG: tl.constexpr = 8 // SPG
+    s0, z0 = _tile_params(s_ptr, z_ptr, rn, G, k0, 0, GROUP, ZERO_MODE)
+    s1, z1, s2, z2, s3, z3 = s0, z0, s0, z0, s0, z0
+    s4, z4, s5, z5, s6, z6, s7, z7 = s0, z0, s0, z0, s0, z0, s0, z0
+    if NG > 1:
+        s1, z1 = _tile_params(s_ptr, z_ptr, rn, G, k0, 1, GROUP, ZERO_MODE)
+    if NG > 2:
+        s2, z2 = _tile_params(s_ptr, z_ptr, rn, G, k0, 2, GROUP, ZERO_MODE)
+        s3, z3 = _tile_params(s_ptr, z_ptr, rn, G, k0, 3, GROUP, ZERO_MODE)
+    if NG > 4:
+        s4, z4 = _tile_params(s_ptr, z_ptr, rn, G, k0, 4, GROUP, ZERO_MODE)
+        s5, z5 = _tile_params(s_ptr, z_ptr, rn, G, k0, 5, GROUP, ZERO_MODE)
+        s6, z6 = _tile_params(s_ptr, z_ptr, rn, G, k0, 6, GROUP, ZERO_MODE)
+        s7, z7 = _tile_params(s_ptr, z_ptr, rn, G, k0, 7, GROUP, ZERO_MODE)
+    # the scale / zero of each shift p: group p // SPG
+    gs = (s0, s1, s2, s3, s4, s5, s6, s7)
+    gz = (z0, z1, z2, z3, z4, z5, z6, z7)
+    ps0, ps1, ps2, ps3 = gs[0 // SPG], gs[1 // SPG], gs[2 // SPG], gs[3 // SPG]
+    ps4, ps5, ps6, ps7 = gs[4 // SPG], gs[5 // SPG], gs[6 // SPG], gs[7 // SPG]
+    pz0, pz1, pz2, pz3 = gz[0 // SPG], gz[1 // SPG], gz[2 // SPG], gz[3 // SPG]
+    pz4, pz5, pz6, pz7 = gz[4 // SPG], gz[5 // SPG], gz[6 // SPG], gz[7 // SPG]
+    if ASM:
+        if ZERO_MODE == 2:
+            if W_DTYPE == tl.bfloat16:
+                asm: tl.constexpr = _ASM_MIN_BF16
+                tys: tl.constexpr = _BF16X8
+            else:
+                asm: tl.constexpr = _ASM_MIN_F16
+                tys: tl.constexpr = _F16X8
+            ws = tl.inline_asm_elementwise(
+                asm, _CONS_MIN,
+                [qw, _wide(ps0, BLOCK_N, W_DTYPE), _wide(ps1, BLOCK_N, W_DTYPE), _wide(ps2, BLOCK_N, W_DTYPE),
+                 _wide(ps3, BLOCK_N, W_DTYPE), _wide(ps4, BLOCK_N, W_DTYPE), _wide(ps5, BLOCK_N, W_DTYPE),
+                 _wide(ps6, BLOCK_N, W_DTYPE), _wide(ps7, BLOCK_N, W_DTYPE),
+                 _wide(pz0, BLOCK_N, W_DTYPE), _wide(pz1, BLOCK_N, W_DTYPE), _wide(pz2, BLOCK_N, W_DTYPE),
+                 _wide(pz3, BLOCK_N, W_DTYPE), _wide(pz4, BLOCK_N, W_DTYPE), _wide(pz5, BLOCK_N, W_DTYPE),
+                 _wide(pz6, BLOCK_N, W_DTYPE), _wide(pz7, BLOCK_N, W_DTYPE)],
+                dtype=tys, is_pure=True, pack=2)
+        else:
+            if W_DTYPE == tl.bfloat16:
+                asm: tl.constexpr = _ASM_ZERO_BF16
+                tys: tl.constexpr = _BF16X8
+            else:
+                asm: tl.constexpr = _ASM_ZERO_F16
+                tys: tl.constexpr = _F16X8
+            ws = tl.inline_asm_elementwise(
+                asm, _CONS_ZERO,
+                [qw, _wide(-(MAGIC + pz0), BLOCK_N, W_DTYPE), _wide(-(MAGIC + pz1), BLOCK_N, W_DTYPE),
+                 _wide(-(MAGIC + pz2), BLOCK_N, W_DTYPE), _wide(-(MAGIC + pz3), BLOCK_N, W_DTYPE),
+                 _wide(-(MAGIC + pz4), BLOCK_N, W_DTYPE), _wide(-(MAGIC + pz5), BLOCK_N, W_DTYPE),
+                 _wide(-(MAGIC + pz6), BLOCK_N, W_DTYPE), _wide(-(MAGIC + pz7), BLOCK_N, W_DTYPE)],
+                dtype=tys, is_pure=True, pack=2)
+    else:  # the interpreter (and a portable GPU build): the same values from fp32 arithmetic
+        ws = (_portable(qw, 0, ps0, pz0, ZERO_MODE, W_DTYPE), _portable(qw, 1, ps1, pz1, ZERO_MODE, W_DTYPE),
+              _portable(qw, 2, ps2, pz2, ZERO_MODE, W_DTYPE), _portable(qw, 3, ps3, pz3, ZERO_MODE, W_DTYPE),
+              _portable(qw, 4, ps4, pz4, ZERO_MODE, W_DTYPE), _portable(qw, 5, ps5, pz5, ZERO_MODE, W_DTYPE),
+              _portable(qw, 6, ps6, pz6, ZERO_MODE, W_DTYPE), _portable(qw, 7, ps7, pz7, ZERO_MODE, W_DTYPE))
+    return ws, gs
+
+
+@triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
+def _int4_mma_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, G, KW, stride_xm, stride_om, stride_part, split_k,
+    GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPG: tl.constexpr,
+    EVEN_K: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, L2_PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Grid (m tiles, split_k, n tiles); a K step is one 256-column layout tile (32 words a row). KW is the
+    number of words per weight row (a multiple of 32); columns >= K read x as 0.
+
+    SPG: 32-column shifts per group inside a tile (1, 2, 4 or 8: groups of 32, 64, 128 or >= 256 / whole
+    rows). L2_PREFETCH (with USE_PDL): before waiting for the previous kernel, each row's first two weight
+    tiles of this program are prefetched into L2 (weights are never written by the step's kernels)."""
+    W_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    num_m = tl.num_programs(0)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # out-of-range rows and tokens wrap onto valid ones (loads stay unmasked); they are never stored
+    rn = (offs_n % N).to(tl.int64)
+    rm = (offs_m % M).to(tl.int64)
+    m_valid = offs_m < M
+
+    kb_total = KW // 32
+    kb_per = tl.cdiv(kb_total, split_k)
+    kb_start = pid_k * kb_per
+    kb_end = tl.minimum(kb_start + kb_per, kb_total)
+
+    offs_w = tl.arange(0, 32)
+    qw_rows = qw_ptr + rn[:, None] * KW + offs_w[None, :]
+    if USE_PDL:
+        if L2_PREFETCH:
+            first = qw_ptr + rn * KW + kb_start * 32  # one 128-byte line per row and tile
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [first],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l",
+                                      [first + tl.where(kb_start + 1 < kb_end, 32, 0)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        pdl_wait()
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    x_rows = x_ptr + rm[:, None] * stride_xm + offs_w[None, :]
+    for kb in range(kb_start, kb_end):
+        k0 = kb * 256
+        qw = tl.load(qw_rows + kb * 32)
+        ws, gs = _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, SPG, ASM, W_DTYPE, BLOCK_N)
+        for p in tl.static_range(8):
+            xp = x_rows + (k0 + 32 * p)
+            if EVEN_K:
+                xt = tl.load(xp)
+            else:
+                xt = tl.load(xp, mask=(k0 + 32 * p + offs_w < K)[None, :], other=0.0)
+            if ZERO_MODE == 2:  # the weight is already scaled
+                acc = tl.dot(ws[p], tl.trans(xt), acc)
+            else:  # the exact integers q - zero; the group's scale once per partial
+                if p % SPG == 0:
+                    part = tl.dot(ws[p], tl.trans(xt))
+                else:
+                    part = tl.dot(ws[p], tl.trans(xt), part)
+                if p % SPG == SPG - 1:
+                    acc += part * gs[p // SPG][:, None]
+    out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    if not SPLIT:
+        _epilogue(out, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, bias_ptr, bias_ptr,
+                  HAS_BIAS, 0, 0)
+    else:
+        _split_k_partial(out, part_ptr, stride_part, pid_k, lock_ptr + pid_n * num_m + pid_m, split_k,
+                         offs_m, offs_n, m_valid, M, N, out_ptr, stride_om, bias_ptr, bias_ptr, bias_ptr,
+                         HAS_BIAS, 0, 0, BLOCK_M, BLOCK_N)
+
+
+def mma_supported(x_dtype, scale_dtype, zero_mode: str, group_size: int, K: int) -> bool:
+    """Whether the mma kind computes this weight: 16-bit activations (W4A8 has its own paths), groups that tile
+    the 256-column layout tile (32, 64, 128, multiples of 256, or one group per row), and for "min" scales
+    (and mins) of x's dtype (its packed FMAs compute in x's dtype; see ``kernels.int4.fast_cvt_ok`` for what
+    other scale dtypes would do)."""
+    if x_dtype not in (torch.bfloat16, torch.float16) or slices_per_group(group_size, K, 256) == 0:
+        return False
+    return zero_mode != "min" or scale_dtype == x_dtype
+
+
+def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
+                    config: dict, split: int, asm: bool, warmup: bool = False, pdl: bool = False):
+    """Launch on 2-D views: x (M, K) bf16/fp16 unit stride in K (kernel column order), qweight (N, Kp // 8)
+    int32, scales / zm (N, K // group_size) contiguous (zm: zeros uint8, mins, or None), out (M, N)
+    contiguous; ``part`` / ``locks`` as ``kernels.int4.launch_int4_linear`` (split-K only), ``split`` the effective
+    split count (``kernels.int4.split_k_blocks``).
+
+    ``config``: dict(kind="mma", BLOCK_M (tokens, >= 16), BLOCK_N (weight rows, >= 64 with 4 warps),
+    BLOCK_K (256: one layout tile a step), SPLIT_K, num_warps, num_stages, L2_PREFETCH (optional, default
+    True)); ``asm``: the inline-PTX conversion (CUDA, not the interpreter). The caller checks
+    ``mma_supported``."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    grid = (cdiv(M, bm), split, cdiv(N, bn))
+    kernel = _int4_mma_kernel.warmup if warmup else _int4_mma_kernel[grid]
+    extra = {"grid": grid} if warmup else {}
+    kernel(
+        x, qweight, scales, zm if zm is not None else scales, bias if bias is not None else out, out,
+        part if split > 1 else out, locks if split > 1 else out,
+        M, N, K, scales.shape[1], qweight.shape[1], x.stride(0), out.stride(0), M * N, split,
+        GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
+        SPG=slices_per_group(group_size, K, 256), EVEN_K=K % 256 == 0, ASM=asm, USE_PDL=pdl,
+        L2_PREFETCH=bool(config.get("L2_PREFETCH", True)), BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
+        num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), **launch_kwargs(pdl),
+        **extra,
+    )
