@@ -122,8 +122,8 @@ def compiled():
         x, out = torch.empty(M, K, device=DEV, dtype=x_dtype), torch.empty(M, N, device=DEV, dtype=x_dtype)
         I.int4_linear_with_config(x, _packed(N, K, g, fmt, x_dtype), None, out, cfg)
 
-    for (fmt, g, N, K), M, x_dtype, cfg in itertools.product(MMA_FMTS, MMA_MS, DOT_X_DTYPES, MMA_CFGS):
-        calls.append(partial(mma, fmt, g, N, K, M, x_dtype, _mma_cfg(M, *cfg)))
+    for (fmt, g, N, K), M, x_dtype, cfg in itertools.product(MMA_FMTS, (1, 40), DOT_X_DTYPES, MMA_CFGS):
+        calls.append(partial(mma, fmt, g, N, K, M, x_dtype, _mma_cfg(M, *cfg)))  # M 1 and 40: BLOCK_M 16 and 64
     precompile_calls(calls, [(KI, "_int4_linear_kernel"), (KD, "_int4_dequant_kernel"), (KM, "_int4_mma_kernel")])
 
 
@@ -350,21 +350,20 @@ def _mma_cfg(M, bn, nw, sk, st, **kw):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", MMA_CFGS, ids=lambda c: "bn{}w{}s{}st{}".format(*c))
-@pytest.mark.parametrize("x_dtype", DOT_X_DTYPES)
-@pytest.mark.parametrize("M", MMA_MS)
 @pytest.mark.parametrize("fmt,g,N,K", MMA_FMTS)
-def test_mma_kind_every_group_mode_and_dtype(fmt, g, N, K, M, x_dtype, cfg, compiled):
+def test_mma_kind_every_group_mode_and_dtype(fmt, g, N, K, compiled):
     """The mma kind (kernels.int4_mma: the weight as the tensor cores' register operand, its nibbles converted
     by inline PTX two words at a time) against the reference: every zero mode and group tiling, bf16 and
     fp16, 1-40 tokens (BLOCK_M 16 and 64), split-K, partial row tiles and a partial last layout tile. A wrong
     pairing of the two words' halves (k, k + 1) or of the shifts would move every output."""
-    w = _packed(N, K, g, fmt, x_dtype)  # scales of x's dtype: what "min" needs (mma_supported)
-    x = torch.randn(M, K, device=DEV).to(x_dtype)
-    b = torch.randn(N, device=DEV).to(x_dtype)
-    out = torch.full((M, N), float("nan"), device=DEV, dtype=x_dtype)
-    I.int4_linear_with_config(x, w, b, out, _mma_cfg(M, *cfg))
-    _close(out, I.int4_linear_ref(x, w, b))
+    for x_dtype in DOT_X_DTYPES:
+        w = _packed(N, K, g, fmt, x_dtype)  # scales of x's dtype: what "min" needs (mma_supported)
+        b = torch.randn(N, device=DEV).to(x_dtype)
+        for M, cfg in itertools.product(MMA_MS, MMA_CFGS):
+            x = torch.randn(M, K, device=DEV).to(x_dtype)
+            out = torch.full((M, N), float("nan"), device=DEV, dtype=x_dtype)
+            I.int4_linear_with_config(x, w, b, out, _mma_cfg(M, *cfg))
+            _close(out, I.int4_linear_ref(x, w, b))
 
 
 @gpu
