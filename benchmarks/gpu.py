@@ -320,7 +320,9 @@ def main(argv=None) -> int:
                    help="results and gpu_log.txt (default: $OUT on the device, else benchmarks/results)")
     p.add_argument("--git-sha", default=os.environ.get("FASTDECODE_GIT_SHA"),
                    help="commit the run names (default FASTDECODE_GIT_SHA, else git rev-parse)")
-    p.add_argument("--tests-timeout", type=int, default=570)
+    p.add_argument("--tests-timeout", type=int, default=585,
+                   help="seconds the pytest run may take (the device kills a command at 600 s; 585 leaves time "
+                        "for the record)")
     p.add_argument("--workers", type=int, default=0,
                    help="tests: pytest-xdist workers, for diagnosis only (the record says so); default one process")
     p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4"],
