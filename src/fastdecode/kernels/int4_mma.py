@@ -99,7 +99,9 @@ def _portable(qw, p: tl.constexpr, s, z, ZERO_MODE: tl.constexpr, W_DTYPE: tl.co
 @triton.jit
 def _tile_params(s_ptr, z_ptr, rn, G, k0, j: tl.constexpr, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr):
     """fp32 scale and zero (or min) ``[BLOCK_N]`` of the j-th group of the layout tile at column k0
-    (clamped: padding columns >= K may point past the last group; their x is 0)."""
+    (clamped: padding columns >= K may point past the last group; their x is 0). ``int4_dequant._group_params``
+    computes the same as ``[BLOCK_N, 1]``; here it stays 1-D: loaded 2-D, the triton 3.6 sm_90 compile put the
+    whole converted weight tile through shared memory (session 11, benchmarks/NOTES.md)."""
     if GROUP <= 256:
         gi = k0 // GROUP + j
     else:
