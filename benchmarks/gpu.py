@@ -13,7 +13,8 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``int4``    int4-weight GEMMs against cuBLAS BF16 and tinygemm.
 * ``decode``  the 8B decode benchmark (input 1, output 128, median of 30) in BF16, FP8 and int4, with
               the compiled peers of each format in the same run and the ablation without PDL.
-* ``profile`` per-kernel time of one 8B decode step, BF16 / FP8 / int4.
+* ``profile`` per-kernel time of one 8B decode step, BF16 / FP8 / int4, with and without PDL
+              (``profile_<q>_no_pdl.json``: durations that do not overlap, so they attribute the step's time).
 * ``tune``    ``fastdecode tune linear`` (``--tune-dtypes``) into ``<out-dir>/configs/``, starting from a
               copy of the package's table; the suites after it in the same run read that table
               (``FASTDECODE_CONFIG_DIR``, recorded in their rows). Commit the table only from such a run.
@@ -110,9 +111,13 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         }
         return [steps[f] for f in formats]
     if name == "profile":
-        return [(f"profile {q}", [PY, str(ROOT / "benchmarks" / "profile_decode.py"),
-                                  *([] if q == "bf16" else ["--quant", q]),
-                                  "--out", str(out / f"profile_{q}.json")], 150) for q in ("bf16", "fp8", "int4")]
+        # with PDL each kernel starts early and waits in griddepcontrol.wait, so per-kernel durations overlap;
+        # the -no-pdl graph's durations attribute the step's time to kernel families
+        return [(f"profile {q}{tag}", [PY, str(ROOT / "benchmarks" / "profile_decode.py"),
+                                       *([] if q == "bf16" else ["--quant", q]), *impl,
+                                       "--out", str(out / f"profile_{q}{tag.replace('-', '_')}.json")], 150)
+                for tag, impl in (("", []), ("-no-pdl", ["--impl", "fastdecode-graph-no-pdl"]))
+                for q in ("bf16", "fp8", "int4")]
     if name == "hf":
         return [("bench hf", _fd("bench", "hf", "--preset", "llama-3.1-8b", "--iters", "5", "--warmup", "1",
                                  "--out", str(out / "hf.json")), 420)]
