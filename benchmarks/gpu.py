@@ -13,8 +13,9 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``int4``    int4-weight GEMMs against cuBLAS BF16 and tinygemm.
 * ``decode``  the 8B decode benchmark (input 1, output 128, median of 30) in BF16, FP8 and int4, with
               the compiled peers of each format in the same run and the ablation without PDL.
-* ``profile`` per-kernel time of one 8B decode step, BF16 / FP8 / int4, with and without PDL
-              (``profile_<q>_no_pdl.json``: durations that do not overlap, so they attribute the step's time).
+* ``profile`` where one 8B decode step's time goes (``bench decode --profile``), BF16 / FP8 / int4: kernel time
+              and bytes per family against the copy-rate floor, without PDL (durations that do not overlap, so
+              they attribute the step's time) and with it, into ``profile_decode.json``.
 * ``tune``    ``fastdecode tune linear`` (``--tune-dtypes``) into ``<out-dir>/configs/``, starting from a
               copy of the package's table; the suites after it in the same run read that table
               (``FASTDECODE_CONFIG_DIR``, recorded in their rows). Commit the table only from such a run.
@@ -30,8 +31,8 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               second run warm), and none (lazy).
 * ``overhead`` host time per eager call of the ops a patched transformers model runs, against the PyTorch ops
               they replace (``benchmarks/profile_eager_overhead.py``: why ``bench hf``'s patched rows are slower).
-* ``profile-small`` per-kernel time of one decode step of the embedded model's shapes (SmolLM2-135M, random
-              weights, bf16): the launch-bound step of ``fastdecode generate``.
+* ``profile-small`` the same for the embedded model's shapes (SmolLM2-135M, random weights, bf16): the
+              launch-bound step of ``fastdecode generate``.
 * ``tp``      multi-GPU: the all-reduce tests, the all-reduce benchmark, 70B decode at TP = all GPUs.
 
 What it never does: copy files into ``src/`` (tuned tables are written only by
@@ -111,12 +112,13 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         }
         return [steps[f] for f in formats]
     if name == "profile":
-        # with PDL each kernel starts early and waits in griddepcontrol.wait, so per-kernel durations overlap;
-        # the -no-pdl graph's durations attribute the step's time to kernel families
-        return [(f"profile {q}{tag}", [PY, str(ROOT / "benchmarks" / "profile_decode.py"),
-                                       *([] if q == "bf16" else ["--quant", q]), *impl,
-                                       "--out", str(out / f"profile_{q}{tag.replace('-', '_')}.json")], 150)
-                for tag, impl in (("", []), ("-no-pdl", ["--impl", "fastdecode-graph-no-pdl"]))
+        # ``bench decode --profile``: the step's time per kernel family against the copy-rate floor. With PDL each
+        # kernel starts early and waits in griddepcontrol.wait, so per-kernel durations overlap; the -no-pdl
+        # graph's durations attribute the step's time (both rows, one model build per format)
+        return [(f"profile {q}", _fd("bench", "decode", "--preset", "llama-3.1-8b", "--profile",
+                                     *([] if q == "bf16" else ["--quant", q]),
+                                     "--impl", "fastdecode-graph-no-pdl", "fastdecode-graph",
+                                     "--out", str(out / "profile_decode.json")), 180)
                 for q in ("bf16", "fp8", "int4")]
     if name == "hf":
         return [("bench hf", _fd("bench", "hf", "--preset", "llama-3.1-8b", "--iters", "5", "--warmup", "1",
@@ -143,8 +145,9 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                 ("decode smollm2 bf16", _fd("bench", "decode", "--preset", "smollm2-135m", *small, "--impl",
                                             "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl"), 240)]
     if name == "profile-small":
-        return [("profile smollm2", [PY, str(ROOT / "benchmarks" / "profile_decode.py"), "--preset", "smollm2-135m",
-                                     "--out", str(out / "profile_smollm2.json")], 150)]
+        return [("profile smollm2", _fd("bench", "decode", "--preset", "smollm2-135m", "--profile", "--impl",
+                                        "fastdecode-graph-no-pdl", "fastdecode-graph",
+                                        "--out", str(out / "profile_decode.json")), 150)]
     if name == "tp":
         if n_gpu < 2:
             return []

@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -229,36 +229,35 @@ def _try_build_peer(model, quant, batch: int, max_seq: int):
         return None, f"{type(e).__name__}: {e}"
 
 
-def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len: int = 1, output_len: int = 128,
-                 iters: int = 30, warmup: int = 3, impls: Sequence[str] = IMPLS, device=None,
-                 dtype=torch.bfloat16, layers: Optional[int] = None, log=print, quant: Optional[str] = None,
-                 quant_head: Optional[str] = None) -> list[dict]:
-    """Run the decode benchmark; returns JSON-ready rows (one per implementation).
+class BenchModel(NamedTuple):
+    model: object
+    config: object
+    device: torch.device
+    tp: Optional[tuple]  # (rank, world size) under torch.distributed
+    peer: object = None
+    peer_error: Optional[str] = None
 
-    ``quant_head`` ("fp8" / "int4") quantises the lm head too; the rows' ``shape.quant`` then reads
-    ``<quant>+head-<quant_head>`` (``none+head-int4`` for the head alone). The peers keep a dense head.
 
-    Under torch.distributed (torchrun) the model is tensor-parallel over the world (every rank runs;
-    the caller reports rank 0's rows)."""
+def build_bench_model(model_name: str, *, batch: int, max_seq: int, device=None, dtype=torch.bfloat16,
+                      layers: Optional[int] = None, quant: Optional[str] = None, quant_head: Optional[str] = None,
+                      impls: Sequence[str] = ()) -> BenchModel:
+    """The model a decode benchmark runs: a preset with random weights (quantised as asked) or a checkpoint,
+    tensor-parallel under torch.distributed; the KV cache checked against free memory (``KVCacheMemoryError``);
+    the compiled peer built too when one of ``impls`` is a peer row (its failure is kept in ``peer_error``)."""
     import torch.distributed as dist
 
-    from fastdecode.bench.harness import Timing, env_info
     from fastdecode.models.quantize import check_head
 
     check_head(quant_head, "quant_head")
-    from fastdecode.engine.kv_cache import KVCache, check_kv_memory
+    from fastdecode.engine.kv_cache import check_kv_memory
     from fastdecode.engine.loader import load, random_model
     from fastdecode.models.config import PRESETS, ModelConfig
-    from fastdecode.models.int4 import Int4Linear
 
     tp = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
     kv_group = dist.group.WORLD if tp is not None else None  # the KV-memory check agreed by every rank
     if device is None and tp is not None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if output_len < 2:
-        raise ValueError(f"output_len must be >= 2 (one token from prefill, the rest from decode), got {output_len}")
-    max_seq = input_len + output_len
     # the peer is built only when one of its rows will run; a failure to build it fails those rows only
     want_peer = tp is None and any(i == "peer-eager" or (i == "peer-compile" and device.type == "cuda")
                                    for i in impls)
@@ -295,6 +294,31 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         check_kv_memory(model.config, batch, max_seq, dtype, device, fix=KV_FIX)
         if want_peer:  # the format fastdecode runs (an int4 checkpoint is int4 without --quant)
             peer, peer_error = _try_build_peer(model, quant or model.quant, batch, max_seq)
+    return BenchModel(model, cfg, device, tp, peer, peer_error)
+
+
+def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len: int = 1, output_len: int = 128,
+                 iters: int = 30, warmup: int = 3, impls: Sequence[str] = IMPLS, device=None,
+                 dtype=torch.bfloat16, layers: Optional[int] = None, log=print, quant: Optional[str] = None,
+                 quant_head: Optional[str] = None) -> list[dict]:
+    """Run the decode benchmark; returns JSON-ready rows (one per implementation).
+
+    ``quant_head`` ("fp8" / "int4") quantises the lm head too; the rows' ``shape.quant`` then reads
+    ``<quant>+head-<quant_head>`` (``none+head-int4`` for the head alone). The peers keep a dense head.
+
+    Under torch.distributed (torchrun) the model is tensor-parallel over the world (every rank runs;
+    the caller reports rank 0's rows)."""
+    from fastdecode.bench.harness import Timing, env_info
+    from fastdecode.engine.kv_cache import KVCache
+    from fastdecode.models.int4 import Int4Linear
+
+    if output_len < 2:
+        raise ValueError(f"output_len must be >= 2 (one token from prefill, the rest from decode), got {output_len}")
+    max_seq = input_len + output_len
+    built = build_bench_model(model_name, batch=batch, max_seq=max_seq, device=device, dtype=dtype, layers=layers,
+                              quant=quant, quant_head=quant_head, impls=impls)
+    model, cfg, device, tp = built.model, built.config, built.device, built.tp
+    peer, peer_error = built.peer, built.peer_error
     cache = KVCache(model.config, batch, max_seq, dtype=dtype, device=device)
     wbytes = model.decode_step_bytes(batch)  # weights one step reads (B embedding rows, not the table)
     has_int4 = any(isinstance(m, Int4Linear) for m in model.modules())

@@ -20,6 +20,7 @@ from fastdecode.cli.common import DTYPES, end_tp, fail, finish_tp, no_gpu
 from fastdecode.quant.formats import METHODS
 
 KERNELS_OUT = "benchmarks/results/norm_activation_quant.json"
+PROFILE_OUT = "benchmarks/results/profile_decode.json"
 
 
 
@@ -107,7 +108,7 @@ def cmd_bench_decode(args) -> int:
     A KV cache larger than the device's available memory ends in one ``error:`` line (exit 2)."""
     import torch.distributed as dist
 
-    from fastdecode.bench.decode import ABLATIONS, bench_decode
+    from fastdecode.bench.decode import ABLATIONS, IMPLS, bench_decode
     from fastdecode.bench.decode_results import is_measured, plot_rows, results_path, row_key
     from fastdecode.bench.harness import merge_rows, print_table
     from fastdecode.engine.kv_cache import KVCacheMemoryError
@@ -119,7 +120,10 @@ def cmd_bench_decode(args) -> int:
     if under_torchrun():
         init_distributed(getattr(args, "device", None))
     main = not dist.is_initialized() or dist.get_rank() == 0
-    impls = list(args.impl) + ([a for a in ABLATIONS if a not in args.impl] if getattr(args, "ablate", False) else [])
+    if getattr(args, "profile", False):
+        return _profile_decode(args, main)
+    impl = args.impl or list(IMPLS)
+    impls = impl + ([a for a in ABLATIONS if a not in impl] if getattr(args, "ablate", False) else [])
     rows = []
     try:
         for b in args.batch:
@@ -154,6 +158,28 @@ def cmd_bench_decode(args) -> int:
     return 0
 
 
+def _profile_decode(args, main: bool) -> int:
+    """``bench decode --profile``: the family table of each ``--impl`` (default fastdecode-graph-no-pdl), merged
+    into ``--out`` (default benchmarks/results/profile_decode.json)."""
+    from fastdecode.bench.profile import profile_decode
+
+    if len(args.batch) != 1:
+        return fail(ValueError(f"--profile takes one --batch, got {args.batch}"))
+    try:
+        recs = profile_decode(args.model, impls=args.impl or ["fastdecode-graph-no-pdl"], batch=args.batch[0],
+                              input_len=args.input_len, output_len=args.output_len, steps=args.profile_steps,
+                              device=args.device, dtype=getattr(torch, args.dtype), layers=args.layers,
+                              quant=args.quant, quant_head=args.quant_head,
+                              log=print if main else (lambda m: None))
+    except (ValueError, RuntimeError) as e:
+        end_tp()
+        return fail(e)
+    finish_tp()
+    if main:
+        _write_rows(recs, args.out, PROFILE_OUT, torch.device("cuda"))
+    return 0
+
+
 def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``fastdecode bench decode``."""
     from fastdecode.bench.decode import ABLATIONS, EXTRA_IMPLS, IMPLS
@@ -166,7 +192,14 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS + EXTRA_IMPLS + ABLATIONS)
+    p.add_argument("--impl", nargs="+", default=None, choices=IMPLS + EXTRA_IMPLS + ABLATIONS,
+                   help=f"rows to run (default: {' '.join(IMPLS)}; with --profile: fastdecode-graph-no-pdl)")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of timing generate: one table per --impl of where the decode step's time goes, "
+                        "kernel time and bytes per family (qkv, o, gate_up, down, head, attention, norms, "
+                        "activation, sampling, gaps) against the copy-rate floor (CUDA; fastdecode.bench.profile), "
+                        "merged into --out (default benchmarks/results/profile_decode.json)")
+    p.add_argument("--profile-steps", type=int, default=20, help="decode steps recorded by --profile")
     p.add_argument("--ablate", action="store_true",
                    help="add fastdecode-graph with each kernel switched off in turn, and fastdecode-eager")
     p.add_argument("--quant", default=None, choices=list(METHODS),
