@@ -1,34 +1,29 @@
 """Int4-weight GEMM for decode (W4A16, few tokens): the weight as the register operand of the tensor cores.
 
 ``out = x @ dequantize_int4(w, x.dtype).T (+ bias)`` computed transposed, ``out^T[BLOCK_N, BLOCK_M] =
-W[BLOCK_N, 32 * SPG] @ x^T[32 * SPG, BLOCK_M]`` per group of a 256-column layout tile (swap-AB, as
-``kernels/gemm.py``'s skinny dot): the weight rows fill the MMA's 64-row side and the few tokens (padded to
-BLOCK_M >= 16) its narrow side. The weight never goes through shared memory as 16-bit values: Triton loads
-the int32 words in the MMA's operand layout (checked in the TTGIR: one ``convert_layout``, in the epilogue),
-and the nibbles become 16-bit operands in registers. The converted 32-column shifts of a group are put side
-by side (``_cat``: a register renaming) so that the group is one dot, and one wait for the tensor cores: a
-dot per shift, as in session 11, waited for each MMA eight times a step.
+W[BLOCK_N, 32] @ x^T[32, BLOCK_M]`` per 32-column shift (swap-AB, as ``kernels/gemm.py``'s skinny dot): the
+weight rows fill the MMA's 64-row side and the few tokens (padded to BLOCK_M >= 16) its narrow side. The
+weight never goes through shared memory as 16-bit values: Triton loads the int32 words in the MMA's
+operand layout (checked in the TTGIR: one ``convert_layout``, in the epilogue), and the nibbles become
+16-bit operands in registers.
 
 Why (benchmarks/NOTES.md, session 11): at M = 1 the FMA path of ``kernels/int4.py`` is issue-bound,
 4.5 SASS instructions per weight value (one LOP3, one FFMA for ``q - zero``, one FFMA per token row, plus
 loads and the group fold). Here, per pair of values: one LOP3 (nibble -> 16-bit ``MAGIC + q``), one
 packed add (``- (MAGIC + zero)``, exact) and, per 16 values, two PRMT and six shifts; the MMA does the
-multiply-add. sm_90 SASS of the loop (g128, 16 tokens, 4 warps) at BLOCK_N = 64: 3.04 instructions per value
-(3.27 with a dot per shift), at 128: 2.5.
+multiply-add. sm_90 SASS of the loop at BLOCK_N = 128: 2.7 instructions per value.
 
 Conversion (constexpr ``ASM``: inline PTX on the GPU; the interpreter runs the same arithmetic on
 fp32): ``pack=2`` hands the asm two neighbouring words of a row (columns k and k + 1 of the MMA operand);
-one call converts half a tile's shifts, ``prmt`` putting the words' low (high) halves side by side, so that
-``(v >> 4j) & 0x000F000F | MAGIC`` is a packed pair ``MAGIC + q`` of nibble j (j + 4) of both words
-(bf16 ``0x4300`` = 128, fp16 ``0x6400`` = 1024: the ulp is 1 there, so q sits in the mantissa exactly).
-Then, by ``ZERO_MODE``:
+``prmt`` puts their low (high) halves side by side, so that ``(v >> 4j) & 0x000F000F | MAGIC`` is a
+packed pair ``MAGIC + q`` of nibble j (j + 4) of both words (bf16 ``0x4300`` = 128, fp16 ``0x6400`` =
+1024: the ulp is 1 there, so q sits in the mantissa exactly). Then, by ``ZERO_MODE``:
 
 * "sym" / "zero": ``d = v - (MAGIC + zero)``, the exact integer ``q - zero``; the MMA sums ``d * x`` in
-  fp32 over a group (one dot) and the group's scale multiplies that partial once (``acc += part * s``):
+  fp32 over a group's shifts and the group's scale multiplies that partial once (``acc += part * s``):
   the exact dequantised weight in fp32, like the FMA path (``dequantize_int4`` rounds it to x.dtype).
 * "min" (GGUF Q4_1): ``w = (v - MAGIC) * scale + min`` in packed FMAs, one rounding to x.dtype, as
-  ``dequantize_int4``; needs scales of x's dtype (``mma_supported``). The weight is then already scaled:
-  one dot a tile into the accumulator, which Triton leaves in flight across steps (no full wait).
+  ``dequantize_int4``; needs scales of x's dtype (``mma_supported``).
 
 Layout (``fastdecode.quant.int4``): int32 words in tiles of 256 columns, word j of a tile holding columns
 32p + j in bits 4p..4p+3; shift p of a tile's words is a plain 32-column slice of x. A K step is one tile.
@@ -45,39 +40,48 @@ from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import _ZERO_MODES, slices_per_group
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
-# One asm call converts half a tile's shifts (h = 0: shifts 0-3 from the low halves of the two words, h = 1:
-# shifts 4-7 from the high halves), so that only four converted shifts are live at a time. $0-$3: the packed
-# pairs of the half's four shifts (two columns each); $4, $5: the two words; then the per-shift operands (q -
-# zero: $6-$9 the -(MAGIC + zero) pairs; min: $6-$9 the scale pairs, $10-$13 the min pairs). NIB(j) extracts
-# nibble j of both words of the prmt-ed half.
-def _nib(j: int, dst: str) -> str:
-    shift = f"shr.u32 u, a, {4 * j};\n" if j else "mov.b32 u, a;\n"
+# $0-$7: the packed pairs of shifts 0..7 (outputs, two columns each); $8, $9: the two words; then the
+# per-shift operands (q - zero: $10-$17 the -(MAGIC + zero) pairs; min: $10-$17 the scale pairs,
+# $18-$25 the min pairs). NIB(j, src) extracts nibble j of both words of a prmt-ed half.
+_HEAD = """
+{
+.reg .b32 a, b, u, t, one, nmg;
+mov.b32 one, ONE;
+mov.b32 nmg, NEG_MAGIC;
+prmt.b32 a, $8, $9, 0x5410;
+prmt.b32 b, $8, $9, 0x7632;
+"""
+
+
+def _nib(j: int, src: str, dst: str) -> str:
+    shift = f"shr.u32 u, {src}, {4 * j};\n" if j else f"mov.b32 u, {src};\n"
     return shift + f"lop3.b32 {dst}, u, 0x000f000f, MAGIC, 0xea;\n"
 
 
-def _asm(mode: str, ty: str, half: int) -> str:
+def _asm(mode: str, ty: str) -> str:
     magic, one, neg = {"bf16x2": ("0x43004300", "0x3f803f80", "0xc300c300"),
                        "f16x2": ("0x64006400", "0x3c003c00", "0xe400e400")}[ty]
-    body = "{\n.reg .b32 a, u, t, one, nmg;\nmov.b32 one, ONE;\nmov.b32 nmg, NEG_MAGIC;\n"
-    body += f"prmt.b32 a, $4, $5, {'0x7632' if half else '0x5410'};\n"
-    for j in range(4):
-        body += _nib(j, "t")
+    body = _HEAD
+    for p in range(8):
+        src = "a" if p < 4 else "b"
         if mode == "min":  # w = (v - MAGIC) * scale + min: one rounding
-            body += f"fma.rn.{ty} t, t, one, nmg;\nfma.rn.{ty} ${j}, t, ${6 + j}, ${10 + j};\n"
+            body += _nib(p % 4, src, "t")
+            body += f"fma.rn.{ty} t, t, one, nmg;\nfma.rn.{ty} ${p}, t, ${10 + p}, ${18 + p};\n"
         else:  # d = v - (MAGIC + zero): exact
-            body += f"fma.rn.{ty} ${j}, t, one, ${6 + j};\n"
+            body += _nib(p % 4, src, "t")
+            body += f"fma.rn.{ty} ${p}, t, one, ${10 + p};\n"
     body += "}\n"
     return body.replace("NEG_MAGIC", neg).replace("MAGIC", magic).replace("ONE", one)
 
 
-_ASM_ZERO_BF16: tl.constexpr = tl.constexpr((_asm("zero", "bf16x2", 0), _asm("zero", "bf16x2", 1)))
-_ASM_ZERO_F16: tl.constexpr = tl.constexpr((_asm("zero", "f16x2", 0), _asm("zero", "f16x2", 1)))
-_ASM_MIN_BF16: tl.constexpr = tl.constexpr((_asm("min", "bf16x2", 0), _asm("min", "bf16x2", 1)))
-_ASM_MIN_F16: tl.constexpr = tl.constexpr((_asm("min", "f16x2", 0), _asm("min", "f16x2", 1)))
-_CONS_ZERO: tl.constexpr = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 6))
-_CONS_MIN: tl.constexpr = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 10))
-_BF16X4: tl.constexpr = tl.constexpr((tl.bfloat16,) * 4)
-_F16X4: tl.constexpr = tl.constexpr((tl.float16,) * 4)
+_ASM_ZERO_BF16: tl.constexpr = tl.constexpr(_asm("zero", "bf16x2"))
+_ASM_ZERO_F16: tl.constexpr = tl.constexpr(_asm("zero", "f16x2"))
+_ASM_MIN_BF16: tl.constexpr = tl.constexpr(_asm("min", "bf16x2"))
+_ASM_MIN_F16: tl.constexpr = tl.constexpr(_asm("min", "f16x2"))
+_CONS_ZERO: tl.constexpr = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
+_CONS_MIN: tl.constexpr = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 18))
+_BF16X8: tl.constexpr = tl.constexpr((tl.bfloat16,) * 8)
+_F16X8: tl.constexpr = tl.constexpr((tl.float16,) * 8)
 
 
 @triton.jit
@@ -118,86 +122,73 @@ def _wide(v, BLOCK_N: tl.constexpr, W_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _half(qw, h: tl.constexpr, s0, z0, s1, z1, s2, z2, s3, z3, ZERO_MODE: tl.constexpr, ASM: tl.constexpr,
-          W_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Shifts 4h..4h+3 of ``qw [BLOCK_N, 32]`` as W_DTYPE MMA operands, with (s_j, z_j) the fp32 scale and zero
-    (or min) ``[BLOCK_N]`` of shift 4h + j: ``q - zero`` (exact) for "sym" / "zero", ``q * scale + min`` (one
-    rounding) for "min"."""
+def _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, SPG: tl.constexpr,
+             ASM: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The eight shifts of ``qw [BLOCK_N, 32]`` as W_DTYPE MMA operands: ``q - zero`` (exact) for "sym" /
+    "zero", ``q * scale + min`` (one rounding) for "min". Also returns the scales of the tile's groups (fp32,
+    up to 8 of them; unused ones repeat) for the per-group fold of "sym" / "zero"."""
     if W_DTYPE == tl.bfloat16:
         MAGIC: tl.constexpr = 128.0
     else:
         MAGIC: tl.constexpr = 1024.0
+    NG: tl.constexpr = 8 // SPG
+    s0, z0 = _tile_params(s_ptr, z_ptr, rn, G, k0, 0, GROUP, ZERO_MODE)
+    s1, z1, s2, z2, s3, z3 = s0, z0, s0, z0, s0, z0
+    s4, z4, s5, z5, s6, z6, s7, z7 = s0, z0, s0, z0, s0, z0, s0, z0
+    if NG > 1:
+        s1, z1 = _tile_params(s_ptr, z_ptr, rn, G, k0, 1, GROUP, ZERO_MODE)
+    if NG > 2:
+        s2, z2 = _tile_params(s_ptr, z_ptr, rn, G, k0, 2, GROUP, ZERO_MODE)
+        s3, z3 = _tile_params(s_ptr, z_ptr, rn, G, k0, 3, GROUP, ZERO_MODE)
+    if NG > 4:
+        s4, z4 = _tile_params(s_ptr, z_ptr, rn, G, k0, 4, GROUP, ZERO_MODE)
+        s5, z5 = _tile_params(s_ptr, z_ptr, rn, G, k0, 5, GROUP, ZERO_MODE)
+        s6, z6 = _tile_params(s_ptr, z_ptr, rn, G, k0, 6, GROUP, ZERO_MODE)
+        s7, z7 = _tile_params(s_ptr, z_ptr, rn, G, k0, 7, GROUP, ZERO_MODE)
+    # the scale / zero of each shift p: group p // SPG
+    gs = (s0, s1, s2, s3, s4, s5, s6, s7)
+    gz = (z0, z1, z2, z3, z4, z5, z6, z7)
+    ps0, ps1, ps2, ps3 = gs[0 // SPG], gs[1 // SPG], gs[2 // SPG], gs[3 // SPG]
+    ps4, ps5, ps6, ps7 = gs[4 // SPG], gs[5 // SPG], gs[6 // SPG], gs[7 // SPG]
+    pz0, pz1, pz2, pz3 = gz[0 // SPG], gz[1 // SPG], gz[2 // SPG], gz[3 // SPG]
+    pz4, pz5, pz6, pz7 = gz[4 // SPG], gz[5 // SPG], gz[6 // SPG], gz[7 // SPG]
     if ASM:
         if ZERO_MODE == 2:
             if W_DTYPE == tl.bfloat16:
-                asm: tl.constexpr = _ASM_MIN_BF16[h]
-                tys: tl.constexpr = _BF16X4
+                asm: tl.constexpr = _ASM_MIN_BF16
+                tys: tl.constexpr = _BF16X8
             else:
-                asm: tl.constexpr = _ASM_MIN_F16[h]
-                tys: tl.constexpr = _F16X4
+                asm: tl.constexpr = _ASM_MIN_F16
+                tys: tl.constexpr = _F16X8
             ws = tl.inline_asm_elementwise(
                 asm, _CONS_MIN,
-                [qw, _wide(s0, BLOCK_N, W_DTYPE), _wide(s1, BLOCK_N, W_DTYPE), _wide(s2, BLOCK_N, W_DTYPE),
-                 _wide(s3, BLOCK_N, W_DTYPE), _wide(z0, BLOCK_N, W_DTYPE), _wide(z1, BLOCK_N, W_DTYPE),
-                 _wide(z2, BLOCK_N, W_DTYPE), _wide(z3, BLOCK_N, W_DTYPE)],
+                [qw, _wide(ps0, BLOCK_N, W_DTYPE), _wide(ps1, BLOCK_N, W_DTYPE), _wide(ps2, BLOCK_N, W_DTYPE),
+                 _wide(ps3, BLOCK_N, W_DTYPE), _wide(ps4, BLOCK_N, W_DTYPE), _wide(ps5, BLOCK_N, W_DTYPE),
+                 _wide(ps6, BLOCK_N, W_DTYPE), _wide(ps7, BLOCK_N, W_DTYPE),
+                 _wide(pz0, BLOCK_N, W_DTYPE), _wide(pz1, BLOCK_N, W_DTYPE), _wide(pz2, BLOCK_N, W_DTYPE),
+                 _wide(pz3, BLOCK_N, W_DTYPE), _wide(pz4, BLOCK_N, W_DTYPE), _wide(pz5, BLOCK_N, W_DTYPE),
+                 _wide(pz6, BLOCK_N, W_DTYPE), _wide(pz7, BLOCK_N, W_DTYPE)],
                 dtype=tys, is_pure=True, pack=2)
         else:
             if W_DTYPE == tl.bfloat16:
-                asm: tl.constexpr = _ASM_ZERO_BF16[h]
-                tys: tl.constexpr = _BF16X4
+                asm: tl.constexpr = _ASM_ZERO_BF16
+                tys: tl.constexpr = _BF16X8
             else:
-                asm: tl.constexpr = _ASM_ZERO_F16[h]
-                tys: tl.constexpr = _F16X4
+                asm: tl.constexpr = _ASM_ZERO_F16
+                tys: tl.constexpr = _F16X8
             ws = tl.inline_asm_elementwise(
                 asm, _CONS_ZERO,
-                [qw, _wide(-(MAGIC + z0), BLOCK_N, W_DTYPE), _wide(-(MAGIC + z1), BLOCK_N, W_DTYPE),
-                 _wide(-(MAGIC + z2), BLOCK_N, W_DTYPE), _wide(-(MAGIC + z3), BLOCK_N, W_DTYPE)],
+                [qw, _wide(-(MAGIC + pz0), BLOCK_N, W_DTYPE), _wide(-(MAGIC + pz1), BLOCK_N, W_DTYPE),
+                 _wide(-(MAGIC + pz2), BLOCK_N, W_DTYPE), _wide(-(MAGIC + pz3), BLOCK_N, W_DTYPE),
+                 _wide(-(MAGIC + pz4), BLOCK_N, W_DTYPE), _wide(-(MAGIC + pz5), BLOCK_N, W_DTYPE),
+                 _wide(-(MAGIC + pz6), BLOCK_N, W_DTYPE), _wide(-(MAGIC + pz7), BLOCK_N, W_DTYPE)],
                 dtype=tys, is_pure=True, pack=2)
     else:  # the interpreter (and a portable GPU build): the same values from fp32 arithmetic
-        ws = (_portable(qw, 4 * h, s0, z0, ZERO_MODE, W_DTYPE),
-              _portable(qw, 4 * h + 1, s1, z1, ZERO_MODE, W_DTYPE),
-              _portable(qw, 4 * h + 2, s2, z2, ZERO_MODE, W_DTYPE),
-              _portable(qw, 4 * h + 3, s3, z3, ZERO_MODE, W_DTYPE))
-    return ws
-
-
-@triton.jit
-def _cat2(a, b, BLOCK_N: tl.constexpr):
-    """Shifts ``[BLOCK_N, 32]`` side by side, ``[BLOCK_N, 64]`` (column 32i + j: column j of the i-th). Each
-    thread keeps its own values: column c of the wider MMA operand sits in the thread that holds column c % 32 of
-    a shift (the K = 16 fragments repeat), so the join / permute / reshape is a register renaming (sm_90 TTGIR:
-    no shared memory; interleaving instead, ``reshape(join(a, b))``, goes through shared memory)."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (BLOCK_N, 64))
-
-
-@triton.jit
-def _cat4(a, b, c, d, BLOCK_N: tl.constexpr):
-    """Four shifts side by side, ``[BLOCK_N, 128]``, as ``_cat2``."""
-    j = tl.join(tl.join(a, b), tl.join(c, d))  # [n, j, i & 1, i >> 1] is column j of shift i
-    return tl.reshape(tl.permute(j, (0, 3, 2, 1)), (BLOCK_N, 128))
-
-
-@triton.jit
-def _cat(ws, first: tl.constexpr, n: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Shifts ``first .. first + n - 1`` of ``ws`` (a tuple of ``[BLOCK_N, 32]``) side by side."""
-    if n == 1:
-        return ws[first]
-    elif n == 2:
-        return _cat2(ws[first], ws[first + 1], BLOCK_N)
-    elif n == 4:
-        return _cat4(ws[first], ws[first + 1], ws[first + 2], ws[first + 3], BLOCK_N)
-    else:
-        lo = _cat4(ws[first], ws[first + 1], ws[first + 2], ws[first + 3], BLOCK_N)
-        hi = _cat4(ws[first + 4], ws[first + 5], ws[first + 6], ws[first + 7], BLOCK_N)
-        return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 256))
-
-
-@triton.jit
-def _x_slice(x_rows, offs_c, c0, K, EVEN_K: tl.constexpr):
-    """``x[:, c0 : c0 + len(offs_c)]`` (rows from ``x_rows``), zero at columns >= K."""
-    if EVEN_K:
-        return tl.load(x_rows + c0 + offs_c[None, :])
-    return tl.load(x_rows + c0 + offs_c[None, :], mask=(c0 + offs_c < K)[None, :], other=0.0)
+        ws = (_portable(qw, 0, ps0, pz0, ZERO_MODE, W_DTYPE), _portable(qw, 1, ps1, pz1, ZERO_MODE, W_DTYPE),
+              _portable(qw, 2, ps2, pz2, ZERO_MODE, W_DTYPE), _portable(qw, 3, ps3, pz3, ZERO_MODE, W_DTYPE),
+              _portable(qw, 4, ps4, pz4, ZERO_MODE, W_DTYPE), _portable(qw, 5, ps5, pz5, ZERO_MODE, W_DTYPE),
+              _portable(qw, 6, ps6, pz6, ZERO_MODE, W_DTYPE), _portable(qw, 7, ps7, pz7, ZERO_MODE, W_DTYPE))
+    return ws, gs
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
@@ -244,48 +235,26 @@ def _int4_mma_kernel(
                                       dtype=tl.int32, is_pure=False, pack=1)
         pdl_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    x_rows = x_ptr + rm[:, None] * stride_xm
-    NG: tl.constexpr = 8 // SPG  # groups per layout tile
-    GW: tl.constexpr = 32 * SPG  # a group's columns in a tile: one dot each
-    offs_g = tl.arange(0, GW)
+    x_rows = x_ptr + rm[:, None] * stride_xm + offs_w[None, :]
     for kb in range(kb_start, kb_end):
         k0 = kb * 256
         qw = tl.load(qw_rows + kb * 32)
-        s0, z0 = _tile_params(s_ptr, z_ptr, rn, G, k0, 0, GROUP, ZERO_MODE)
-        s1, z1, s2, z2, s3, z3 = s0, z0, s0, z0, s0, z0
-        s4, z4, s5, z5, s6, z6, s7, z7 = s0, z0, s0, z0, s0, z0, s0, z0
-        if NG > 1:
-            s1, z1 = _tile_params(s_ptr, z_ptr, rn, G, k0, 1, GROUP, ZERO_MODE)
-        if NG > 2:
-            s2, z2 = _tile_params(s_ptr, z_ptr, rn, G, k0, 2, GROUP, ZERO_MODE)
-            s3, z3 = _tile_params(s_ptr, z_ptr, rn, G, k0, 3, GROUP, ZERO_MODE)
-        if NG > 4:
-            s4, z4 = _tile_params(s_ptr, z_ptr, rn, G, k0, 4, GROUP, ZERO_MODE)
-            s5, z5 = _tile_params(s_ptr, z_ptr, rn, G, k0, 5, GROUP, ZERO_MODE)
-            s6, z6 = _tile_params(s_ptr, z_ptr, rn, G, k0, 6, GROUP, ZERO_MODE)
-            s7, z7 = _tile_params(s_ptr, z_ptr, rn, G, k0, 7, GROUP, ZERO_MODE)
-        gs = (s0, s1, s2, s3, s4, s5, s6, s7)  # group g's scale / zero (or min); shift p is in group p // SPG
-        gz = (z0, z1, z2, z3, z4, z5, z6, z7)
-        if ZERO_MODE == 2 or SPG == 8:  # one dot a tile (for "min" the weight is already scaled)
-            lo = _half(qw, 0, gs[0 // SPG], gz[0 // SPG], gs[1 // SPG], gz[1 // SPG], gs[2 // SPG], gz[2 // SPG],
-                       gs[3 // SPG], gz[3 // SPG], ZERO_MODE, ASM, W_DTYPE, BLOCK_N)
-            hi = _half(qw, 1, gs[4 // SPG], gz[4 // SPG], gs[5 // SPG], gz[5 // SPG], gs[6 // SPG], gz[6 // SPG],
-                       gs[7 // SPG], gz[7 // SPG], ZERO_MODE, ASM, W_DTYPE, BLOCK_N)
-            a = _cat((lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]), 0, 8, BLOCK_N)
-            xt = _x_slice(x_rows, tl.arange(0, 256), k0, K, EVEN_K)
-            if ZERO_MODE == 2:
-                acc = tl.dot(a, tl.trans(xt), acc)
+        ws, gs = _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, SPG, ASM, W_DTYPE, BLOCK_N)
+        for p in tl.static_range(8):
+            xp = x_rows + (k0 + 32 * p)
+            if EVEN_K:
+                xt = tl.load(xp)
+            else:
+                xt = tl.load(xp, mask=(k0 + 32 * p + offs_w < K)[None, :], other=0.0)
+            if ZERO_MODE == 2:  # the weight is already scaled
+                acc = tl.dot(ws[p], tl.trans(xt), acc)
             else:  # the exact integers q - zero; the group's scale once per partial
-                acc += tl.dot(a, tl.trans(xt)) * s0[:, None]
-        else:  # a half tile at a time (fewer live registers), one dot per group
-            for h in tl.static_range(2):
-                wh = _half(qw, h, gs[(4 * h) // SPG], gz[(4 * h) // SPG], gs[(4 * h + 1) // SPG],
-                           gz[(4 * h + 1) // SPG], gs[(4 * h + 2) // SPG], gz[(4 * h + 2) // SPG],
-                           gs[(4 * h + 3) // SPG], gz[(4 * h + 3) // SPG], ZERO_MODE, ASM, W_DTYPE, BLOCK_N)
-                for gg in tl.static_range(4 // SPG):
-                    a = _cat(wh, gg * SPG, SPG, BLOCK_N)
-                    xt = _x_slice(x_rows, offs_g, k0 + GW * (h * (4 // SPG) + gg), K, EVEN_K)
-                    acc += tl.dot(a, tl.trans(xt)) * gs[h * (4 // SPG) + gg][:, None]
+                if p % SPG == 0:
+                    part = tl.dot(ws[p], tl.trans(xt))
+                else:
+                    part = tl.dot(ws[p], tl.trans(xt), part)
+                if p % SPG == SPG - 1:
+                    acc += part * gs[p // SPG][:, None]
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if not SPLIT:
         _epilogue(out, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, bias_ptr, bias_ptr,
