@@ -125,6 +125,14 @@ def test_profile_needs_cuda(capsys):
     assert "--profile needs a CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, msg", [(["--ablate"], "--ablate does not apply"),
+                                        (["--plot"], "--plot does not apply"),
+                                        (["--batch", "1", "2"], "--profile takes one --batch")])
+def test_profile_refuses_the_options_of_the_timed_run(extra, msg, capsys):
+    assert cli.main(["bench", "decode", "--preset", "tiny", "--profile", *extra]) == 2
+    assert msg in capsys.readouterr().err
+
+
 def test_profile_refuses_the_peers(capsys):
     rc = cli.main(["bench", "decode", "--preset", "tiny", "--profile", "--impl", "peer-compile"])
     assert rc == 2

@@ -165,6 +165,10 @@ def _profile_decode(args, main: bool) -> int:
 
     if len(args.batch) != 1:
         return fail(ValueError(f"--profile takes one --batch, got {args.batch}"))
+    for flag, given in (("--ablate", args.ablate), ("--plot", args.plot is not None)):
+        if given:  # they shape the timed run, which --profile replaces
+            return fail(ValueError(f"--profile does not time generate: {flag} does not apply "
+                                   "(name the rows with --impl)"))
     try:
         recs = profile_decode(args.model, impls=args.impl or ["fastdecode-graph-no-pdl"], batch=args.batch[0],
                               input_len=args.input_len, output_len=args.output_len, steps=args.profile_steps,
