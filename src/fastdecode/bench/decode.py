@@ -229,6 +229,16 @@ def _try_build_peer(model, quant, batch: int, max_seq: int):
         return None, f"{type(e).__name__}: {e}"
 
 
+def model_label(cfg, layers: Optional[int]) -> str:
+    """A row's ``shape.model``: the config's name, ``[N layers]`` when cut to ``layers``."""
+    return cfg.name + (f"[{layers} layers]" if layers else "")
+
+
+def quant_label(quant: Optional[str], quant_head: Optional[str]) -> str:
+    """A row's ``shape.quant``: ``none`` / ``fp8`` / ``int4``, ``+head-<q>`` when the lm head is quantised too."""
+    return (quant or "none") + (f"+head-{quant_head}" if quant_head else "")
+
+
 class BenchModel(NamedTuple):
     model: object
     config: object
@@ -325,10 +335,9 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     # KV bytes read per step, averaged over the decode steps (positions input_len+1 .. max_seq-1)
     kv_avg = cache.bytes_read([batch * (input_len + output_len / 2)])
     peak = peak_bandwidth(device)
-    shape = {"model": cfg.name + (f"[{layers} layers]" if layers else ""), "batch": batch, "input_len": input_len,
+    shape = {"model": model_label(cfg, layers), "batch": batch, "input_len": input_len,
              "output_len": output_len, "dtype": str(dtype).replace("torch.", ""),
-             "quant": (quant or "none") + (f"+head-{quant_head}" if quant_head else ""),
-             "tp": tp[1] if tp else 1}
+             "quant": quant_label(quant, quant_head), "tp": tp[1] if tp else 1}
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     last_peer = max((i for i, impl in enumerate(impls) if impl in PEER_IMPLS), default=-1)
@@ -402,5 +411,6 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     return rows
 
 
-__all__ = ["ABLATIONS", "CPU_IMPLS", "DecodeRunner", "EXTRA_IMPLS", "IMPLS", "KV_FIX", "PEAK_BW", "PEER_IMPLS",
-           "PeerDecodeRunner", "bench_decode", "peak_bandwidth"]
+__all__ = ["ABLATIONS", "BenchModel", "CPU_IMPLS", "DecodeRunner", "EXTRA_IMPLS", "IMPLS", "KV_FIX", "PEAK_BW",
+           "PEER_IMPLS", "PeerDecodeRunner", "bench_decode", "build_bench_model", "model_label", "peak_bandwidth",
+           "quant_label"]

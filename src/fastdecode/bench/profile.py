@@ -66,6 +66,8 @@ def attribute(names: Sequence[str], n_layers: int) -> list[str]:
 
 
 def _module_bytes(m) -> int:
+    """Bytes one forward of ``m`` reads from its weights (``Int4Linear``: its packed bytes, as
+    ``Transformer.weight_bytes`` counts them)."""
     from fastdecode.models.int4 import Int4Linear
     from fastdecode.models.llama import unique_param_bytes
 
@@ -191,7 +193,7 @@ def profile_decode(model_name: str = "llama-3.1-8b", *, impls: Sequence[str] = (
     """Profile the decode step of each of ``impls`` (``bench decode``'s rows, not the peers) at the mean position
     of the timed benchmark (``input_len + output_len // 2``); one record per impl with the family table
     (``family_table``), the per-kernel rows and the environment. Needs CUDA."""
-    from fastdecode.bench.decode import PEER_IMPLS, DecodeRunner, build_bench_model
+    from fastdecode.bench.decode import PEER_IMPLS, DecodeRunner, build_bench_model, model_label, quant_label
     from fastdecode.bench.harness import env_info
     from fastdecode.engine.kv_cache import KVCache
 
@@ -200,11 +202,9 @@ def profile_decode(model_name: str = "llama-3.1-8b", *, impls: Sequence[str] = (
         raise ValueError(f"--profile runs fastdecode's own rows; the peers ({', '.join(peers)}) are not profiled")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    dev = torch.device(device) if device is not None else None
-    if (dev is None or dev.type == "cuda") and not torch.cuda.is_available():
-        raise RuntimeError("--profile needs a CUDA device: it records the GPU kernels of the decode step")
-    if dev is not None and dev.type != "cuda":
-        raise RuntimeError(f"--profile needs a CUDA device, got {device!r}")
+    if torch.device(device or "cuda").type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(f"--profile needs a CUDA device (it records the decode step's GPU kernels); device "
+                           f"{device!r}, CUDA available: {torch.cuda.is_available()}")
     max_seq = input_len + output_len
     position = input_len + output_len // 2
     built = build_bench_model(model_name, batch=batch, max_seq=max_seq, device=device, dtype=dtype, layers=layers,
@@ -214,9 +214,8 @@ def profile_decode(model_name: str = "llama-3.1-8b", *, impls: Sequence[str] = (
     fam_bytes = family_bytes(model, batch, cache.bytes_read([batch * (position + 1)]))
     tok = torch.zeros(batch, dtype=torch.long, device=built.device)
     pos = torch.full((batch,), position, dtype=torch.long, device=built.device)
-    shape = {"model": built.config.name + (f"[{layers} layers]" if layers else ""), "batch": batch,
-             "position": position, "dtype": str(dtype).replace("torch.", ""),
-             "quant": (quant or "none") + (f"+head-{quant_head}" if quant_head else ""),
+    shape = {"model": model_label(built.config, layers), "batch": batch, "position": position,
+             "dtype": str(dtype).replace("torch.", ""), "quant": quant_label(quant, quant_head),
              "tp": built.tp[1] if built.tp else 1}
     recs = []
     for impl in impls:
