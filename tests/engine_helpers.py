@@ -208,4 +208,7 @@ def assert_triton_decode_equals_torch(model):
     model.backend = "triton"
     got = model.decode(nxt, pos, c2)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
-    torch.testing.assert_close(c2.k, c1.k, atol=1e-6, rtol=0)  # the rotated (Qwen3: normed) keys in the cache
+    # the rotated (Qwen3: normed) keys in the cache: RoPE's x cos - y sin in another order (interpreter vs torch)
+    # differs by a few fp32 ulps of the keys' magnitude: 1e-6 absolute failed on 2 of 300 seeds (1.19e-6 at
+    # |k| ~ 3.5, the fresh-seed CPU suite of session 13), so the bound is 8 ulps of the largest key
+    torch.testing.assert_close(c2.k, c1.k, atol=8 * torch.finfo(torch.float32).eps * c1.k.abs().max().item(), rtol=0)
