@@ -95,15 +95,16 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "int4":
         return [("bench int4", _fd("bench", "int4", "--out", str(out / "int4_linear.json")), 420)]
     if name == "decode":
+        # beside every fastdecode-graph row: the PDL ablation and RoPE + KV write in its own kernel (fused_rope off)
+        abl = ("fastdecode-graph", "fastdecode-graph-no-pdl", "fastdecode-graph-no-fused_rope")
         steps = {
             "bf16": ("decode bf16", _decode(out, "--batch", "1", "--iters", "30", "--impl", "peer-compile",
-                                            "torch-compile", "fastdecode-graph", "fastdecode-graph-no-pdl"), 420),
+                                            "torch-compile", *abl), 420),
             # quantised: the peer of the same format (the ref-backend torch-compile row would dequantise)
             "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8", "--impl",
-                                          "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl"), 420),
+                                          "peer-compile", *abl), 420),
             "int4": ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
-                                            "--impl", "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl"),
-                     420),
+                                            "--impl", "peer-compile", *abl), 420),
             # the lm head quantised too (issue 18's "the head"; the peers keep a dense head)
             "fp8-head": ("decode fp8 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
                                                     "--quant-head", "fp8", "--impl", "fastdecode-graph"), 300),

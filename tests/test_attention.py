@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
-from fastdecode.kernels.attention import launch_decode_attention
+from fastdecode.kernels.attention import launch_decode_attention, launch_rope_decode_attention
 from fastdecode.ops.attention import (
-    decode_attention, decode_attention_config, decode_attention_ref, rope_kv_write, rope_kv_write_ref,
+    decode_attention, decode_attention_config, decode_attention_ref, rope_decode_attention, rope_decode_attention_ref,
+    rope_kv_write, rope_kv_write_ref,
 )
 from helpers import TOLERANCES, assert_close, poison_
 
@@ -191,3 +192,134 @@ def test_rope_kv_write_argument_errors():
     if DEV == "cpu":
         with pytest.raises(ValueError, match=r"input_pos must lie in \[0, 29\]"):
             rope_kv_write(qkv, rope, torch.tensor([3, 30]), k, v, 4)
+
+
+# ----------------------------------------------------------------------------- RoPE + KV write + attention, one op
+
+
+def _fused_inputs(B, Hq, Hkv, T, D, dtype):
+    """qkv, rope, positions (0 and T - 1 among them), and random caches with one spare sequence and spare
+    positions (views, as the engine passes them)."""
+    qkv, rope, pos, _, _ = _rope_inputs(B, Hq, Hkv, T, D, dtype)
+    pos[0] = 0
+    if B > 1:
+        pos[1] = T - 1
+    k = torch.randn(B + 1, Hkv, T + 3, D, device=DEV).to(dtype)[:B, :, :T]
+    v = torch.randn(B + 1, Hkv, T + 3, D, device=DEV).to(dtype)[:B, :, :T]
+    return qkv, rope, pos, k, v
+
+
+# (B, Hq, Hkv, T, D, num_splits): MHA, GQA 3 over 4 splits, Llama-3 heads in one split, MQA, odd half (D 80),
+# D 16 (the half padded to 16 for tl.dot), more splits than tiles
+FUSED_SHAPES = [
+    (1, 4, 4, 40, 64, None),
+    (3, 9, 3, 300, 64, 4),
+    (2, 32, 8, 70, 128, 1),
+    (1, 8, 1, 130, 128, 3),
+    (2, 6, 2, 99, 80, 2),
+    (2, 4, 2, 30, 16, None),
+    (2, 4, 2, 20, 32, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", FUSED_SHAPES)
+def test_rope_decode_attention_matches_ref(shape, dtype):
+    """The fused kernel against rope_kv_write_ref + decode_attention_ref (seq_lens = pos + 1): the output, the
+    new K / V written at pos, every other cache entry untouched; out poisoned."""
+    B, Hq, Hkv, T, D, splits = shape
+    qkv, rope, pos, k, v = _fused_inputs(B, Hq, Hkv, T, D, dtype)
+    k2, v2 = k.clone(), v.clone()
+    out = poison_(torch.empty(B, Hq, D, device=DEV, dtype=dtype))
+    got = rope_decode_attention(qkv, rope, pos, k, v, Hq, num_splits=splits, out=out, backend="triton")
+    assert got is out
+    ref = rope_decode_attention_ref(qkv, rope, pos, k2, v2, Hq)
+    assert_close(got, ref)
+    rows = torch.arange(B, device=DEV)
+    assert_close(k[rows, :, pos], k2[rows, :, pos])  # RoPE in fp32 either way; the rounding may differ by 1 ulp
+    torch.testing.assert_close(v, v2, atol=0, rtol=0)
+    k[rows, :, pos] = k2[rows, :, pos]
+    torch.testing.assert_close(k, k2, atol=0, rtol=0)
+
+
+def test_rope_decode_attention_equals_the_two_kernels():
+    """The fused op computes what rope_kv_write then decode_attention compute (fp32: the same numbers up to the
+    summation order)."""
+    B, Hq, Hkv, T, D = 3, 8, 2, 90, 64
+    qkv, rope, pos, k, v = _fused_inputs(B, Hq, Hkv, T, D, torch.float32)
+    k2, v2 = k.clone(), v.clone()
+    got = rope_decode_attention(qkv, rope, pos, k, v, Hq, num_splits=3, backend="triton")
+    q = rope_kv_write(qkv, rope, pos, k2, v2, Hq, backend="triton")
+    want = decode_attention(q, k2, v2, (pos + 1).to(torch.int32), num_splits=3, backend="triton")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, k2, atol=0, rtol=0)
+    torch.testing.assert_close(v, v2, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rope_decode_attention_dot_and_broadcast_paths_agree(dtype):
+    B, Hq, Hkv, T, D = 2, 8, 2, 90, 64
+    qkv, rope, pos, k0, v0 = _fused_inputs(B, Hq, Hkv, T, D, dtype)
+    ref = rope_decode_attention_ref(qkv, rope, pos, k0.clone(), v0.clone(), Hq)
+    for use_dot in (True, False):
+        k, v = k0.clone(), v0.clone()
+        cfg = decode_attention_config(B, Hq, Hkv, T, D, dtype, qkv.device, num_splits=3)
+        cfg.update(USE_DOT=use_dot, BLOCK_G=16 if use_dot else 4, BLOCK_N=32)
+        out = poison_(torch.empty(B, Hq, D, device=DEV, dtype=dtype))
+        o_part = torch.empty(B, Hq, 3, cfg["BLOCK_D"], dtype=torch.float32, device=DEV)
+        lse = torch.empty(B, Hq, 3, dtype=torch.float32, device=DEV)
+        launch_rope_decode_attention(qkv, rope, pos, k, v, out, o_part, lse, Hq, 1 / math.sqrt(D), cfg)
+        tol = TF32 if (use_dot and dtype == torch.float32 and DEV == "cuda") else TOLERANCES[dtype]
+        torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+def test_rope_decode_attention_first_position_returns_v():
+    """pos 0: the only key is the new one, so the output is the new v (from registers, not the cache)."""
+    B, Hq, Hkv, T, D = 2, 4, 2, 16, 32
+    qkv, rope, _, k, v = _fused_inputs(B, Hq, Hkv, T, D, torch.float32)
+    pos = torch.zeros(B, dtype=torch.int64, device=DEV)
+    got = rope_decode_attention(qkv, rope, pos, k, v, Hq, num_splits=2, backend="triton")
+    v_new = qkv.view(B, -1, D)[:, Hq + Hkv:]  # [B, Hkv, D]
+    torch.testing.assert_close(got, v_new.repeat_interleave(Hq // Hkv, 1), atol=0, rtol=0)
+    torch.testing.assert_close(v[:, :, 0], v_new, atol=0, rtol=0)
+
+
+def test_rope_decode_attention_torch_backend_equals_ref():
+    qkv, rope, pos, k, v = _fused_inputs(2, 8, 2, 50, 32, torch.bfloat16)
+    k2, v2 = k.clone(), v.clone()
+    got = rope_decode_attention(qkv, rope, pos, k, v, 8, backend="torch")
+    torch.testing.assert_close(got, rope_decode_attention_ref(qkv, rope, pos, k2, v2, 8), atol=0, rtol=0)
+    torch.testing.assert_close(k, k2, atol=0, rtol=0)
+
+
+def test_rope_decode_attention_argument_errors():
+    qkv, rope, pos, k, v = _fused_inputs(2, 4, 2, 30, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"qkv must have \(n_q_heads \+ 2 \* Hkv\) \* D = 128 columns, got 80"):
+        rope_decode_attention(qkv[:, :80], rope, pos, k, v, 4)
+    with pytest.raises(ValueError, match="n_q_heads must be a positive multiple of the kv heads"):
+        rope_decode_attention(qkv, rope, pos, k, v, 3)
+    with pytest.raises(ValueError, match=r"rope must have shape \(T, 8, 2\)"):
+        rope_decode_attention(qkv, rope[:, :4], pos, k, v, 4)
+    with pytest.raises(ValueError, match="k_cache and v_cache must have qkv's dtype"):
+        rope_decode_attention(qkv, rope, pos, k.half(), v.half(), 4)
+    with pytest.raises(ValueError, match="v_cache must have the shape of k_cache"):
+        rope_decode_attention(qkv, rope, pos, k, v[:, :, :20], 4)
+    with pytest.raises(ValueError, match="num_splits must be an integer in"):
+        rope_decode_attention(qkv, rope, pos, k, v, 4, num_splits=65)
+    with pytest.raises(ValueError, match="k_cache must hold 2 sequences"):
+        rope_decode_attention(qkv, rope, pos, k[:1], v[:1], 4)
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match=r"input_pos must lie in \[0, 29\]"):
+            rope_decode_attention(qkv, rope, torch.tensor([3, 30]), k, v, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [2, 4096, 32768])
+def test_rope_decode_attention_llama8b_shapes_gpu(T):
+    """Llama-3.1-8B heads (32 q / 8 kv, D 128), bf16, short to long caches (one split to many), GPU only."""
+    B = 4
+    qkv, rope, pos, k, v = _fused_inputs(B, 32, 8, T, 128, torch.bfloat16)
+    k2, v2 = k.clone(), v.clone()
+    got = rope_decode_attention(qkv, rope, pos, k, v, 32, backend="triton")
+    assert_close(got, rope_decode_attention_ref(qkv, rope, pos, k2, v2, 32))
+    torch.testing.assert_close(v, v2, atol=0, rtol=0)

@@ -135,7 +135,7 @@ SELFCHECK_LINES = (
     "linear", "linear_fp8", "int4_linear",
 )
 # one size each in --quick: decode attention and its prologue; the all-reduce across two gloo ranks
-SELFCHECK_ONCE = ("decode_attention", "rope_kv_write")
+SELFCHECK_ONCE = ("decode_attention", "rope_kv_write", "rope_decode_attention")
 SELFCHECK_ALLREDUCE = ("all_reduce", "all_reduce_add_rms_norm", "all_reduce_add_rms_norm_fp8")
 
 

@@ -30,6 +30,7 @@ def test_kernel_classes_of_the_h200_names():
     assert [kernel_class(n) for n in (SKINNY, INT4, MMA, "nvjet_sm90_tst_384x8_64x4_2x1_v_bz_TNT")] == ["gemm"] * 4
     assert [kernel_class(n) for n in (NORM, ROPE, ATTN, SILU, QUANT, *ARGMAX, EMBED, COPY)] == [
         "norms", "attention", "attention", "activation", "activation", "sampling", "sampling", "other", "other"]
+    assert kernel_class("_rope_decode_attention_kernel") == "attention"  # RoPE + KV write + attention in one
     assert kernel_class("_int4_dequant_kernel") == "other"  # the -no-int4_gemm ablation's weight dequantisation
     assert kernel_class("_allreduce_add_rms_norm_kernel") == "allreduce"
 

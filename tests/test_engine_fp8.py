@@ -65,8 +65,8 @@ def test_fp8_kernel_switches_change_only_where_quantisation_happens():
     assert not m.layers[0].attention_norm.fp8_out and not m.layers[0].feed_forward.fp8_act
     unfused, _ = prefill(m, ids)
     torch.testing.assert_close(unfused, fused, atol=1e-4, rtol=0)
-    with pytest.raises(ValueError, match="unknown kernel switch 'fused_rope'"):
-        m.set_kernels(fused_rope=False)
+    with pytest.raises(ValueError, match="unknown kernel switch 'fused_attention'"):
+        m.set_kernels(fused_attention=False)
     with pytest.raises(ValueError, match="already quantised"):
         quantize_model_fp8(m)
     with pytest.raises(ValueError, match=r"already quantised \('fp8'\)"):
@@ -102,6 +102,7 @@ def shadowed_by_refs():
     GEMM outputs by relative RMS error (``GEMM_REL_RMS``), other float outputs and KV-cache writes with
     ``assert_close``. The model sees only the kernels' results, so each check starts from the Triton path's own
     activations and nothing compounds. Yields a Counter of the checked calls per op name."""
+    import fastdecode.models.decode_attention as A
     import fastdecode.models.llama as L
     from fastdecode.ops import activation as act, attention as att, gemm, norm, quant
 
@@ -172,6 +173,12 @@ def shadowed_by_refs():
         assert_close(args[3], k)
         assert_close(args[4], v)
 
+    def rope_attention(got, args, saved, kw):
+        k, v = saved[3], saved[4]
+        assert_close(got, att.rope_decode_attention_ref(*args[:3], k, v, *args[5:], **kw))
+        assert_close(args[3], k)
+        assert_close(args[4], v)
+
     checks = {  # name -> (check, positions of the arguments the op updates in place)
         "rms_norm": (plain(norm.rms_norm_ref), ()),
         "rms_norm_fp8": (plain(norm.rms_norm_fp8_ref, lambda x, w, eps=1e-6, **_: norm64(x, w, eps)), ()),
@@ -184,6 +191,7 @@ def shadowed_by_refs():
         "linear": (gemm_check(gemm.linear_ref), ()),
         "rope_kv_write": (rope, (3, 4)),
         "decode_attention": (plain(att.decode_attention_ref), ()),
+        "rope_decode_attention": (rope_attention, (3, 4)),
     }
     counts = collections.Counter()
 
@@ -202,7 +210,8 @@ def shadowed_by_refs():
 
     with pytest.MonkeyPatch.context() as mp:
         for name, (check, updated) in checks.items():
-            mp.setattr(L, name, shadow(name, getattr(L, name), check, updated))
+            mod = A if hasattr(A, name) else L  # the decode attention's ops are called from models/decode_attention
+            mp.setattr(mod, name, shadow(name, getattr(mod, name), check, updated))
         yield counts
 
 
@@ -212,7 +221,9 @@ def _assert_every_fp8_site_checked(counts, n_layers, fp8_linears_per_layer=4):
     assert counts["fused_add_rms_norm_fp8"] == 2 * (2 * n_layers - 1)
     assert counts["silu_and_mul_fp8"] == counts["quantize_fp8"] == 2 * n_layers
     assert counts["linear_fp8"] == 2 * fp8_linears_per_layer * n_layers
-    assert counts["rope_kv_write"] == counts["decode_attention"] == n_layers  # decode only (prefill: SDPA)
+    # decode only (prefill: SDPA); RoPE + KV write inside the attention kernel (fused_rope, the default)
+    assert counts["rope_decode_attention"] == n_layers
+    assert counts["rope_kv_write"] == counts["decode_attention"] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

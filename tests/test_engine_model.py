@@ -63,6 +63,33 @@ def test_triton_backend_under_interpreter_equals_torch():
     assert_triton_decode_equals_torch(_model(cfg=CFG.replace(n_layers=1)))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_rope_switch_changes_nothing(backend):
+    """Decode steps with RoPE + KV write inside the attention kernel (``fused_rope``, the default) and with the two
+    ops apart: the same logits and caches, on the torch and the triton backend (the interpreter on a CPU)."""
+    if backend == "triton" and not interpreter_on():
+        pytest.skip("needs the Triton interpreter (CPU machine); on a GPU test_engine_gpu.py runs the fused path")
+    m = _model(cfg=CFG.replace(n_layers=2))
+    m.backend = backend
+    assert all(layer.attention.fused_rope for layer in m.layers)
+    toks = torch.randint(0, CFG.vocab_size, (2, 7))
+    caches = [KVCache(CFG, 2, 16, dtype=torch.float32) for _ in range(2)]
+    for c in caches:
+        m.prefill(toks[:, :4], c)
+    for t in range(4, 7):
+        pos = torch.tensor([t, t - 2])
+        m.set_kernels(fused_rope=True)
+        fused = m.decode(toks[:, t], pos, caches[0])
+        m.set_kernels(fused_rope=False)
+        assert not any(layer.attention.fused_rope for layer in m.layers)
+        apart = m.decode(toks[:, t], pos, caches[1])
+        torch.testing.assert_close(fused, apart, atol=ATOL, rtol=0)
+        # layer 0 writes the same K / V bits; later layers' inputs differ in the order of fp32 sums
+        torch.testing.assert_close(caches[0].v[0], caches[1].v[0], atol=0, rtol=0)
+        torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-5, rtol=0)
+        torch.testing.assert_close(caches[0].v, caches[1].v, atol=1e-5, rtol=0)
+
+
 def test_batch_with_different_lengths_equals_single_runs():
     m = _model()
     eng = Engine(m, None, max_batch=3, max_seq_len=64)

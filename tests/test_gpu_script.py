@@ -94,6 +94,7 @@ def test_decode_formats_and_tune_sections_are_chosen(gpu, tmp_path):
     steps = gpu.suite_commands("decode", tmp_path, 2, formats=("fp8",))
     assert [label for label, _, _ in steps] == ["decode fp8"] and "peer-compile" in steps[0][1]
     assert "fastdecode-graph-no-pdl" in steps[0][1]  # the PDL ablation beside every fastdecode-graph row
+    assert "fastdecode-graph-no-fused_rope" in steps[0][1]  # and RoPE + KV write in its own kernel
     [(label, argv, _)] = gpu.suite_commands("tune", tmp_path, 1, tune_dtypes=("fp8",))
     assert argv[argv.index("--dtypes") + 1:argv.index("--out")] == ["fp8"]
     assert Path(argv[argv.index("--out") + 1]) == tmp_path / "configs" / "linear_nvidia_h200.json"

@@ -14,7 +14,7 @@ from fastdecode.ops.activation import _silu_and_mul_op
 from fastdecode.ops.norm import _rms_norm_op
 
 OPS = ("rms_norm", "silu_and_mul", "quantize_fp8", "linear", "linear_fp8", "int4_linear", "int4_linear_fp8",
-       "decode_attention", "rope_kv_write", "all_reduce", "all_reduce_add_rms_norm", "argmax")
+       "decode_attention", "rope_kv_write", "rope_decode_attention", "all_reduce", "all_reduce_add_rms_norm", "argmax")
 
 
 def test_every_op_is_registered_once_with_a_schema():

@@ -126,8 +126,12 @@ def _gemm_checks(dev, act, M, N, K):
 
 
 def _attention_checks(dev, act, B, Hq, Hkv, T, D):
-    """Decode attention over ragged cache lengths, and the RoPE + KV-cache write that precedes it."""
-    from fastdecode.ops.attention import decode_attention, decode_attention_ref, rope_kv_write, rope_kv_write_ref
+    """Decode attention over ragged cache lengths, the RoPE + KV-cache write that precedes it, and the two in one
+    kernel (what the engine's decode step runs)."""
+    from fastdecode.ops.attention import (
+        decode_attention, decode_attention_ref, rope_decode_attention, rope_decode_attention_ref, rope_kv_write,
+        rope_kv_write_ref,
+    )
 
     tag = f"B={B} Hq={Hq} Hkv={Hkv} T={T} D={D}"
     q = torch.randn(B, Hq, D, device=dev, dtype=act)
@@ -147,6 +151,12 @@ def _attention_checks(dev, act, B, Hq, Hkv, T, D):
     ok, detail = _close(got, ref)
     same = torch.equal(k1, k2) and torch.equal(v1, v2)
     yield f"rope_kv_write               {tag}", (ok and same, f"{detail}; caches {'exact' if same else 'DIFFER'}")
+    k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
+    got = rope_decode_attention(qkv, rope, pos, k1, v1, Hq)
+    ok, detail = _close(got, rope_decode_attention_ref(qkv, rope, pos, k2, v2, Hq))
+    ok_k, _ = _close(k1, k2)  # RoPE's rounding of the new k may differ by an ulp
+    same = ok_k and torch.equal(v1, v2)
+    yield f"rope_decode_attention       {tag}", (ok and same, f"{detail}; caches {'match' if same else 'DIFFER'}")
 
 
 def _allreduce_rank(rank, world, port, backend, act_name, quick, results):

@@ -92,8 +92,10 @@ def family_bytes(model, batch: int, kv_bytes: int) -> dict[str, int]:
     inter = blk.feed_forward.w2.in_features
     # add + RMSNorm: x and residual in, residual and the normed row out, twice a block (+ the final norm)
     fam["norms"] += (2 * L + 1) * 4 * H * a + _module_bytes(model.norm)
-    # RoPE + KV write: qkv in, q and the new K / V out; attention: q in, the cache, the output row out
-    fam["attention"] = kv_bytes + L * (2 * qkv_out + 2 * q_size) * a
+    # RoPE + KV write inside the attention kernel (fused_rope): qkv in, the new K / V, the cache, the output row
+    # out; apart, q also goes out and back in
+    q_trip = 0 if blk.attention.fused_rope else 2 * q_size
+    fam["attention"] = kv_bytes + L * (qkv_out + (qkv_out - q_size) + q_size + q_trip) * a
     # SiLU-and-mul: gate and up in, the product out (inside down's kernel when fused: counted there too)
     fam["activation"] = L * 3 * inter * a
     fam["sampling"] = model.output.out_features * a  # the logits, read once

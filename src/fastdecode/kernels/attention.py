@@ -203,3 +203,171 @@ def launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_head
         HQ=n_q_heads, HKV=Hkv, HALF=half, BLOCK_HALF=next_pow2(half), USE_PDL=pdl,
         num_warps=1, **launch_kwargs(pdl),
     )
+
+
+@triton.jit
+def _rope_decode_attention_kernel(
+    qkv_ptr, rope_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, o_part_ptr, lse_ptr,
+    scale,
+    stride_qkv, stride_rope_t,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh,
+    HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_DOT: tl.constexpr, LOG2E: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """``_rope_kv_write_kernel`` and ``_decode_attention_kernel`` in one program per (sequence, kv head, split),
+    with ``seq_len = pos + 1``: the split whose range holds ``pos`` rotates this kv head's new k, writes k and v
+    to the caches at ``pos`` and takes the new token's score and value from registers; every split rotates
+    its GROUP query heads itself; the cached positions ``[start, min(end, pos))`` come from the caches.
+
+    Rotation and rounding as the two kernels: q rounded to qkv's dtype, k and v to the cache's, then fp32
+    scores, softmax and accumulation. Heads are kept as their two rotation halves (``s = q1 . k1 + q2 . k2``),
+    so nothing is concatenated in registers.
+
+    PDL: the program reads ``pos`` and its first cache tile before ``pdl_wait()``. That is within
+    ``kernels.pdl``'s contract: neither the previous kernel (the qkv GEMM, or the q / k norm) writes them; the
+    positions below ``pos`` were written by earlier steps (or the prefill), and ``pos`` by a kernel before the
+    previous one, both complete when this kernel starts (the previous one started only after its own wait).
+    """
+    b = tl.program_id(0)
+    hkv = tl.program_id(1)
+    split = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    D: tl.constexpr = 2 * HALF
+
+    pos = tl.load(pos_ptr + b).to(tl.int32)
+    seq_len = pos + 1
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    cached_end = tl.minimum(end, pos)  # this split's positions read from the caches
+    has_new = (start <= pos) & (pos < end)  # one split per (sequence, kv head) owns the new token
+
+    i = tl.arange(0, BLOCK_HALF)
+    h_mask = i < HALF
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    k_base = k_ptr + b64 * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_base = v_ptr + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
+
+    # the first cache tile, in flight while the previous kernel drains (PDL)
+    n = start + tl.arange(0, BLOCK_N)
+    n_mask = n < cached_end
+    k1_nx = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt + i[None, :],
+                    mask=n_mask[:, None] & h_mask[None, :], other=0.0)
+    k2_nx = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt + HALF + i[None, :],
+                    mask=n_mask[:, None] & h_mask[None, :], other=0.0)
+    v_nx = tl.load(v_base + n[:, None].to(tl.int64) * stride_vt + d[None, :],
+                   mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    if USE_PDL:  # programmatic dependent launch: kernels.pdl
+        pdl_wait()
+
+    # RoPE (half-split, fp32 math) of this kv head's query heads and of its new key
+    pos64 = pos.to(tl.int64)
+    cos = tl.load(rope_ptr + pos64 * stride_rope_t + 2 * i, mask=h_mask, other=0.0)
+    sin = tl.load(rope_ptr + pos64 * stride_rope_t + 2 * i + 1, mask=h_mask, other=0.0)
+    row = qkv_ptr + b64 * stride_qkv
+    heads = hkv * GROUP + g
+    qg_mask = g_mask[:, None] & h_mask[None, :]
+    x1 = tl.load(row + heads[:, None] * D + i[None, :], mask=qg_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + heads[:, None] * D + HALF + i[None, :], mask=qg_mask, other=0.0).to(tl.float32)
+    q1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(qkv_ptr.dtype.element_ty)
+    q2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(qkv_ptr.dtype.element_ty)
+    kx1 = tl.load(row + (HQ + hkv) * D + i, mask=h_mask, other=0.0).to(tl.float32)
+    kx2 = tl.load(row + (HQ + hkv) * D + HALF + i, mask=h_mask, other=0.0).to(tl.float32)
+    kn1 = (kx1 * cos - kx2 * sin).to(k_ptr.dtype.element_ty)
+    kn2 = (kx2 * cos + kx1 * sin).to(k_ptr.dtype.element_ty)
+    vn = tl.load(row + (HQ + HKV + hkv) * D + d, mask=d_mask, other=0.0).to(v_ptr.dtype.element_ty)
+    k_dst = k_base + pos64 * stride_kt
+    # the masks as vectors (the interpreter takes no scalar in a store mask)
+    new_h = h_mask & ((tl.zeros([BLOCK_HALF], dtype=tl.int32) + has_new.to(tl.int32)) != 0)
+    new_d = d_mask & ((tl.zeros([BLOCK_D], dtype=tl.int32) + has_new.to(tl.int32)) != 0)
+    new_g = (tl.zeros([BLOCK_G], dtype=tl.int32) + has_new.to(tl.int32)) != 0
+    tl.store(k_dst + i, kn1, mask=new_h)
+    tl.store(k_dst + HALF + i, kn2, mask=new_h)
+    tl.store(v_base + pos64 * stride_vt + d, vn, mask=new_d)
+
+    qk_scale = scale * LOG2E  # softmax in base 2
+    s_new = (tl.sum(q1.to(tl.float32) * kn1.to(tl.float32)[None, :], axis=1)
+             + tl.sum(q2.to(tl.float32) * kn2.to(tl.float32)[None, :], axis=1)) * qk_scale
+    m = tl.where(new_g, s_new, float("-inf"))
+    l = tl.where(new_g, 1.0, 0.0)
+    acc = tl.where(new_g[:, None] & new_d[None, :], vn.to(tl.float32)[None, :], 0.0)
+
+    for n0 in range(start, cached_end, BLOCK_N):
+        k1 = k1_nx
+        k2 = k2_nx
+        v = v_nx
+        s_mask = (n0 + tl.arange(0, BLOCK_N)) < cached_end
+        # the next tile's loads are issued before this tile's maths
+        n = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < cached_end
+        k1_nx = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt + i[None, :],
+                        mask=n_mask[:, None] & h_mask[None, :], other=0.0)
+        k2_nx = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt + HALF + i[None, :],
+                        mask=n_mask[:, None] & h_mask[None, :], other=0.0)
+        v_nx = tl.load(v_base + n[:, None].to(tl.int64) * stride_vt + d[None, :],
+                       mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if USE_DOT:
+            s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))  # [BLOCK_G, BLOCK_N] fp32
+        else:
+            s = (tl.sum(q1.to(tl.float32)[:, None, :] * k1.to(tl.float32)[None, :, :], axis=2)
+                 + tl.sum(q2.to(tl.float32)[:, None, :] * k2.to(tl.float32)[None, :, :], axis=2))
+        s = tl.where(s_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+
+    # a split with no position (start >= seq_len) has l == 0: weight 0 in the merge
+    safe_l = tl.where(l > 0, l, 1.0)
+    out = acc / safe_l[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        row_p = (b64 * HQ + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(o_part_ptr + row_p[:, None] * BLOCK_D + d[None, :], out, mask=out_mask)
+        lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
+        tl.store(lse_ptr + row_p, lse, mask=g_mask)
+
+
+def launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse, n_q_heads: int,
+                                 scale: float, config: dict, pdl: bool = False):
+    """qkv: [B, (Hq + 2 Hkv) * D] rows (unit inner stride); rope [T, D/2, 2] fp32; input_pos [B]; caches
+    [B, Hkv, T, D]; out [B, Hq, D]; o_part [B, Hq, S, BLOCK_D] fp32 and lse [B, Hq, S] fp32 when
+    config["NUM_SPLITS"] > 1 (else unused). config: ``ops.attention.decode_attention_config``'s."""
+    B = qkv.shape[0]
+    Hkv, D = k_cache.shape[1], k_cache.shape[3]
+    splits = config["NUM_SPLITS"]
+    block_d = config["BLOCK_D"]
+    half = D // 2
+    # tl.dot needs K >= 16: the halves are padded (masked) to 16 on the dot path
+    block_half = max(16, next_pow2(half)) if config["USE_DOT"] else next_pow2(half)
+    _rope_decode_attention_kernel[(B, Hkv, splits)](
+        qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse,
+        scale,
+        qkv.stride(0), rope.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        HQ=n_q_heads, HKV=Hkv, GROUP=n_q_heads // Hkv, BLOCK_G=config["BLOCK_G"], HALF=half, BLOCK_HALF=block_half,
+        BLOCK_D=block_d, BLOCK_N=config["BLOCK_N"], NUM_SPLITS=splits, USE_DOT=config["USE_DOT"], LOG2E=LOG2E,
+        USE_PDL=pdl, num_warps=config["num_warps"], num_stages=1, **launch_kwargs(pdl),
+    )
+    if splits > 1:
+        _decode_attention_merge_kernel[(B, n_q_heads)](
+            o_part, lse, out, out.stride(0), out.stride(1), n_q_heads,
+            D=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), USE_PDL=pdl,
+            num_warps=1 if block_d <= 128 else 2, **launch_kwargs(pdl),
+        )

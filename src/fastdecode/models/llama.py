@@ -40,16 +40,18 @@ all-reduce (``RMSNorm.comm``), fused with the residual add and the norm; ``model
 and the lm head vocab-parallel.
 
 Kernel switches for the ablation: ``model.set_kernels(fused_norm=..., fused_act=..., fused_down=...,
-skinny_gemm=..., fused_allreduce=..., int4_gemm=...)``; a switched-off fusion runs as separate plain-PyTorch ops
-(an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA, SiLU-and-mul inside a bf16 / fp16 ``w2``'s GEMM
-(``Linear.forward_glu``); off, apart, as always for int4 and FP8 (``fastdecode.ops.glu_linear`` says why).
+skinny_gemm=..., fused_allreduce=..., int4_gemm=..., fused_rope=...)``; a switched-off fusion runs as separate
+plain-PyTorch ops (an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA, SiLU-and-mul inside a bf16 / fp16
+``w2``'s GEMM (``Linear.forward_glu``); off, apart, as always for int4 and FP8 (``fastdecode.ops.glu_linear`` says
+why). ``fused_rope``: ``fastdecode.models.decode_attention``.
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
 ``torch.compile`` sees (and fuses) ordinary PyTorch code: the gpt-fast-style baseline.
 
 Beside this module: ``fastdecode.models.int4`` (``Int4Linear``) and ``fastdecode.models.rope`` (the RoPE
-tables), both importable from here too. ``Linear``, ``Fp8Linear``, ``RMSNorm`` and the layers stay here: they
+tables), both importable from here too; the decode attention's ops are called from
+``fastdecode.models.decode_attention``. ``Linear``, ``Fp8Linear``, ``RMSNorm`` and the layers stay here: they
 call the ops by their names in this module (tests/test_engine_fp8.py shadows those names with reference checks).
 """
 
@@ -63,6 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdecode.models.config import ModelConfig
+from fastdecode.models.decode_attention import decode_attend
 from fastdecode.models.int4 import Int4Linear
 from fastdecode.models.qk_norm import norm_heads, norm_qk_rows
 from fastdecode.models.rope import apply_rope, rope_cache, rope_inv_freq  # noqa: F401  (rope_inv_freq: re-exported)
@@ -70,7 +73,6 @@ from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_m
 from fastdecode.ops.allreduce import all_reduce, all_reduce_add_rms_norm
 from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref
 from fastdecode.ops.glu_linear import silu_and_mul_linear
-from fastdecode.ops.attention import decode_attention, decode_attention_ref, rope_kv_write, rope_kv_write_ref
 from fastdecode.ops.norm import (
     fused_add_rms_norm, fused_add_rms_norm_fp8, fused_add_rms_norm_fp8_ref, fused_add_rms_norm_ref, rms_norm,
     rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref,
@@ -79,7 +81,7 @@ from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref
 from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
-KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm")
+KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm", "fused_rope")
 
 
 def unique_param_bytes(params, seen: Optional[set] = None) -> int:
@@ -245,6 +247,7 @@ class Attention(nn.Module):
         # Qwen3 (cfg.qk_norm): RMSNorm over each q / k head before RoPE (models/qk_norm.py)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device=device, dtype=dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device=device, dtype=dtype) if cfg.qk_norm else None
+        self.fused_rope = True  # decode: RoPE + KV write inside the attention kernel (models/decode_attention.py)
 
     def _qkv(self, x, cs, backend):
         B, S = _lead(x)
@@ -268,18 +271,14 @@ class Attention(nn.Module):
 
     def decode(self, x, rope, k_cache, v_cache, input_pos, seq_lens, backend):
         """x: [B, 1, dim]; rope: the model's [T, D/2, 2] table; input_pos: [B] int64 (each sequence's new
-        position); seq_lens: [B] int32 (= input_pos + 1). Writes k/v at input_pos, returns [B, 1, dim]."""
+        position); seq_lens: [B] int32 (= input_pos + 1) or None. Writes k/v at input_pos, returns [B, 1, dim]."""
         B = _lead(x)[0]
         qkv = self.wqkv(x, backend).view(B, -1)  # [B, (Hq + 2 Hkv) * D]
         if self.q_norm is not None:
             qkv = norm_qk_rows(qkv, self.q_norm, self.k_norm, self.n_heads, self.n_kv_heads, backend)
         k_cache, v_cache = k_cache[:B], v_cache[:B]
-        if backend == "ref":
-            q = rope_kv_write_ref(qkv, rope, input_pos, k_cache, v_cache, self.n_heads)
-            o = decode_attention_ref(q, k_cache, v_cache, seq_lens, self.scale)
-        else:  # one kernel for RoPE + cache write, one (or two, split-KV) for attention
-            q = rope_kv_write(qkv, rope, input_pos, k_cache, v_cache, self.n_heads, backend=backend)
-            o = decode_attention(q, k_cache, v_cache, seq_lens, self.scale, backend=backend)
+        o = decode_attend(qkv, rope, input_pos, k_cache, v_cache, seq_lens, self.n_heads, self.scale, self.fused_rope,
+                          backend)
         return self.wo(o.reshape(B, 1, -1), backend)
 
 
@@ -429,7 +428,7 @@ class Transformer(nn.Module):
         """
         B = tokens.shape[0]
         be = self.backend
-        seq_lens = (input_pos + 1).to(torch.int32)  # once per step, shared by every layer
+        seq_lens = None if self.kernels["fused_rope"] else (input_pos + 1).to(torch.int32)  # once, for every layer
         residual = self._embed(tokens.view(B, 1))  # [B, 1, dim]; fresh, updated in place below
         x = self.layers[0].attention_norm(residual, be)
         for i, layer in enumerate(self.layers):
@@ -450,12 +449,12 @@ class Transformer(nn.Module):
                 m.gemm_impl = impl
 
     def set_kernels(self, **flags: bool) -> None:
-        """Switch fused kernels on/off (ablation): ``fused_norm``, ``fused_act``, ``skinny_gemm``, ``fused_allreduce``,
-        ``int4_gemm``.
+        """Switch fused kernels on/off (ablation): ``fused_norm``, ``fused_act``, ``fused_down``, ``skinny_gemm``,
+        ``fused_allreduce``, ``int4_gemm``, ``fused_rope``.
 
-        Off means the unfused PyTorch ops (norm, activation), cuBLAS (GEMMs), NCCL/gloo all-reduce then
-        the norm, dequantise + cuBLAS (``Int4Linear``). Also re-derives where FP8 activations are produced
-        (after ``quantize_model_fp8``; never before an ``Int4Linear``, which is W4A16).
+        Off means the unfused PyTorch ops (norm, activation), cuBLAS (GEMMs), NCCL/gloo all-reduce then the norm,
+        dequantise + cuBLAS (``Int4Linear``), RoPE + KV write in its own kernel. Also re-derives where FP8
+        activations are produced (after ``quantize_model_fp8``; never before an ``Int4Linear``, which is W4A16).
         """
         bad = sorted(set(flags) - set(KERNELS))
         if bad:
@@ -470,6 +469,7 @@ class Transformer(nn.Module):
                 norm.fp8_out = isinstance(consumer, Fp8Linear) and k["fused_norm"]
             f.fused = k["fused_act"]
             f.fuse_down = k["fused_down"]
+            a.fused_rope = k["fused_rope"]
             f.fp8_act = isinstance(f.w2, Fp8Linear) and k["fused_act"]
         for norm in [self.norm] + [m for layer in self.layers for m in (layer.attention_norm, layer.ffn_norm)]:
             norm.fuse_comm = k["fused_allreduce"]

@@ -235,3 +235,95 @@ def rope_kv_write_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int) ->
     k_cache[rows, :, input_pos] = rot[:, n_q_heads:].to(k_cache.dtype)
     v_cache[rows, :, input_pos] = x[:, n_q_heads + Hkv:].to(v_cache.dtype)
     return rot[:, :n_q_heads].to(qkv.dtype)
+
+
+# ----------------------------------------------------------------------------- RoPE + KV write + attention, one op
+
+
+@define_op("rope_decode_attention", mutates_args=("out", "k_cache", "v_cache"))
+def _rope_decode_attention_op(
+    qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    out: torch.Tensor, n_q_heads: int, scale: float, num_splits: int, backend: str,
+) -> None:
+    if backend == "triton":
+        from fastdecode.kernels.attention import launch_rope_decode_attention
+
+        B, D = qkv.shape[0], k_cache.shape[3]
+        Hkv, T = k_cache.shape[1], k_cache.shape[2]
+        cfg = decode_attention_config(B, n_q_heads, Hkv, T, D, qkv.dtype, qkv.device, num_splits or None)
+        S = cfg["NUM_SPLITS"]
+        if S > 1:
+            o_part = torch.empty((B, n_q_heads, S, cfg["BLOCK_D"]), dtype=torch.float32, device=qkv.device)
+            lse = torch.empty((B, n_q_heads, S), dtype=torch.float32, device=qkv.device)
+        else:
+            o_part = lse = out  # unused
+        launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse, n_q_heads, scale,
+                                     cfg, pdl=pdl_enabled(qkv))
+        return
+    out.copy_(rope_decode_attention_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads, scale))
+
+
+@_rope_decode_attention_op.register_fake
+def _(qkv, rope, input_pos, k_cache, v_cache, out, n_q_heads, scale, num_splits, backend):
+    return None
+
+
+def rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int, scale: Optional[float] = None, *,
+                          num_splits: Optional[int] = None, out=None, backend: Optional[str] = None) -> torch.Tensor:
+    """:func:`rope_kv_write` then :func:`decode_attention` over ``seq_lens = input_pos + 1``, in one kernel (plus
+    the split merge when split-KV has more than one split): rotate q and k at ``input_pos``, write k and v into
+    the caches there, attend over positions ``0..input_pos``.
+
+    Arguments as :func:`rope_kv_write` (qkv [B, (Hq + 2 Hkv) * D], rope [T, D/2, 2] fp32, input_pos [B] int,
+    caches [B, Hkv, T_cache, D] written in place; here the caches must have qkv's dtype), scale and num_splits
+    as :func:`decode_attention`. Returns out [B, Hq, D] in qkv.dtype. The rotated q is rounded to qkv's dtype
+    before the scores, as the two ops round it.
+    """
+    check_tensor("qkv", qkv, ndim=2)
+    check_tensor("rope", rope, dtypes=(torch.float32,), ndim=3)
+    check_tensor("input_pos", input_pos, dtypes=(torch.int32, torch.int64), ndim=1)
+    check_tensor("k_cache", k_cache, ndim=4)
+    check_tensor("v_cache", v_cache, ndim=4)
+    B, W = qkv.shape
+    Bk, Hkv, T, D = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+        raise ValueError(f"k_cache and v_cache must have qkv's dtype {qkv.dtype}, "
+                         f"got {k_cache.dtype} and {v_cache.dtype}")
+    if Bk != B:
+        raise ValueError(f"k_cache must hold {B} sequences (qkv has {B} rows), got {Bk}")
+    if not isinstance(n_q_heads, int) or n_q_heads < 1 or n_q_heads % Hkv:
+        raise ValueError(f"n_q_heads must be a positive multiple of the kv heads ({Hkv}), got {n_q_heads!r}")
+    if W != (n_q_heads + 2 * Hkv) * D:
+        raise ValueError(f"qkv must have (n_q_heads + 2 * Hkv) * D = {(n_q_heads + 2 * Hkv) * D} columns, got {W}")
+    if D % 2 or tuple(rope.shape[1:]) != (D // 2, 2):
+        raise ValueError(f"rope must have shape (T, {D // 2}, 2) for head_dim {D}, got {tuple(rope.shape)}")
+    if input_pos.shape[0] != B:
+        raise ValueError(f"input_pos must have {B} elements, got {input_pos.shape[0]}")
+    if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be an integer in [1, {MAX_SPLITS}], got {num_splits!r}")
+    check_same_device(qkv=qkv, rope=rope, input_pos=input_pos, k_cache=k_cache, v_cache=v_cache)
+    if qkv.stride(1) != 1 or rope.stride(2) != 1 or rope.stride(1) != 2:
+        raise ValueError("qkv must have unit stride in its last dimension and rope must be contiguous in (D/2, 2)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(3) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
+    if input_pos.device.type == "cpu" and B > 0 and not is_tracing():
+        lo, hi = int(input_pos.min()), int(input_pos.max())
+        if lo < 0 or hi >= min(T, rope.shape[0]):
+            raise ValueError(f"input_pos must lie in [0, {min(T, rope.shape[0]) - 1}], got values in [{lo}, {hi}]")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    check_out("out", out, (B, n_q_heads, D), qkv.dtype, qkv.device)
+    be = resolve_backend(backend, qkv.device, "rope_decode_attention")
+    out = torch.empty((B, n_q_heads, D), dtype=qkv.dtype, device=qkv.device) if out is None else out
+    if B > 0:
+        _rope_decode_attention_op(qkv, rope, input_pos, k_cache, v_cache, out, n_q_heads, scale, num_splits or 0, be)
+    return out
+
+
+def rope_decode_attention_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int,
+                              scale: Optional[float] = None) -> torch.Tensor:
+    """Reference of :func:`rope_decode_attention`: the two references composed (writes the caches in place)."""
+    q = rope_kv_write_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads)
+    return decode_attention_ref(q, k_cache, v_cache, (input_pos + 1).to(torch.int32), scale)

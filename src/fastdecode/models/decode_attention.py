@@ -1,0 +1,36 @@
+"""The decode step's attention after the ``wqkv`` projection: RoPE of q and k at each sequence's new position, the
+KV-cache write there, and attention over positions ``0..input_pos`` (``Attention.decode`` in ``llama.py``).
+
+``fused_rope`` (the default): one kernel does all three (``ops.attention.rope_decode_attention``; plus the merge
+kernel under split-KV). Off (ablation): ``rope_kv_write``, then ``decode_attention`` over ``seq_lens``. The
+``"ref"`` backend calls the plain-PyTorch references of the same ops, for ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fastdecode.ops.attention import (
+    decode_attention, decode_attention_ref, rope_decode_attention, rope_decode_attention_ref, rope_kv_write,
+    rope_kv_write_ref,
+)
+
+
+def decode_attend(qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, seq_lens: Optional[torch.Tensor], n_heads: int, scale: float, fused: bool,
+                  backend: str) -> torch.Tensor:
+    """qkv [B, (Hq + 2 Hkv) * D] -> attention output [B, Hq, D]; writes k / v at input_pos. seq_lens [B] int32
+    (= input_pos + 1) is read only when not ``fused``, and computed here when None."""
+    if fused:
+        if backend == "ref":
+            return rope_decode_attention_ref(qkv, rope, input_pos, k_cache, v_cache, n_heads, scale)
+        return rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_heads, scale, backend=backend)
+    if seq_lens is None:
+        seq_lens = (input_pos + 1).to(torch.int32)
+    if backend == "ref":
+        q = rope_kv_write_ref(qkv, rope, input_pos, k_cache, v_cache, n_heads)
+        return decode_attention_ref(q, k_cache, v_cache, seq_lens, scale)
+    q = rope_kv_write(qkv, rope, input_pos, k_cache, v_cache, n_heads, backend=backend)
+    return decode_attention(q, k_cache, v_cache, seq_lens, scale, backend=backend)
