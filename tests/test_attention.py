@@ -200,7 +200,8 @@ def test_rope_kv_write_argument_errors():
 def _fused_inputs(B, Hq, Hkv, T, D, dtype):
     """qkv, rope, positions (0 and T - 1 among them), and random caches with one spare sequence and spare
     positions (views, as the engine passes them)."""
-    qkv, rope, pos, _, _ = _rope_inputs(B, Hq, Hkv, T, D, dtype)
+    qkv, rope, _, _, _ = _rope_inputs(B, Hq, Hkv, T, D, dtype)
+    pos = torch.randint(0, T, (B,), device=DEV)
     pos[0] = 0
     if B > 1:
         pos[1] = T - 1
@@ -271,6 +272,22 @@ def test_rope_decode_attention_dot_and_broadcast_paths_agree(dtype):
         launch_rope_decode_attention(qkv, rope, pos, k, v, out, o_part, lse, Hq, 1 / math.sqrt(D), cfg)
         tol = TF32 if (use_dot and dtype == torch.float32 and DEV == "cuda") else TOLERANCES[dtype]
         torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_rope_decode_attention_ignores_what_lies_past_pos(splits):
+    """Cache rows at and past each sequence's position hold NaN (stale or never written): nothing of them reaches
+    the output. With one split the kernel reads the first tile before it knows pos, and masks those rows at use."""
+    B, Hq, Hkv, T, D = 3, 8, 2, 70, 32
+    qkv, rope, pos, k, v = _fused_inputs(B, Hq, Hkv, T, D, torch.float32)
+    pos = torch.tensor([0, 5, 40], device=DEV)
+    for b in range(B):
+        k[b, :, int(pos[b]):] = float("nan")
+        v[b, :, int(pos[b]):] = float("nan")
+    k2, v2 = k.clone(), v.clone()
+    got = rope_decode_attention(qkv, rope, pos, k, v, Hq, num_splits=splits, backend="triton")
+    assert not got.isnan().any()
+    assert_close(got, rope_decode_attention_ref(qkv, rope, pos, k2, v2, Hq))
 
 
 def test_rope_decode_attention_first_position_returns_v():

@@ -212,7 +212,7 @@ def _rope_decode_attention_kernel(
     stride_qkv, stride_rope_t,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, T,
     HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr, LOG2E: tl.constexpr, USE_PDL: tl.constexpr,
@@ -254,9 +254,14 @@ def _rope_decode_attention_kernel(
     k_base = k_ptr + b64 * stride_kb + hkv.to(tl.int64) * stride_kh
     v_base = v_ptr + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
 
-    # the first cache tile, in flight while the previous kernel drains (PDL)
+    # the first cache tile, in flight while the previous kernel drains (PDL). With one split (short caches) its
+    # addresses do not wait for pos: rows up to the cache length T are read and those at or past pos masked at
+    # use (scores to -inf, values to 0: a stale or uninitialised row may hold anything)
     n = start + tl.arange(0, BLOCK_N)
-    n_mask = n < cached_end
+    if NUM_SPLITS == 1:
+        n_mask = n < T
+    else:
+        n_mask = n < cached_end
     k1_nx = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt + i[None, :],
                     mask=n_mask[:, None] & h_mask[None, :], other=0.0)
     k2_nx = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt + HALF + i[None, :],
@@ -301,8 +306,8 @@ def _rope_decode_attention_kernel(
     for n0 in range(start, cached_end, BLOCK_N):
         k1 = k1_nx
         k2 = k2_nx
-        v = v_nx
         s_mask = (n0 + tl.arange(0, BLOCK_N)) < cached_end
+        v = tl.where(s_mask[:, None], v_nx, 0.0)
         # the next tile's loads are issued before this tile's maths
         n = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < cached_end
@@ -360,7 +365,7 @@ def launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, out, o_
         qkv.stride(0), rope.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), k_cache.shape[2],
         HQ=n_q_heads, HKV=Hkv, GROUP=n_q_heads // Hkv, BLOCK_G=config["BLOCK_G"], HALF=half, BLOCK_HALF=block_half,
         BLOCK_D=block_d, BLOCK_N=config["BLOCK_N"], NUM_SPLITS=splits, USE_DOT=config["USE_DOT"], LOG2E=LOG2E,
         USE_PDL=pdl, num_warps=config["num_warps"], num_stages=1, **launch_kwargs(pdl),
