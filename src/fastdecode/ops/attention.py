@@ -242,17 +242,6 @@ def rope_kv_write_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int) ->
 # ----------------------------------------------------------------------------- RoPE + KV write + attention, one op
 
 
-def rope_decode_attention_config(B: int, Hq: int, Hkv: int, T: int, D: int, dtype: torch.dtype, device: torch.device,
-                                 num_splits: Optional[int] = None) -> dict:
-    """``decode_attention_config``, with 8 warps on the tensor-core path: the fused kernel holds the next K / V tile
-    beside the current one, and on 4 warps ptxas spilled it (sm_90, bf16, D 128, BLOCK_N 64: 255 registers and
-    300 bytes of spill; 8 warps: 213 registers, none)."""
-    cfg = decode_attention_config(B, Hq, Hkv, T, D, dtype, device, num_splits)
-    if cfg["USE_DOT"]:
-        cfg["num_warps"] = 8
-    return cfg
-
-
 @define_op("rope_decode_attention", mutates_args=("out", "k_cache", "v_cache"))
 def _rope_decode_attention_op(
     qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -263,7 +252,9 @@ def _rope_decode_attention_op(
 
         B, D = qkv.shape[0], k_cache.shape[3]
         Hkv, T = k_cache.shape[1], k_cache.shape[2]
-        cfg = rope_decode_attention_config(B, n_q_heads, Hkv, T, D, qkv.dtype, qkv.device, num_splits or None)
+        # decode_attention's configs: on the H200 (benchmarks/sweep_attention.py, 8B heads, T 129) 4 warps and
+        # 64-row tiles were the fastest of BLOCK_N 16-128 x 4 / 8 warps, although ptxas spills a little on 4 warps
+        cfg = decode_attention_config(B, n_q_heads, Hkv, T, D, qkv.dtype, qkv.device, num_splits or None)
         S = cfg["NUM_SPLITS"]
         if S > 1:
             o_part = torch.empty((B, n_q_heads, S, cfg["BLOCK_D"]), dtype=torch.float32, device=qkv.device)
