@@ -11,7 +11,7 @@ from fastdecode.ops.attention import (
     decode_attention, decode_attention_config, decode_attention_ref, rope_decode_attention, rope_decode_attention_ref,
     rope_kv_write, rope_kv_write_ref,
 )
-from helpers import TOLERANCES, assert_close, poison_
+from helpers import TOLERANCES, assert_close, poison_, precompile_calls
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16: tl.dot on bf16 is wrong under the interpreter; the kernel uses its broadcast path there
@@ -24,6 +24,27 @@ SHAPES = [
     (1, 8, 1, 70, 128, 3),
     (2, 6, 2, 99, 80, 2),
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    """On a GPU, the kernels of the two dtype x shape sweeps below compiled first in parallel threads
+    (helpers.precompile_calls; ~1 s each one after another on the H200's host), from the same input builders, so
+    with the same specialisations. Nothing happens under the interpreter."""
+    if DEV != "cuda":
+        return
+    import fastdecode.kernels.attention as KA
+
+    calls = []
+    for (B, Hq, Hkv, T, D, splits), dtype in ((s, d) for s in SHAPES for d in DTYPES):
+        q, k, v, seq_lens = _inputs(B, Hq, Hkv, T, D, dtype, strided=B > 1)
+        calls.append(lambda a=(q, k, v, seq_lens), n=splits: decode_attention(*a, num_splits=n, backend="triton"))
+    for (B, Hq, Hkv, T, D, splits), dtype in ((s, d) for s in FUSED_SHAPES for d in DTYPES):
+        qkv, rope, pos, k, v = _fused_inputs(B, Hq, Hkv, T, D, dtype)
+        calls.append(lambda a=(qkv, rope, pos, k, v, Hq), n=splits: rope_decode_attention(*a, num_splits=n,
+                                                                                         backend="triton"))
+    precompile_calls(calls, [(KA, "_decode_attention_kernel"), (KA, "_decode_attention_merge_kernel"),
+                             (KA, "_rope_decode_attention_kernel")])
 
 
 def _inputs(B, Hq, Hkv, T, D, dtype, strided=False):
