@@ -326,6 +326,7 @@ CONFIGS = {
     # the mma kind (kernels.int4_mma; the interpreter runs its fp32 conversion, fp16 for tl.dot)
     "mma_split3": dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=3),
     "mma_m32_bn128": dict(kind="mma", BLOCK_M=32, BLOCK_N=128, BLOCK_K=256, SPLIT_K=1),
+    "mma_bn32_split2": dict(kind="mma", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, num_warps=2),  # mma.sync
 }
 
 
@@ -624,7 +625,9 @@ def test_tuner_proposes_mma_tiles_for_few_tokens_only():
     for M in (1, 16, 64):
         mma = candidates(M, 4096, 4096, kinds=("mma",))
         assert mma and all(c["kind"] == "mma" and c["BLOCK_M"] == max(16, next_pow2(M)) for c in mma)
-        assert {c["BLOCK_N"] for c in mma} == {64, 128, 256}
+        assert {c["BLOCK_N"] for c in mma} == {16, 32, 64, 128, 256}
+        # the mma.sync tiles (below a warpgroup of 4 warps: test_sm90_mma_kind_below_64_rows_a_warpgroup_is_mma_sync)
+        assert {(c["BLOCK_N"], c["num_warps"]) for c in mma if c["num_warps"] < 4} == {(16, 1), (32, 2), (64, 2)}
         assert all(c["num_warps"] == 8 for c in mma if c["BLOCK_N"] == 256)  # 4 warps spill there (sm_90 compile)
         assert [c for c in candidates(M, 4096, 4096) if c["kind"] == "mma"] == mma
     assert not candidates(128, 4096, 4096, kinds=("mma",))
@@ -652,7 +655,7 @@ aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr
            "stride_xm", "stride_om"}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in aligned}
 cc = triton.compile(ASTSource(_int4_mma_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                    options={"num_warps": 4, "num_stages": 2})
+                    options={"num_warps": cfg.get("num_warps", 4), "num_stages": 2})
 sys.stdout.write(cc.asm["ptx"])
 """
 
@@ -680,6 +683,21 @@ def test_sm90_mma_kind_keeps_the_weight_in_registers(cfg):
     assert len(re.findall(r"st\.shared", body)) < pairs // 4, "weights stored to shared memory in the loop"
     head = ptx[:ptx.index("griddepcontrol.wait")]
     assert "prefetch.global.L2" in head, "the L2 prefetch comes before the PDL wait"
+
+
+@pytest.mark.parametrize("bn,nw", [(16, 1), (32, 2), (64, 2)])
+def test_sm90_mma_kind_below_64_rows_a_warpgroup_is_mma_sync(bn, nw):
+    """The tuner's small mma tiles, compiled ahead of time for sm_90: below a warpgroup (4 warps, 64 rows each)
+    triton emits Ampere-style ``mma.sync`` (the weight still a register operand) and no ``wgmma.wait_group`` in the
+    K loop, the wait that follows every shift's wgmma on the 64-row tiles; each weight value converted once (32 rows
+    on 4 warps converted each twice: triton put two of the warps side by side over the tokens)."""
+    import re
+
+    body = k_loop(sm90_ptx(_MMA_SNIPPET, json.dumps(dict(BLOCK_N=bn, ZM=1, x="bf16", num_warps=nw))))
+    assert "wgmma" not in body
+    # at least one MMA a shift (how many depends on how triton spreads the tile over the warps)
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", body)) >= 8
+    assert len(re.findall(r"lop3\.b32", body)) == bn * 256 // (32 * nw) // 2, "one LOP3 per pair of nibbles"
 
 
 def test_precompile_does_nothing_under_the_interpreter():

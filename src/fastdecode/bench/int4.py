@@ -153,7 +153,11 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
     split-K 1..16; ``kinds``: only these kinds.
 
     mma (``kernels.int4_mma``): tokens padded to BLOCK_M = 16 (32, 64 above), 64-256 weight rows a program
-    (256 on 8 warps: 4 warps spill there), 2-4 pipeline stages.
+    (256 on 8 warps: 4 warps spill there), 2-4 pipeline stages; and tiles of fewer than 4 warps (16 weight rows
+    on 1 warp, 32 or 64 on 2), which triton compiles to Ampere-style ``mma.sync`` (wgmma needs a warpgroup of 4
+    warps and 64 rows for each): no ``wgmma.wait_group`` after each shift's dot, the limit session 11 found on
+    the 64-row wgmma tiles (benchmarks/NOTES.md, session 14; not timed yet). Not 32 rows on 4 warps: triton
+    spreads those warps over the tokens too, and each weight value is converted twice.
 
     Not dot tiles below M = 8 (``small_m_dot``, off by default): timed alone they beat the fma tiles at
     M = 1-4 on most shapes (up to 2x at M = 4), yet the 8B int4 decode step with that table ran at 3407 us
@@ -194,7 +198,8 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
                 out.append(c)
     if M <= MMA_MAX_M and not fp8:
         bm = max(16, 1 << max(M - 1, 0).bit_length())
-        tiles = ((64, 4), (128, 4), (256, 8)) if quick else ((64, 4), (128, 4), (128, 8), (256, 8))
+        tiles = (((32, 2), (64, 2), (64, 4), (128, 4), (256, 8)) if quick
+                 else ((16, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8), (256, 8)))
         for (bn, nw), st in itertools.product(tiles, (2, 3) if quick else (2, 3, 4)):
             for sk in (splits if M <= 16 else splits[:4]):
                 out.append({"kind": "mma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,

@@ -282,7 +282,8 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
     contiguous; ``part`` / ``locks`` as ``kernels.int4.launch_int4_linear`` (split-K only), ``split`` the effective
     split count (``kernels.int4.split_k_blocks``).
 
-    ``config``: dict(kind="mma", BLOCK_M (tokens, >= 16), BLOCK_N (weight rows, >= 64 with 4 warps),
+    ``config``: dict(kind="mma", BLOCK_M (tokens, >= 16), BLOCK_N (weight rows: 64 or more a warpgroup for
+    wgmma; fewer compile to ``mma.sync``),
     BLOCK_K (256: one layout tile a step), SPLIT_K, num_warps, num_stages, L2_PREFETCH (optional, default
     True)); ``asm``: the inline-PTX conversion (CUDA, not the interpreter). The caller checks
     ``mma_supported``."""
