@@ -340,7 +340,7 @@ def test_rope_decode_attention_argument_errors():
         rope_decode_attention(qkv, rope[:, :4], pos, k, v, 4)
     with pytest.raises(ValueError, match="k_cache and v_cache must have qkv's dtype"):
         rope_decode_attention(qkv, rope, pos, k.half(), v.half(), 4)
-    with pytest.raises(ValueError, match="v_cache must have the shape of k_cache"):
+    with pytest.raises(ValueError, match="v_cache must match k_cache"):
         rope_decode_attention(qkv, rope, pos, k, v[:, :, :20], 4)
     with pytest.raises(ValueError, match="num_splits must be an integer in"):
         rope_decode_attention(qkv, rope, pos, k, v, 4, num_splits=65)

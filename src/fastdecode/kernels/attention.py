@@ -18,6 +18,44 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _softmax_update(m, l, s, s_mask, qk_scale):
+    """One tile of the online softmax (base 2): scores ``s [BLOCK_G, BLOCK_N]``, valid columns ``s_mask``.
+    Returns the new running max and sum, the rescale factor of the old state and the tile's weights."""
+    s = tl.where(s_mask[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
+def _pv(acc, alpha, p, v, USE_DOT: tl.constexpr):
+    """``acc * alpha + p @ v`` (fp32; tensor cores on 16-bit v with USE_DOT)."""
+    if USE_DOT:
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
+def _store_split(acc, m, l, o_ptr, o_part_ptr, lse_ptr, b64, heads, split, n_heads, stride_ob, stride_oh, g_mask, d,
+                 d_mask, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The program's output: normalised rows to ``o`` (one split), else the split's fp32 rows to ``o_part``
+    [B, Hq, NUM_SPLITS, BLOCK_D] and their log-sum-exp (base 2) to ``lse`` [B, Hq, NUM_SPLITS] for the merge.
+    A split with no position (start >= seq_len) has l == 0: weight 0 in the merge."""
+    safe_l = tl.where(l > 0, l, 1.0)
+    out = acc / safe_l[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        row = (b64 * n_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(o_part_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=out_mask)
+        lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, seq_lens_ptr, o_ptr, o_part_ptr, lse_ptr,
     scale,
@@ -66,31 +104,12 @@ def _decode_attention_kernel(
         else:
             # one query row per head: a broadcast multiply-add is enough (and exact under the interpreter)
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        m, l, alpha, p = _softmax_update(m, l, s, n_mask, qk_scale)
         v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vt + d[None, :], mask=kv_mask, other=0.0)
-        if USE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        else:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        m = m_new
+        acc = _pv(acc, alpha, p, v, USE_DOT)
 
-    # an empty split (start >= seq_len) has l == 0: it contributes weight 0 in the merge
-    safe_l = tl.where(l > 0, l, 1.0)
-    out = acc / safe_l[:, None]
-    out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(o_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # o_part: [B, Hq, NUM_SPLITS, BLOCK_D] fp32; lse: [B, Hq, NUM_SPLITS] fp32 (base 2)
-        row = (b64 * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [BLOCK_G]
-        tl.store(o_part_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=out_mask)
-        lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
-        tl.store(lse_ptr + row, lse, mask=g_mask)
+    _store_split(acc, m, l, o_ptr, o_part_ptr, lse_ptr, b64, heads, split, GROUP * tl.num_programs(1), stride_ob,
+                 stride_oh, g_mask, d, d_mask, BLOCK_D, NUM_SPLITS)
 
 
 @triton.jit
@@ -322,29 +341,11 @@ def _rope_decode_attention_kernel(
         else:
             s = (tl.sum(q1.to(tl.float32)[:, None, :] * k1.to(tl.float32)[None, :, :], axis=2)
                  + tl.sum(q2.to(tl.float32)[:, None, :] * k2.to(tl.float32)[None, :, :], axis=2))
-        s = tl.where(s_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        else:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        m = m_new
+        m, l, alpha, p = _softmax_update(m, l, s, s_mask, qk_scale)
+        acc = _pv(acc, alpha, p, v, USE_DOT)
 
-    # a split with no position (start >= seq_len) has l == 0: weight 0 in the merge
-    safe_l = tl.where(l > 0, l, 1.0)
-    out = acc / safe_l[:, None]
-    out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(o_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        row_p = (b64 * HQ + heads) * NUM_SPLITS + split  # [BLOCK_G]
-        tl.store(o_part_ptr + row_p[:, None] * BLOCK_D + d[None, :], out, mask=out_mask)
-        lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
-        tl.store(lse_ptr + row_p, lse, mask=g_mask)
+    _store_split(acc, m, l, o_ptr, o_part_ptr, lse_ptr, b64, heads, split, HQ, stride_ob, stride_oh, g_mask, d,
+                 d_mask, BLOCK_D, NUM_SPLITS)
 
 
 def launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse, n_q_heads: int,

@@ -157,33 +157,8 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, scale: Optional[float] =
 # ----------------------------------------------------------------------------- RoPE + KV-cache write
 
 
-@define_op("rope_kv_write", mutates_args=("q_out", "k_cache", "v_cache"))
-def _rope_kv_write_op(
-    qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor, q_out: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, n_q_heads: int, backend: str,
-) -> None:
-    if backend == "triton":
-        from fastdecode.kernels.attention import launch_rope_kv_write
-
-        launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_heads, pdl=pdl_enabled(qkv))
-        return
-    q_out.copy_(rope_kv_write_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads))
-
-
-@_rope_kv_write_op.register_fake
-def _(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_heads, backend):
-    return None
-
-
-def rope_kv_write(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int, *, out=None,
-                  backend: Optional[str] = None) -> torch.Tensor:
-    """The decode step's attention prologue in one op: rotate q and k by RoPE at ``input_pos``, write k and v
-    into the caches there, return the rotated q.
-
-    qkv: [B, (Hq + 2 Hkv) * D] (q | k | v, HF half-split head layout); rope: [T, D/2, 2] fp32 (cos, sin)
-    per position; input_pos: [B] int (0 <= pos < T_cache, checked on CPU only); k_cache, v_cache:
-    [B, Hkv, T_cache, D], written in place. Returns q [B, Hq, D] in qkv.dtype (fp32 math, one rounding).
-    """
+def _check_rope_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads) -> tuple[int, int]:
+    """The checks :func:`rope_kv_write` and :func:`rope_decode_attention` share; returns (B, D)."""
     check_tensor("qkv", qkv, ndim=2)
     check_tensor("rope", rope, dtypes=(torch.float32,), ndim=3)
     check_tensor("input_pos", input_pos, dtypes=(torch.int32, torch.int64), ndim=1)
@@ -214,6 +189,37 @@ def rope_kv_write(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int, *, out
         lo, hi = int(input_pos.min()), int(input_pos.max())
         if lo < 0 or hi >= min(T, rope.shape[0]):
             raise ValueError(f"input_pos must lie in [0, {min(T, rope.shape[0]) - 1}], got values in [{lo}, {hi}]")
+    return B, D
+
+
+@define_op("rope_kv_write", mutates_args=("q_out", "k_cache", "v_cache"))
+def _rope_kv_write_op(
+    qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor, q_out: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, n_q_heads: int, backend: str,
+) -> None:
+    if backend == "triton":
+        from fastdecode.kernels.attention import launch_rope_kv_write
+
+        launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_heads, pdl=pdl_enabled(qkv))
+        return
+    q_out.copy_(rope_kv_write_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads))
+
+
+@_rope_kv_write_op.register_fake
+def _(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_heads, backend):
+    return None
+
+
+def rope_kv_write(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int, *, out=None,
+                  backend: Optional[str] = None) -> torch.Tensor:
+    """The decode step's attention prologue in one op: rotate q and k by RoPE at ``input_pos``, write k and v
+    into the caches there, return the rotated q.
+
+    qkv: [B, (Hq + 2 Hkv) * D] (q | k | v, HF half-split head layout); rope: [T, D/2, 2] fp32 (cos, sin)
+    per position; input_pos: [B] int (0 <= pos < T_cache, checked on CPU only); k_cache, v_cache:
+    [B, Hkv, T_cache, D], written in place. Returns q [B, Hq, D] in qkv.dtype (fp32 math, one rounding).
+    """
+    B, D = _check_rope_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads)
     check_out("out", out, (B, n_q_heads, D), qkv.dtype, qkv.device)
     be = resolve_backend(backend, qkv.device, "rope_kv_write")
     out = torch.empty((B, n_q_heads, D), dtype=qkv.dtype, device=qkv.device) if out is None else out
@@ -283,40 +289,11 @@ def rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int
     as :func:`decode_attention`. Returns out [B, Hq, D] in qkv.dtype. The rotated q is rounded to qkv's dtype
     before the scores, as the two ops round it.
     """
-    check_tensor("qkv", qkv, ndim=2)
-    check_tensor("rope", rope, dtypes=(torch.float32,), ndim=3)
-    check_tensor("input_pos", input_pos, dtypes=(torch.int32, torch.int64), ndim=1)
-    check_tensor("k_cache", k_cache, ndim=4)
-    check_tensor("v_cache", v_cache, ndim=4)
-    B, W = qkv.shape
-    Bk, Hkv, T, D = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
-        raise ValueError(f"k_cache and v_cache must have qkv's dtype {qkv.dtype}, "
-                         f"got {k_cache.dtype} and {v_cache.dtype}")
-    if Bk != B:
-        raise ValueError(f"k_cache must hold {B} sequences (qkv has {B} rows), got {Bk}")
-    if not isinstance(n_q_heads, int) or n_q_heads < 1 or n_q_heads % Hkv:
-        raise ValueError(f"n_q_heads must be a positive multiple of the kv heads ({Hkv}), got {n_q_heads!r}")
-    if W != (n_q_heads + 2 * Hkv) * D:
-        raise ValueError(f"qkv must have (n_q_heads + 2 * Hkv) * D = {(n_q_heads + 2 * Hkv) * D} columns, got {W}")
-    if D % 2 or tuple(rope.shape[1:]) != (D // 2, 2):
-        raise ValueError(f"rope must have shape (T, {D // 2}, 2) for head_dim {D}, got {tuple(rope.shape)}")
-    if input_pos.shape[0] != B:
-        raise ValueError(f"input_pos must have {B} elements, got {input_pos.shape[0]}")
+    B, D = _check_rope_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads)
+    if k_cache.dtype != qkv.dtype:
+        raise ValueError(f"k_cache and v_cache must have qkv's dtype {qkv.dtype}, got {k_cache.dtype}")
     if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be an integer in [1, {MAX_SPLITS}], got {num_splits!r}")
-    check_same_device(qkv=qkv, rope=rope, input_pos=input_pos, k_cache=k_cache, v_cache=v_cache)
-    if qkv.stride(1) != 1 or rope.stride(2) != 1 or rope.stride(1) != 2:
-        raise ValueError("qkv must have unit stride in its last dimension and rope must be contiguous in (D/2, 2)")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(3) != 1:
-            raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
-    if input_pos.device.type == "cpu" and B > 0 and not is_tracing():
-        lo, hi = int(input_pos.min()), int(input_pos.max())
-        if lo < 0 or hi >= min(T, rope.shape[0]):
-            raise ValueError(f"input_pos must lie in [0, {min(T, rope.shape[0]) - 1}], got values in [{lo}, {hi}]")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     check_out("out", out, (B, n_q_heads, D), qkv.dtype, qkv.device)
     be = resolve_backend(backend, qkv.device, "rope_decode_attention")
