@@ -225,6 +225,17 @@ def launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_head
 
 
 @triton.jit
+def _kv_tile(k_base, v_base, n, n_mask, i, h_mask, d, d_mask, stride_kt, stride_vt, HALF: tl.constexpr):
+    """Cache rows ``n`` (masked rows read as 0): the keys as their two rotation halves, and the values."""
+    rows_k = k_base + n[:, None].to(tl.int64) * stride_kt
+    k1 = tl.load(rows_k + i[None, :], mask=n_mask[:, None] & h_mask[None, :], other=0.0)
+    k2 = tl.load(rows_k + HALF + i[None, :], mask=n_mask[:, None] & h_mask[None, :], other=0.0)
+    v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vt + d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                other=0.0)
+    return k1, k2, v
+
+
+@triton.jit
 def _rope_decode_attention_kernel(
     qkv_ptr, rope_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, o_part_ptr, lse_ptr,
     scale,
@@ -281,12 +292,7 @@ def _rope_decode_attention_kernel(
         n_mask = n < T
     else:
         n_mask = n < cached_end
-    k1_nx = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt + i[None, :],
-                    mask=n_mask[:, None] & h_mask[None, :], other=0.0)
-    k2_nx = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt + HALF + i[None, :],
-                    mask=n_mask[:, None] & h_mask[None, :], other=0.0)
-    v_nx = tl.load(v_base + n[:, None].to(tl.int64) * stride_vt + d[None, :],
-                   mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    k1_nx, k2_nx, v_nx = _kv_tile(k_base, v_base, n, n_mask, i, h_mask, d, d_mask, stride_kt, stride_vt, HALF)
     if USE_PDL:  # programmatic dependent launch: kernels.pdl
         pdl_wait()
 
@@ -330,12 +336,7 @@ def _rope_decode_attention_kernel(
         # the next tile's loads are issued before this tile's maths
         n = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < cached_end
-        k1_nx = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt + i[None, :],
-                        mask=n_mask[:, None] & h_mask[None, :], other=0.0)
-        k2_nx = tl.load(k_base + n[:, None].to(tl.int64) * stride_kt + HALF + i[None, :],
-                        mask=n_mask[:, None] & h_mask[None, :], other=0.0)
-        v_nx = tl.load(v_base + n[:, None].to(tl.int64) * stride_vt + d[None, :],
-                       mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        k1_nx, k2_nx, v_nx = _kv_tile(k_base, v_base, n, n_mask, i, h_mask, d, d_mask, stride_kt, stride_vt, HALF)
         if USE_DOT:
             s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))  # [BLOCK_G, BLOCK_N] fp32
         else:

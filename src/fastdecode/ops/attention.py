@@ -50,6 +50,16 @@ def decode_attention_config(B: int, Hq: int, Hkv: int, T: int, D: int, dtype: to
             "USE_DOT": use_dot, "num_warps": 4, "num_stages": 2}
 
 
+def _split_buffers(B: int, Hq: int, cfg: dict, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-KV partials (fp32 rows [B, Hq, S, BLOCK_D] and their log-sum-exp [B, Hq, S]) the merge kernel
+    reads; with one split the kernel writes ``out`` directly and takes ``out`` for both (unused)."""
+    S = cfg["NUM_SPLITS"]
+    if S == 1:
+        return out, out
+    return (torch.empty((B, Hq, S, cfg["BLOCK_D"]), dtype=torch.float32, device=out.device),
+            torch.empty((B, Hq, S), dtype=torch.float32, device=out.device))
+
+
 # ----------------------------------------------------------------------------- registered op
 
 
@@ -64,12 +74,7 @@ def _decode_attention_op(
         B, Hq, D = q.shape
         Hkv, T = k_cache.shape[1], k_cache.shape[2]
         cfg = decode_attention_config(B, Hq, Hkv, T, D, q.dtype, q.device, num_splits or None)
-        S = cfg["NUM_SPLITS"]
-        if S > 1:
-            o_part = torch.empty((B, Hq, S, cfg["BLOCK_D"]), dtype=torch.float32, device=q.device)
-            lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
-        else:
-            o_part = lse = out  # unused
+        o_part, lse = _split_buffers(B, Hq, cfg, out)
         launch_decode_attention(q, k_cache, v_cache, seq_lens, out, o_part, lse, scale, cfg, pdl=pdl_enabled(q))
         return
     out.copy_(decode_attention_ref(q, k_cache, v_cache, seq_lens, scale))
@@ -261,12 +266,7 @@ def _rope_decode_attention_op(
         # decode_attention's configs: on the H200 (benchmarks/sweep_attention.py, 8B heads, T 129) 4 warps and
         # 64-row tiles were the fastest of BLOCK_N 16-128 x 4 / 8 warps, although ptxas spills a little on 4 warps
         cfg = decode_attention_config(B, n_q_heads, Hkv, T, D, qkv.dtype, qkv.device, num_splits or None)
-        S = cfg["NUM_SPLITS"]
-        if S > 1:
-            o_part = torch.empty((B, n_q_heads, S, cfg["BLOCK_D"]), dtype=torch.float32, device=qkv.device)
-            lse = torch.empty((B, n_q_heads, S), dtype=torch.float32, device=qkv.device)
-        else:
-            o_part = lse = out  # unused
+        o_part, lse = _split_buffers(B, n_q_heads, cfg, out)
         launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse, n_q_heads, scale,
                                      cfg, pdl=pdl_enabled(qkv))
         return
