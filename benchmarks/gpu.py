@@ -34,6 +34,8 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``profile-small`` the same for the embedded model's shapes (SmolLM2-135M, random weights, bf16): the
               launch-bound step of ``fastdecode generate``.
 * ``tp``      multi-GPU: the all-reduce tests, the all-reduce benchmark, 70B decode at TP = all GPUs.
+* ``attention`` ``benchmarks/sweep_attention.py``: the decode attention kernel's configs (RoPE + KV write
+              inside) against the two kernels it replaces, 8B heads, short and long caches.
 
 What it never does: copy files into ``src/`` (tuned tables are written only by
 ``fastdecode tune ... --out``; this script passes every ``--out`` into --out-dir). The device machine
@@ -136,6 +138,9 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         return [("bench startup", _fd("bench", "startup", "--runs", "cold", "warm", "--timeout", "110", *rows), 240),
                 ("bench startup serve eager", _fd("bench", "startup", "--runs", "warm", "warm", *serve), 240),
                 ("bench startup serve lazy", _fd("bench", "startup", "--graph-capture", "lazy", *serve), 120)]
+    if name == "attention":
+        return [("sweep attention", [PY, str(ROOT / "benchmarks" / "sweep_attention.py"),
+                                     "--out", str(out / "sweep_attention.json")], 240)]
     if name == "overhead":
         return [("eager overhead", [PY, str(ROOT / "benchmarks" / "profile_eager_overhead.py"),
                                     "--out", str(out / "eager_overhead.json")], 180)]
@@ -165,7 +170,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
 
 
 SUITES = ("tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "hf", "serve", "startup",
-          "overhead", "profile-small", "decode-small", "tp")
+          "overhead", "profile-small", "decode-small", "tp", "attention")
 
 
 def _embedded_gguf() -> str:

@@ -1,9 +1,10 @@
 """Development sweep: the decode step's attention at Llama-3.1-8B heads (32 q / 8 kv, D 128, bf16), batch 1 (GPU).
 
-RoPE + KV write + attention as one kernel (``rope_decode_attention``) in several launch configs, against the two
-kernels it replaces (``rope_kv_write`` then ``decode_attention``), each call on its own layer's cache (32 caches,
-as the 32 layers of a step), timed in a CUDA graph without PDL (``bench.harness.time_cuda``): the per-call latency
-the PDL-off decode profile attributes to the ``attention`` family. The 32 caches of a short context (T 129: 17 MB)
+RoPE + KV write + attention as one kernel (``rope_decode_attention``) in several launch configs (tile rows, warps,
+splits merged by a kernel or by the last split to arrive), against the two kernels it replaces (``rope_kv_write``
+then ``decode_attention``), each call on its own layer's cache (32 caches, as the 32 layers of a step), timed in a
+CUDA graph without PDL (``bench.harness.time_cuda``): the per-call latency the PDL-off decode profile attributes to
+the ``attention`` family. The 32 caches of a short context (T 129: 17 MB)
 stay in L2 here, where a decode step's GEMMs evict them: the profile's calls take longer.
 
     PYTHONPATH=src python benchmarks/sweep_attention.py --out rows.json
@@ -52,13 +53,20 @@ def main():
             decode_attention(q, kc[i], vc[i], seq, out=out)
 
         base = decode_attention_config(1, HQ, HKV, T, D, dt, dev)
-        S = base["NUM_SPLITS"]
-        o_part = torch.empty(1, HQ, S, base["BLOCK_D"], dtype=torch.float32, device=dev)
-        lse = torch.empty(1, HQ, S, dtype=torch.float32, device=dev)
+        o_part = torch.empty(1, HQ, 64, base["BLOCK_D"], dtype=torch.float32, device=dev)
+        lse = torch.empty(1, HQ, 64, dtype=torch.float32, device=dev)
+        locks = torch.zeros(HKV, dtype=torch.int32, device=dev)
         variants = [("two_kernels", None), ("fused_default", base)]
         for bn in (16, 32, 64, 128):
             for w in (4, 8):
                 variants.append((f"fused_n{bn}_w{w}", {**base, "BLOCK_N": bn, "num_warps": w}))
+        # more programs per sequence, the last split of each kv head merging (no merge kernel)
+        if base["NUM_SPLITS"] > 1:
+            variants.append(("fused_default_merge_in", {**base, "MERGE_IN_KERNEL": True}))
+        for S in (2, 4, 8):
+            for bn in (16, 32):
+                variants.append((f"fused_s{S}_n{bn}_merge_in", {**base, "NUM_SPLITS": S, "BLOCK_N": bn,
+                                                                 "MERGE_IN_KERNEL": True}))
         for tag, cfg in variants:
             if cfg is None:
                 calls = [lambda i=i: two(i) for i in range(LAYERS)]
@@ -67,7 +75,7 @@ def main():
                          for i in range(LAYERS)]
             else:
                 calls = [lambda i=i, c=cfg: launch_rope_decode_attention(qkv[i], rope, ip, kc[i], vc[i], out, o_part,
-                                                                         lse, HQ, 1 / math.sqrt(D), c)
+                                                                         lse, HQ, 1 / math.sqrt(D), c, locks=locks)
                          for i in range(LAYERS)]
             try:
                 calls[0]()

@@ -311,6 +311,29 @@ def test_rope_decode_attention_ignores_what_lies_past_pos(splits):
     assert_close(got, rope_decode_attention_ref(qkv, rope, pos, k2, v2, Hq))
 
 
+@pytest.mark.parametrize("splits,block_n", [(2, 16), (4, 16), (3, 32)])
+def test_rope_decode_attention_merge_in_kernel(splits, block_n):
+    """MERGE_IN_KERNEL (not the ops' default yet; benchmarks/sweep_attention.py times it): the last split of each
+    (sequence, kv head) to arrive merges the splits, no merge kernel; the counters end at 0, so a second launch on
+    the same counters is right too."""
+    B, Hq, Hkv, T, D = 3, 8, 2, 70, 32
+    qkv, rope, pos, k0, v0 = _fused_inputs(B, Hq, Hkv, T, D, torch.float32)
+    ref = rope_decode_attention_ref(qkv, rope, pos, k0.clone(), v0.clone(), Hq)
+    cfg = decode_attention_config(B, Hq, Hkv, T, D, torch.float32, qkv.device, num_splits=splits)
+    cfg.update(BLOCK_N=block_n, MERGE_IN_KERNEL=True)
+    locks = torch.zeros(B * Hkv + 5, dtype=torch.int32, device=DEV)
+    o_part = torch.empty(B, Hq, splits, cfg["BLOCK_D"], dtype=torch.float32, device=DEV)
+    lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=DEV)
+    for _ in range(2):
+        k, v = k0.clone(), v0.clone()
+        out = poison_(torch.empty(B, Hq, D, device=DEV))
+        launch_rope_decode_attention(qkv, rope, pos, k, v, out, o_part, lse, Hq, 1 / math.sqrt(D), cfg, locks=locks)
+        assert_close(out, ref)
+        assert not locks.any()
+    with pytest.raises(ValueError, match="MERGE_IN_KERNEL needs 6 zeroed int32 counters"):
+        launch_rope_decode_attention(qkv, rope, pos, k, v, out, o_part, lse, Hq, 1 / math.sqrt(D), cfg)
+
+
 def test_rope_decode_attention_first_position_returns_v():
     """pos 0: the only key is the new one, so the output is the new v (from registers, not the cache)."""
     B, Hq, Hkv, T, D = 2, 4, 2, 16, 32

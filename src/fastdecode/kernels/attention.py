@@ -225,6 +225,29 @@ def launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_head
 
 
 @triton.jit
+def _merge_heads(o_part_ptr, lse_ptr, o_ptr, b64, heads, n_heads, stride_ob, stride_oh, g_mask, d, d_mask,
+                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """``_decode_attention_merge_kernel``'s sum for the heads ``heads`` of one sequence, in split order, from
+    L2 (``.cg``: the other programs' rows are not in this SM's L1)."""
+    rows = (b64 * n_heads + heads) * NUM_SPLITS  # [BLOCK_G], split 0
+    mx = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    for si in range(NUM_SPLITS):
+        mx = tl.maximum(mx, tl.load(lse_ptr + rows + si, mask=g_mask, other=float("-inf"), cache_modifier=".cg"))
+    mx = tl.where(mx > float("-inf"), mx, 0.0)  # padding heads: no NaN (never stored)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    wsum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for si in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_ptr + rows + si, mask=g_mask, other=float("-inf"), cache_modifier=".cg") - mx)
+        o = tl.load(o_part_ptr + (rows + si)[:, None] * BLOCK_D + d[None, :], mask=g_mask[:, None] & d_mask[None, :],
+                    other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * o
+        wsum += w
+    out = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
+    tl.store(o_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
 def _kv_tile(k_base, v_base, n, n_mask, i, h_mask, d, d_mask, stride_kt, stride_vt, HALF: tl.constexpr):
     """Cache rows ``n`` (masked rows read as 0): the keys as their two rotation halves, and the values."""
     rows_k = k_base + n[:, None].to(tl.int64) * stride_kt
@@ -237,7 +260,7 @@ def _kv_tile(k_base, v_base, n, n_mask, i, h_mask, d, d_mask, stride_kt, stride_
 
 @triton.jit
 def _rope_decode_attention_kernel(
-    qkv_ptr, rope_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, o_part_ptr, lse_ptr,
+    qkv_ptr, rope_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, o_part_ptr, lse_ptr, lock_ptr,
     scale,
     stride_qkv, stride_rope_t,
     stride_kb, stride_kh, stride_kt,
@@ -245,7 +268,7 @@ def _rope_decode_attention_kernel(
     stride_ob, stride_oh, T,
     HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_DOT: tl.constexpr, LOG2E: tl.constexpr, USE_PDL: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, USE_DOT: tl.constexpr, LOG2E: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """``_rope_kv_write_kernel`` and ``_decode_attention_kernel`` in one program per (sequence, kv head, split),
     with ``seq_len = pos + 1``: the split whose range holds ``pos`` rotates this kv head's new k, writes k and v
@@ -347,13 +370,24 @@ def _rope_decode_attention_kernel(
 
     _store_split(acc, m, l, o_ptr, o_part_ptr, lse_ptr, b64, heads, split, HQ, stride_ob, stride_oh, g_mask, d,
                  d_mask, BLOCK_D, NUM_SPLITS)
+    if MERGE_IN_KERNEL and NUM_SPLITS > 1:
+        # the last split of (sequence, kv head) to arrive merges them all, as the split-K GEMMs' last program
+        # sums their partials: no merge kernel. All threads' stores happen before the (release) counter bump.
+        tl.debug_barrier()
+        lock = lock_ptr + b * HKV + hkv
+        if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            _merge_heads(o_part_ptr, lse_ptr, o_ptr, b64, heads, HQ, stride_ob, stride_oh, g_mask, d, d_mask,
+                         BLOCK_G, BLOCK_D, NUM_SPLITS)
+            tl.store(lock, 0)  # ready for the next launch (same stream)
 
 
 def launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse, n_q_heads: int,
-                                 scale: float, config: dict, pdl: bool = False):
+                                 scale: float, config: dict, pdl: bool = False, locks=None):
     """qkv: [B, (Hq + 2 Hkv) * D] rows (unit inner stride); rope [T, D/2, 2] fp32; input_pos [B]; caches
     [B, Hkv, T, D]; out [B, Hq, D]; o_part [B, Hq, S, BLOCK_D] fp32 and lse [B, Hq, S] fp32 when
-    config["NUM_SPLITS"] > 1 (else unused). config: ``ops.attention.decode_attention_config``'s."""
+    config["NUM_SPLITS"] > 1 (else unused). config: ``ops.attention.decode_attention_config``'s, and optionally
+    ``MERGE_IN_KERNEL`` (with more than one split: the last split of each (sequence, kv head) merges, no merge
+    kernel; ``locks``: B * Hkv zeroed int32 counters, which the kernel leaves at 0)."""
     B = qkv.shape[0]
     Hkv, D = k_cache.shape[1], k_cache.shape[3]
     splits = config["NUM_SPLITS"]
@@ -361,18 +395,22 @@ def launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, out, o_
     half = D // 2
     # tl.dot needs K >= 16: the halves are padded (masked) to 16 on the dot path
     block_half = max(16, next_pow2(half)) if config["USE_DOT"] else next_pow2(half)
+    merge_in_kernel = bool(config.get("MERGE_IN_KERNEL", False)) and splits > 1
+    if merge_in_kernel and (locks is None or locks.numel() < B * Hkv):
+        raise ValueError(f"MERGE_IN_KERNEL needs {B * Hkv} zeroed int32 counters (locks)")
     _rope_decode_attention_kernel[(B, Hkv, splits)](
-        qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse,
+        qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse, locks if merge_in_kernel else out,
         scale,
         qkv.stride(0), rope.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), k_cache.shape[2],
         HQ=n_q_heads, HKV=Hkv, GROUP=n_q_heads // Hkv, BLOCK_G=config["BLOCK_G"], HALF=half, BLOCK_HALF=block_half,
-        BLOCK_D=block_d, BLOCK_N=config["BLOCK_N"], NUM_SPLITS=splits, USE_DOT=config["USE_DOT"], LOG2E=LOG2E,
-        USE_PDL=pdl, num_warps=config["num_warps"], num_stages=1, **launch_kwargs(pdl),
+        BLOCK_D=block_d, BLOCK_N=config["BLOCK_N"], NUM_SPLITS=splits, MERGE_IN_KERNEL=merge_in_kernel,
+        USE_DOT=config["USE_DOT"], LOG2E=LOG2E, USE_PDL=pdl, num_warps=config["num_warps"], num_stages=1,
+        **launch_kwargs(pdl),
     )
-    if splits > 1:
+    if splits > 1 and not merge_in_kernel:
         _decode_attention_merge_kernel[(B, n_q_heads)](
             o_part, lse, out, out.stride(0), out.stride(1), n_q_heads,
             D=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), USE_PDL=pdl,
