@@ -172,8 +172,16 @@ def test_byte_level_vocab_round_trip_and_generate(tmp_path):
     assert tok.eos_ids == (257,)
     eng = Engine(loaded.model, tok, max_seq_len=64)
     [r] = eng.generate("ab", max_new_tokens=5, ignore_eos=True)
-    ref = hf.generate(torch.tensor([tok.encode("ab")]), max_new_tokens=5, do_sample=False, min_new_tokens=5)
-    assert r.tokens == ref[0, 3:].tolist()
+    prompt = tok.encode("ab")
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, min_new_tokens=5)[0, 3:].tolist()
+    if r.tokens != ref:
+        # random weights give near-uniform logits: greedy may part from HF only at a near tie, where the two fp32
+        # paths' summation orders decide (seen once in the CPU CI, session 14, at the 4th token)
+        i = next(j for j, (a, b) in enumerate(zip(r.tokens, ref)) if a != b)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+        gap = (logits[ref[i]] - logits[r.tokens[i]]).item()
+        assert 0 <= gap <= 2 * ATOL, f"token {i}: ours {r.tokens[i]}, HF {ref[i]}, HF's logit gap {gap:.2e}"
 
 
 def test_sentencepiece_vocab_from_metadata():
