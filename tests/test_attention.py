@@ -202,17 +202,23 @@ def test_rope_kv_write_ref_matches_model_rope():
     torch.testing.assert_close(k[rows, :, pos], apply_rope(x[:, :, Hq:Hq + Hkv], cs)[:, 0], atol=1e-6, rtol=0)
 
 
-def test_rope_kv_write_argument_errors():
+@pytest.mark.parametrize("op", [rope_kv_write, rope_decode_attention], ids=["rope_kv_write", "rope_decode_attention"])
+def test_rope_argument_errors(op):
+    """The checks both RoPE ops share (ops.attention._check_rope_args)."""
     qkv, rope, pos, k, v = _rope_inputs(2, 4, 2, 30, 16, torch.float32)
     with pytest.raises(ValueError, match=r"qkv must have \(n_q_heads \+ 2 \* Hkv\) \* D = 128 columns, got 80"):
-        rope_kv_write(qkv[:, :80], rope, pos, k, v, 4)
+        op(qkv[:, :80], rope, pos, k, v, 4)
     with pytest.raises(ValueError, match="n_q_heads must be a positive multiple of the kv heads"):
-        rope_kv_write(qkv, rope, pos, k, v, 3)
+        op(qkv, rope, pos, k, v, 3)
     with pytest.raises(ValueError, match=r"rope must have shape \(T, 8, 2\)"):
-        rope_kv_write(qkv, rope[:, :4], pos, k, v, 4)
+        op(qkv, rope[:, :4], pos, k, v, 4)
+    with pytest.raises(ValueError, match="v_cache must match k_cache"):
+        op(qkv, rope, pos, k, v[:, :, :20], 4)
+    with pytest.raises(ValueError, match="k_cache must hold 2 sequences"):
+        op(qkv, rope, pos, k[:1], v[:1], 4)
     if DEV == "cpu":
         with pytest.raises(ValueError, match=r"input_pos must lie in \[0, 29\]"):
-            rope_kv_write(qkv, rope, torch.tensor([3, 30]), k, v, 4)
+            op(qkv, rope, torch.tensor([3, 30]), k, v, 4)
 
 
 # ----------------------------------------------------------------------------- RoPE + KV write + attention, one op
@@ -354,24 +360,12 @@ def test_rope_decode_attention_torch_backend_equals_ref():
 
 
 def test_rope_decode_attention_argument_errors():
+    """Its own checks (the shared ones: test_rope_argument_errors)."""
     qkv, rope, pos, k, v = _fused_inputs(2, 4, 2, 30, 16, torch.float32)
-    with pytest.raises(ValueError, match=r"qkv must have \(n_q_heads \+ 2 \* Hkv\) \* D = 128 columns, got 80"):
-        rope_decode_attention(qkv[:, :80], rope, pos, k, v, 4)
-    with pytest.raises(ValueError, match="n_q_heads must be a positive multiple of the kv heads"):
-        rope_decode_attention(qkv, rope, pos, k, v, 3)
-    with pytest.raises(ValueError, match=r"rope must have shape \(T, 8, 2\)"):
-        rope_decode_attention(qkv, rope[:, :4], pos, k, v, 4)
     with pytest.raises(ValueError, match="k_cache and v_cache must have qkv's dtype"):
         rope_decode_attention(qkv, rope, pos, k.half(), v.half(), 4)
-    with pytest.raises(ValueError, match="v_cache must match k_cache"):
-        rope_decode_attention(qkv, rope, pos, k, v[:, :, :20], 4)
     with pytest.raises(ValueError, match="num_splits must be an integer in"):
         rope_decode_attention(qkv, rope, pos, k, v, 4, num_splits=65)
-    with pytest.raises(ValueError, match="k_cache must hold 2 sequences"):
-        rope_decode_attention(qkv, rope, pos, k[:1], v[:1], 4)
-    if DEV == "cpu":
-        with pytest.raises(ValueError, match=r"input_pos must lie in \[0, 29\]"):
-            rope_decode_attention(qkv, rope, torch.tensor([3, 30]), k, v, 4)
 
 
 @pytest.mark.gpu

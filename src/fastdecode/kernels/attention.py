@@ -164,6 +164,19 @@ def launch_decode_attention(q, k_cache, v_cache, seq_lens, out, o_part, lse, sca
 
 
 @triton.jit
+def _rope_cos_sin(rope_ptr, pos, stride_rope_t, i, mask):
+    """cos and sin of the rotation pairs ``i`` at position ``pos`` (the [T, D/2, 2] fp32 table)."""
+    row = rope_ptr + pos * stride_rope_t + 2 * i
+    return tl.load(row, mask=mask, other=0.0), tl.load(row + 1, mask=mask, other=0.0)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    """Half-split rotation (HF / NeoX) of the fp32 halves x1, x2: ``[x1 c - x2 s, x2 c + x1 s]``."""
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _rope_kv_write_kernel(
     qkv_ptr, rope_ptr, pos_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     stride_qkv, stride_rope_t, stride_qo_b, stride_qo_h,
@@ -184,13 +197,11 @@ def _rope_kv_write_kernel(
     pos = tl.load(pos_ptr + b).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     m = i < HALF
-    cos = tl.load(rope_ptr + pos * stride_rope_t + 2 * i, mask=m, other=0.0)
-    sin = tl.load(rope_ptr + pos * stride_rope_t + 2 * i + 1, mask=m, other=0.0)
+    cos, sin = _rope_cos_sin(rope_ptr, pos, stride_rope_t, i, m)
     row = qkv_ptr + b64 * stride_qkv + h * D  # q heads, then k heads: contiguous in one row
     x1 = tl.load(row + i, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(row + HALF + i, mask=m, other=0.0).to(tl.float32)
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
+    o1, o2 = _rotate(x1, x2, cos, sin)
     if h < HQ:
         dst = q_out_ptr + b64 * stride_qo_b + h * stride_qo_h
         tl.store(dst + i, o1.to(q_out_ptr.dtype.element_ty), mask=m)
@@ -321,19 +332,18 @@ def _rope_decode_attention_kernel(
 
     # RoPE (half-split, fp32 math) of this kv head's query heads and of its new key
     pos64 = pos.to(tl.int64)
-    cos = tl.load(rope_ptr + pos64 * stride_rope_t + 2 * i, mask=h_mask, other=0.0)
-    sin = tl.load(rope_ptr + pos64 * stride_rope_t + 2 * i + 1, mask=h_mask, other=0.0)
+    cos, sin = _rope_cos_sin(rope_ptr, pos64, stride_rope_t, i, h_mask)
     row = qkv_ptr + b64 * stride_qkv
     heads = hkv * GROUP + g
     qg_mask = g_mask[:, None] & h_mask[None, :]
     x1 = tl.load(row + heads[:, None] * D + i[None, :], mask=qg_mask, other=0.0).to(tl.float32)
     x2 = tl.load(row + heads[:, None] * D + HALF + i[None, :], mask=qg_mask, other=0.0).to(tl.float32)
-    q1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(qkv_ptr.dtype.element_ty)
-    q2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(qkv_ptr.dtype.element_ty)
+    q1, q2 = _rotate(x1, x2, cos[None, :], sin[None, :])
+    q1, q2 = q1.to(qkv_ptr.dtype.element_ty), q2.to(qkv_ptr.dtype.element_ty)
     kx1 = tl.load(row + (HQ + hkv) * D + i, mask=h_mask, other=0.0).to(tl.float32)
     kx2 = tl.load(row + (HQ + hkv) * D + HALF + i, mask=h_mask, other=0.0).to(tl.float32)
-    kn1 = (kx1 * cos - kx2 * sin).to(k_ptr.dtype.element_ty)
-    kn2 = (kx2 * cos + kx1 * sin).to(k_ptr.dtype.element_ty)
+    kn1, kn2 = _rotate(kx1, kx2, cos, sin)
+    kn1, kn2 = kn1.to(k_ptr.dtype.element_ty), kn2.to(k_ptr.dtype.element_ty)
     vn = tl.load(row + (HQ + HKV + hkv) * D + d, mask=d_mask, other=0.0).to(v_ptr.dtype.element_ty)
     k_dst = k_base + pos64 * stride_kt
     # the masks as vectors (the interpreter takes no scalar in a store mask)

@@ -50,6 +50,11 @@ def decode_attention_config(B: int, Hq: int, Hkv: int, T: int, D: int, dtype: to
             "USE_DOT": use_dot, "num_warps": 4, "num_stages": 2}
 
 
+def _check_num_splits(num_splits) -> None:
+    if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be an integer in [1, {MAX_SPLITS}], got {num_splits!r}")
+
+
 def _split_buffers(B: int, Hq: int, cfg: dict, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-KV partials (fp32 rows [B, Hq, S, BLOCK_D] and their log-sum-exp [B, Hq, S]) the merge kernel
     reads; with one split the kernel writes ``out`` directly and takes ``out`` for both (unused)."""
@@ -118,8 +123,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, scale: Optional[float] = Non
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if D > 1 and t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
-    if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS):
-        raise ValueError(f"num_splits must be an integer in [1, {MAX_SPLITS}], got {num_splits!r}")
+    _check_num_splits(num_splits)
     if seq_lens.device.type == "cpu" and B > 0 and not is_tracing():
         lo, hi = int(seq_lens.min()), int(seq_lens.max())
         if lo < 1 or hi > T:
@@ -292,8 +296,7 @@ def rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int
     B, D = _check_rope_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads)
     if k_cache.dtype != qkv.dtype:
         raise ValueError(f"k_cache and v_cache must have qkv's dtype {qkv.dtype}, got {k_cache.dtype}")
-    if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= MAX_SPLITS):
-        raise ValueError(f"num_splits must be an integer in [1, {MAX_SPLITS}], got {num_splits!r}")
+    _check_num_splits(num_splits)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     check_out("out", out, (B, n_q_heads, D), qkv.dtype, qkv.device)
     be = resolve_backend(backend, qkv.device, "rope_decode_attention")
