@@ -61,6 +61,29 @@ def test_llama8b_shaped_logits_match_fp32(backend):
         pos += 1
 
 
+def test_norm_gemm_graph_decode_matches_fp32():
+    """The ``norm_gemm`` path (the RMSNorms and residual adds inside the bf16 GEMMs, ``models.norm_gemm``) at
+    batch 1 (the one-split FMA GEMVs of the 8B shapes take the norm) and 2, captured in CUDA graphs with PDL,
+    against the default path in fp32, step after step."""
+    from fastdecode.models import norm_gemm
+
+    model = _llama8b("triton")
+    ref = _fp32_copy(model)
+    model.set_kernels(norm_gemm=True)
+    assert norm_gemm.applies(model)
+    cfg = model.config
+    for B in (1, 2):
+        eng = Engine(model, None, max_batch=B, max_seq_len=64, cuda_graph=True, batch_buckets=[B])
+        rc = KVCache(cfg, B, 64, dtype=torch.float32, device=DEV)
+        prompts = [torch.randint(0, cfg.vocab_size, (5,)).tolist() for _ in range(B)]
+        _assert_logits_close(eng.prefill(prompts), ref.prefill(torch.tensor(prompts, device=DEV), rc)[:, -1])
+        pos = torch.full((B,), 5, device=DEV)
+        for _ in range(4):
+            nxt = torch.randint(0, cfg.vocab_size, (B,), device=DEV)
+            _assert_logits_close(eng.decode(nxt, pos).clone(), ref.decode(nxt, pos, rc))
+            pos += 1
+
+
 def test_llama8b_shaped_fp32_matches_transformers():
     """fp32 weights and math on the GPU against transformers with the same weights: the model code
     itself, at real Llama-3.1-8B shapes (llama3 RoPE scaling, GQA 4, D 128), to fp32 rounding."""

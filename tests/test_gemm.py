@@ -395,13 +395,16 @@ from fastdecode.kernels.gemm import _skinny_linear_kernel
 cfg, elem_ty = json.loads(sys.argv[1]), sys.argv[2]
 pt = "*" + elem_ty
 sig = {"x_ptr": pt, "w_ptr": pt, "bias_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
-       "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+       "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "nw_ptr": pt, "eps": "fp32",
+       "M": "i32", "N": "i32", "K": "i32",
        "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_part": "i32", "split_k": "i32"}
 consts = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=0, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
               USE_PDL=False, PREFETCH=cfg.get("PREFETCH", False), W_EVICT=cfg.get("EVICT", False), X_GLU=False,
-              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=True)
+              X_NORM=cfg.get("X_NORM", False), ACCUMULATE=cfg.get("ACCUMULATE", False),
+              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+              SPLIT=not cfg.get("X_NORM", False))
 sig.update({k: "constexpr" for k in consts})
-aligned = {"x_ptr", "w_ptr", "bias_ptr", "xs_ptr", "ws_ptr", "out_ptr", "part_ptr", "lock_ptr",
+aligned = {"x_ptr", "w_ptr", "bias_ptr", "xs_ptr", "ws_ptr", "out_ptr", "part_ptr", "lock_ptr", "nw_ptr",
            "N", "K", "stride_xm", "stride_wn", "stride_om"}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in aligned}
 cc = triton.compile(ASTSource(_skinny_linear_kernel, sig, consts, attrs),
@@ -414,18 +417,22 @@ def _ptx_for_h100(cfg, elem_ty) -> str:
     return sm90_ptx(_COMPILE_SNIPPET, json.dumps(cfg), elem_ty)
 
 
-@pytest.mark.parametrize("dkey,elem_ty,M,prefetch,evict", [
-    ("bf16", "bf16", 1, False, False), ("bf16", "bf16", 2, True, False), ("fp8", "fp8e4nv", 1, True, False),
-    ("fp8", "fp8e4nv", 2, False, False), ("fp8", "fp8e4nv", 1, False, True),
+@pytest.mark.parametrize("dkey,elem_ty,M,prefetch,evict,norm", [
+    ("bf16", "bf16", 1, False, False, False), ("bf16", "bf16", 2, True, False, False),
+    ("fp8", "fp8e4nv", 1, True, False, False), ("fp8", "fp8e4nv", 2, False, False, False),
+    ("fp8", "fp8e4nv", 1, False, True, False), ("bf16", "bf16", 1, True, True, True),
+    ("bf16", "bf16", 4, False, True, True),
 ])
-def test_fma_loop_streams_16_byte_loads_without_shuffles(dkey, elem_ty, M, prefetch, evict):
+def test_fma_loop_streams_16_byte_loads_without_shuffles(dkey, elem_ty, M, prefetch, evict, norm):
     """Regression guard for the FMA path's speed: in the K loop every weight load is 16 bytes wide
     and nothing goes through shared memory (an x layout that differs from the weight tile's puts a
     shared-memory round trip and two barriers into every step); with EVICT the weight loads, and
-    not the x load, carry ``evict_first``."""
+    not the x load, carry ``evict_first``. Also with the RMSNorm inside (X_NORM, ``ops.norm_linear``):
+    the norm weight's slice and the squares of h stay in the weight tile's layout too."""
     import re
 
-    cfg = {**L.fma_tile(M, 1 if dkey == "fp8" else 2), "PREFETCH": prefetch, "EVICT": evict}
+    cfg = {**L.fma_tile(M, 1 if dkey == "fp8" else 2), "PREFETCH": prefetch, "EVICT": evict, "X_NORM": norm,
+           "ACCUMULATE": norm}
     ptx = _ptx_for_h100(cfg, elem_ty)
     body = k_loop(ptx)
     assert "shared" not in body and "bar.sync" not in body, "the K loop shuffles through shared memory"

@@ -32,7 +32,9 @@ Ablation (``--ablate``): ``fastdecode-graph`` with one switch off at a time (``m
 then the norm; TP only), ``-no-int4_gemm`` (the int4 projections dequantised into a scratch weight, then
 cuBLAS; int4 models only), ``-no-pdl`` (the graph captured without programmatic dependent launch,
 ``fastdecode.kernels.pdl``), ``-no-argmax`` (the next tokens from ``torch.argmax`` rather than
-``fastdecode.argmax``) and ``fastdecode-eager`` (no CUDA graph). The fastdecode rows take the next tokens with
+``fastdecode.argmax``) and ``fastdecode-eager`` (no CUDA graph); ``fastdecode-graph-with-<switch>`` turns on a
+switch that is off by default (``OPT_IN_KERNELS``: ``norm_gemm``, the RMSNorms and residual adds inside the
+GEMMs). The fastdecode rows take the next tokens with
 ``fastdecode.argmax`` (after the graph, as ``Engine``'s greedy sampler does), the torch rows with ``torch.argmax``.
 
 ``--quant fp8`` quantises the random-weight model (W8A8), ``--quant int4`` to W4A16 (RTN, group 128; a
@@ -62,7 +64,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from fastdecode.bench.decode_results import add_speedup_vs_peer
-from fastdecode.models.llama import KERNELS
+from fastdecode.models.llama import KERNELS, OPT_IN_KERNELS
 from fastdecode.ops import argmax as fd_argmax, pdl_override
 
 IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdecode-graph-cublas", "fastdecode-graph")
@@ -71,8 +73,9 @@ IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdec
 EXTRA_IMPLS = ("fastdecode-graph-triton", "peer-eager")
 PEER_IMPLS = ("peer-compile", "peer-eager")
 CPU_IMPLS = ("torch-eager", "peer-eager")
-ABLATIONS = (("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in KERNELS)
-             + ("fastdecode-graph-no-pdl", "fastdecode-graph-no-argmax"))
+ABLATIONS = (("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in KERNELS if k not in OPT_IN_KERNELS)
+             + ("fastdecode-graph-no-pdl", "fastdecode-graph-no-argmax")
+             + tuple(f"fastdecode-graph-with-{k}" for k in OPT_IN_KERNELS))
 # what to lower when the KV cache would not fit (the hint of check_kv_memory's message)
 KV_FIX = "lower --batch, --input-len or --output-len"
 # Peak HBM bandwidth by GPU name fragment, bytes/s (vendor figures); the copy anchor is 4.24 TB/s on H200
@@ -102,7 +105,8 @@ class DecodeRunner:
         self.graphs = None
         self.compiled = None
         dev = cache.device
-        model.set_kernels(**dict.fromkeys(KERNELS, True))  # also resets the GEMM impl (skinny_gemm on)
+        # the defaults (opt-in switches off); also resets the GEMM impl (skinny_gemm on)
+        model.set_kernels(**{k: k not in OPT_IN_KERNELS for k in KERNELS})
         pdl_off = impl == "fastdecode-graph-no-pdl"  # the graph captured without programmatic dependent launch
         # the next tokens: fastdecode.argmax on the fastdecode rows, torch.argmax on the torch rows and the ablation
         self.argmax = (fd_argmax if impl.startswith("fastdecode") and impl != "fastdecode-graph-no-argmax"
@@ -111,10 +115,16 @@ class DecodeRunner:
             model.backend = "triton"
         elif impl.startswith("fastdecode-graph-no-"):
             k = impl[len("fastdecode-graph-no-"):]
-            if k not in KERNELS:
+            if k not in KERNELS or k in OPT_IN_KERNELS:
                 raise ValueError(f"unknown ablation {impl!r}")
             model.backend = "triton"
             model.set_kernels(**{k: False})
+        elif impl.startswith("fastdecode-graph-with-"):  # an opt-in switch on
+            k = impl[len("fastdecode-graph-with-"):]
+            if k not in OPT_IN_KERNELS:
+                raise ValueError(f"unknown opt-in kernel switch in {impl!r}; known: {', '.join(OPT_IN_KERNELS)}")
+            model.backend = "triton"
+            model.set_kernels(**{k: True})
         elif impl == "fastdecode-eager":
             model.backend = "triton"
         elif impl in ("torch-eager", "torch-graph"):
@@ -351,6 +361,8 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
             skip = "needs int4 weights (--quant int4)"
         elif impl in ("torch-compile",) + PEER_IMPLS and tp is not None:
             skip = "not with --tp"
+        elif impl == "fastdecode-graph-with-norm_gemm" and (quant or model.quant or tp is not None):
+            skip = "bf16 / fp16 projections on one GPU only (Transformer._norm_gemm_applies)"
         if skip:
             log(f"{impl}: skipped ({skip})")
             rows.append({"op": "decode", "impl": impl, "shape": shape, "skipped": skip, **env_info()})

@@ -40,8 +40,10 @@ FP8_PROMOTE_K = tl.constexpr(32)
 
 @triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr,
-              HAS_BIAS: tl.constexpr, X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr):
-    """out[m, n] = acc[m, n] * x_scale[m] * w_scale[n] + bias[n], fp32 math, one rounding."""
+              HAS_BIAS: tl.constexpr, X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr,
+              ACCUMULATE: tl.constexpr = False):
+    """out[m, n] = acc[m, n] * x_scale[m] * w_scale[n] + bias[n] (+ out[m, n] with ACCUMULATE: the residual
+    add, in place), fp32 math, one rounding. Each element of out is read and written by one thread."""
     m_mask = offs_m < M
     n_mask = offs_n < N
     if X_SCALE_MODE == 1:
@@ -55,7 +57,10 @@ def _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, w
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ACCUMULATE:
+        acc = acc + tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -72,10 +77,24 @@ def _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _norm_rows(ss0, ss1, ss2, ss3, K, eps, BLOCK_M: tl.constexpr):
+    """X_NORM: ``rsqrt(mean(h^2) + eps)`` of each token row from its [BLOCK_K] partial sums of squares -> [BLOCK_M]
+    (rows past 3 unused: BLOCK_M <= 4 on the FMA path)."""
+    rows = tl.arange(0, BLOCK_M)
+    r = tl.where(rows == 0, tl.rsqrt(tl.sum(ss0, axis=0) / K + eps), 1.0)
+    if BLOCK_M > 1:
+        r = tl.where(rows == 1, tl.rsqrt(tl.sum(ss1, axis=0) / K + eps), r)
+    if BLOCK_M > 2:
+        r = tl.where(rows == 2, tl.rsqrt(tl.sum(ss2, axis=0) / K + eps), r)
+        r = tl.where(rows == 3, tl.rsqrt(tl.sum(ss3, axis=0) / K + eps), r)
+    return r
+
+
+@triton.jit
 def _split_k_partial(acc, part_ptr, stride_part, pid_k, lock, split_k, offs_m, offs_n, m_valid, M, N,
                      out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS: tl.constexpr,
                      X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr = False):
     """Deterministic split-K in one launch: store this split's fp32 partial; the last split of the tile
     to arrive (counter ``lock``) sums all partials in split order and runs the epilogue."""
     mask = m_valid[:, None] & (offs_n < N)[None, :]
@@ -92,7 +111,7 @@ def _split_k_partial(acc, part_ptr, stride_part, pid_k, lock, split_k, offs_m, o
             total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
             part_ptrs += stride_part  # 64-bit pointer steps: no int32 overflow at large M * N
         _epilogue(total, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr,
-                  HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE)
+                  HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE, ACCUMULATE)
         tl.store(lock, 0)  # ready for the next launch (same stream)
 
 
@@ -127,17 +146,25 @@ def _load_w_masked(ptrs, mask, EVICT: tl.constexpr):
 # M and the split count change per call: not specialising them keeps one compiled kernel per config
 @triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, bias_ptr, xs_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr,
+    x_ptr, w_ptr, bias_ptr, xs_ptr, ws_ptr, out_ptr, part_ptr, lock_ptr, nw_ptr, eps,
     M, N, K, stride_xm, stride_wn, stride_om, stride_part, split_k,
     HAS_BIAS: tl.constexpr, X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP8: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, W_EVICT: tl.constexpr, X_GLU: tl.constexpr,
+    PREFETCH: tl.constexpr, W_EVICT: tl.constexpr, X_GLU: tl.constexpr, X_NORM: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles): the M tiles sharing a weight tile launch side by side (L2).
 
     X_GLU: x is the ``[gate | up]`` output of the projection before (``(M, 2K)``, row stride stride_xm) and
     the input is ``silu(gate) * up`` computed at each load (``_load_x``): SiLU-and-mul fused into the GEMM.
+
+    X_NORM (FMA path, no split): x holds the residual stream h and the input is ``rms_norm(h) * nw`` (RMSNorm
+    with weight ``nw``, epsilon ``eps``). Each program streams its whole x row anyway (no split), so the row's
+    sum of squares is accumulated beside the products of ``h * nw`` with the weights, and the per-row
+    ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums once at the end: no pass over x before the weights, and
+    the normed activation is never rounded to x's dtype (``ops.norm_linear.rms_norm_linear``).
+    ACCUMULATE: out += the result (the residual add after wo / w2, in place; ``_epilogue``).
 
     USE_PDL (programmatic dependent launch): this grid may be scheduled while the previous kernel
     of the stream finishes. It waits for that kernel (and its memory) before touching any tensor,
@@ -148,6 +175,7 @@ def _skinny_linear_kernel(
     keeps x, the split-K partials and the next kernel's inputs in L2). Rows of x are re-read by
     every program and keep the default policy.
     """
+    tl.static_assert(not (X_NORM and (USE_DOT or SPLIT or X_GLU)), "X_NORM: FMA path, one split, no X_GLU")
     if USE_PDL and (USE_DOT or not PREFETCH):
         pdl_wait()
     pid_m = tl.program_id(0)
@@ -211,6 +239,11 @@ def _skinny_linear_kernel(
         # tile's layout sliced along N: no per-step layout conversion through shared memory
         x0_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k0 + offs_k
         row0 = pid_m * BLOCK_M + tl.zeros((BLOCK_K,), dtype=tl.int32)  # a splat: constant along K
+        if X_NORM:  # per-row sums of squares of h, reduced along K after the loop
+            ss0 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            ss1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            ss2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            ss3 = tl.zeros((BLOCK_K,), dtype=tl.float32)
         ok0 = row0 < M
         ok1 = row0 + 1 < M
         ok2 = row0 + 2 < M
@@ -243,23 +276,46 @@ def _skinny_linear_kernel(
                 w = _load_w(w_ptrs, W_EVICT).to(tl.float32)
             else:
                 w = _load_w_masked(w_ptrs, k_mask[None, :], W_EVICT).to(tl.float32)
-            acc0 += w * _load_x(x0_ptrs, m0, K, X_GLU).to(tl.float32)[None, :]
-            if BLOCK_M > 1:
-                acc1 += w * _load_x(x0_ptrs + stride_xm, m1, K, X_GLU).to(tl.float32)[None, :]
-            if BLOCK_M > 2:
-                acc2 += w * _load_x(x0_ptrs + 2 * stride_xm, m2, K, X_GLU).to(tl.float32)[None, :]
-                acc3 += w * _load_x(x0_ptrs + 3 * stride_xm, m3, K, X_GLU).to(tl.float32)[None, :]
+            if X_NORM:
+                # h rows: their squares summed along K, their products with the norm weight multiplied
+                if EVEN_K:
+                    g = tl.load(nw_ptr + kb * BLOCK_K + offs_k).to(tl.float32)
+                else:
+                    g = tl.load(nw_ptr + kb * BLOCK_K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+                h0 = _load_x(x0_ptrs, m0, K, False).to(tl.float32)
+                ss0 += h0 * h0
+                acc0 += w * (h0 * g)[None, :]
+                if BLOCK_M > 1:
+                    h1 = _load_x(x0_ptrs + stride_xm, m1, K, False).to(tl.float32)
+                    ss1 += h1 * h1
+                    acc1 += w * (h1 * g)[None, :]
+                if BLOCK_M > 2:
+                    h2 = _load_x(x0_ptrs + 2 * stride_xm, m2, K, False).to(tl.float32)
+                    ss2 += h2 * h2
+                    acc2 += w * (h2 * g)[None, :]
+                    h3 = _load_x(x0_ptrs + 3 * stride_xm, m3, K, False).to(tl.float32)
+                    ss3 += h3 * h3
+                    acc3 += w * (h3 * g)[None, :]
+            else:
+                acc0 += w * _load_x(x0_ptrs, m0, K, X_GLU).to(tl.float32)[None, :]
+                if BLOCK_M > 1:
+                    acc1 += w * _load_x(x0_ptrs + stride_xm, m1, K, X_GLU).to(tl.float32)[None, :]
+                if BLOCK_M > 2:
+                    acc2 += w * _load_x(x0_ptrs + 2 * stride_xm, m2, K, X_GLU).to(tl.float32)[None, :]
+                    acc3 += w * _load_x(x0_ptrs + 3 * stride_xm, m3, K, X_GLU).to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x0_ptrs += BLOCK_K
         acc = _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M)
+        if X_NORM:  # one rsqrt(mean(h^2) + eps) per row scales that row's fp32 sums
+            acc = acc * _norm_rows(ss0, ss1, ss2, ss3, K, eps, BLOCK_M)[:, None]
 
     if not SPLIT:
         _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr,
-                  HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE)
+                  HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE, ACCUMULATE)
     else:
         _split_k_partial(acc, part_ptr, stride_part, pid_k, lock_ptr + pid_n * num_m + pid_m, split_k,
                          offs_m, offs_n, m_valid, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr,
-                         HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE, BLOCK_M, BLOCK_N)
+                         HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE, BLOCK_M, BLOCK_N, ACCUMULATE)
 
 
 def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
@@ -272,7 +328,8 @@ def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
 
 
 def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scale_mode,
-                         out, part, locks, config, pdl: bool = False, glu: bool = False):
+                         out, part, locks, config, pdl: bool = False, glu: bool = False,
+                         norm_weight=None, eps: float = 0.0, accumulate: bool = False):
     """Launch on 2-D views: x (M, K) unit stride in K, weight (N, K) contiguous, out (M, N) contiguous.
 
     ``part``: fp32 workspace of ``SPLIT_K * M * N`` elements and ``locks``: zeroed int32 counters
@@ -282,6 +339,8 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     PREFETCH (FMA path: register double buffer of the weight tile), EVICT (weights ``evict_first``)).
     ``pdl``: programmatic dependent launch (``kernels.pdl``) whatever the config says.
     ``glu``: x is (M, 2K) ``[gate | up]`` and the input is ``silu(gate) * up`` (SiLU-and-mul fused in).
+    ``norm_weight`` (K,): the input is ``rms_norm(x) * norm_weight`` with ``eps`` (FMA config, one split only).
+    ``accumulate``: ``out += x @ weight.T (+ bias)``, one rounding (out's old values read in the epilogue).
     """
     M = x.shape[0]
     N, K = weight.shape
@@ -290,15 +349,19 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     grid = (cdiv(M, bm), split, cdiv(N, bn))
     dummy = out
     pdl = pdl or bool(config.get("PDL", False))
+    if norm_weight is not None and (config["kind"] != "fma" or split > 1 or glu):
+        raise ValueError("norm_weight needs an FMA config with one split and no glu (the caller checks)")
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,
         x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
         out, part if split > 1 else dummy, locks if split > 1 else dummy,
+        norm_weight if norm_weight is not None else dummy, float(eps),
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), M * N, split,
         HAS_BIAS=bias is not None, X_SCALE_MODE=x_scale_mode, W_SCALE_MODE=w_scale_mode,
         USE_DOT=config["kind"] == "dot", DOT_FP8=bool(config.get("DOT_FP8", False)),
         EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=bool(config.get("PREFETCH", False)),
-        W_EVICT=bool(config.get("EVICT", False)), X_GLU=glu,
+        W_EVICT=bool(config.get("EVICT", False)), X_GLU=glu, X_NORM=norm_weight is not None,
+        ACCUMULATE=accumulate,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

@@ -40,10 +40,11 @@ all-reduce (``RMSNorm.comm``), fused with the residual add and the norm; ``model
 and the lm head vocab-parallel.
 
 Kernel switches for the ablation: ``model.set_kernels(fused_norm=..., fused_act=..., fused_down=...,
-skinny_gemm=..., fused_allreduce=..., int4_gemm=..., fused_rope=...)``; a switched-off fusion runs as separate
-plain-PyTorch ops (an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA, SiLU-and-mul inside a bf16 / fp16
-``w2``'s GEMM (``Linear.forward_glu``); off, apart, as always for int4 and FP8 (``fastdecode.ops.glu_linear`` says
-why). ``fused_rope``: ``fastdecode.models.decode_attention``.
+skinny_gemm=..., fused_allreduce=..., int4_gemm=..., fused_rope=..., norm_gemm=...)``; a switched-off fusion runs
+as separate plain-PyTorch ops (an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA, SiLU-and-mul inside a
+bf16 / fp16 ``w2``'s GEMM (``Linear.forward_glu``); off, apart, as always for int4 and FP8
+(``fastdecode.ops.glu_linear`` says why). ``fused_rope``: ``fastdecode.models.decode_attention``. ``norm_gemm`` (off
+by default, ``OPT_IN_KERNELS``): ``fastdecode.models.norm_gemm``.
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -66,8 +67,10 @@ from torch import nn
 
 from fastdecode.models.config import ModelConfig
 from fastdecode.models.decode_attention import decode_attend
+from fastdecode.models import norm_gemm
 from fastdecode.models.int4 import Int4Linear
 from fastdecode.models.qk_norm import norm_heads, norm_qk_rows
+from fastdecode.models.step_bytes import step_read_bytes, unique_param_bytes  # noqa: F401  (re-exported)
 from fastdecode.models.rope import apply_rope, rope_cache, rope_inv_freq  # noqa: F401  (rope_inv_freq: re-exported)
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
 from fastdecode.ops.allreduce import all_reduce, all_reduce_add_rms_norm
@@ -81,30 +84,9 @@ from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref
 from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
-KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm", "fused_rope")
-
-
-def unique_param_bytes(params, seen: Optional[set] = None) -> int:
-    """Bytes of ``params``, each tensor counted once; ``seen``: ids of tensors already counted (updated)."""
-    seen = set() if seen is None else seen
-    total = 0
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
-
-
-def step_read_bytes(weight_bytes: int, embedding: torch.Tensor, head: nn.Module, batch: int) -> int:
-    """Bytes one decode step of ``batch`` sequences reads out of a model's ``weight_bytes``: all of them,
-    except that an embedding table the head does not share adds only ``batch`` of its rows (a head tied to
-    the table reads it whole; the lookups then add nothing)."""
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
-    if getattr(head, "weight", None) is embedding:
-        return weight_bytes
-    rows = min(batch, embedding.shape[0])  # under TP a token outside this rank's range reads row 0
-    return weight_bytes + (rows - embedding.shape[0]) * embedding.shape[1] * embedding.element_size()
+KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm", "fused_rope",
+           "norm_gemm")
+OPT_IN_KERNELS = ("norm_gemm",)  # off by default (``bench decode``'s ``-with-<switch>`` rows turn them on)
 
 
 def _lead(x) -> tuple:
@@ -272,14 +254,19 @@ class Attention(nn.Module):
     def decode(self, x, rope, k_cache, v_cache, input_pos, seq_lens, backend):
         """x: [B, 1, dim]; rope: the model's [T, D/2, 2] table; input_pos: [B] int64 (each sequence's new
         position); seq_lens: [B] int32 (= input_pos + 1) or None. Writes k/v at input_pos, returns [B, 1, dim]."""
-        B = _lead(x)[0]
-        qkv = self.wqkv(x, backend).view(B, -1)  # [B, (Hq + 2 Hkv) * D]
+        qkv = self.wqkv(x, backend)
+        return self.wo(self.attend(qkv, rope, k_cache, v_cache, input_pos, seq_lens, backend), backend)
+
+    def attend(self, qkv, rope, k_cache, v_cache, input_pos, seq_lens, backend):
+        """The attention of ``decode`` between its two projections: qkv [B, 1, (Hq + 2 Hkv) * D] -> [B, 1, Hq * D]."""
+        B = qkv.shape[0]
+        qkv = qkv.view(B, -1)  # [B, (Hq + 2 Hkv) * D]
         if self.q_norm is not None:
             qkv = norm_qk_rows(qkv, self.q_norm, self.k_norm, self.n_heads, self.n_kv_heads, backend)
         k_cache, v_cache = k_cache[:B], v_cache[:B]
         o = decode_attend(qkv, rope, input_pos, k_cache, v_cache, seq_lens, self.n_heads, self.scale, self.fused_rope,
                           backend)
-        return self.wo(o.reshape(B, 1, -1), backend)
+        return o.reshape(B, 1, -1)
 
 
 class FeedForward(nn.Module):
@@ -334,7 +321,7 @@ class Transformer(nn.Module):
         self.quant_format: Optional[str] = None  # the format recorded on export (models.quantize); sets ``quant``
         self.head_quant: Optional[str] = None  # "fp8" / "int4" after models.quantize.quantize_head
         self.tp = None  # fastdecode.engine.sharding.TPState after apply_tp
-        self.kernels = dict.fromkeys(KERNELS, True)
+        self.kernels = {k: k not in OPT_IN_KERNELS for k in KERNELS}
         self.rope_len = rope_len or cfg.max_seq_len
         rope_dev = None if device is None or torch.device(device).type == "meta" else device
         self.register_buffer("rope", rope_cache(cfg, self.rope_len, rope_freq_factors, rope_dev), persistent=False)
@@ -429,6 +416,8 @@ class Transformer(nn.Module):
         B = tokens.shape[0]
         be = self.backend
         seq_lens = None if self.kernels["fused_rope"] else (input_pos + 1).to(torch.int32)  # once, for every layer
+        if norm_gemm.applies(self):
+            return norm_gemm.decode(self, tokens, input_pos, cache, seq_lens)
         residual = self._embed(tokens.view(B, 1))  # [B, 1, dim]; fresh, updated in place below
         x = self.layers[0].attention_norm(residual, be)
         for i, layer in enumerate(self.layers):
@@ -450,7 +439,7 @@ class Transformer(nn.Module):
 
     def set_kernels(self, **flags: bool) -> None:
         """Switch fused kernels on/off (ablation): ``fused_norm``, ``fused_act``, ``fused_down``, ``skinny_gemm``,
-        ``fused_allreduce``, ``int4_gemm``, ``fused_rope``.
+        ``fused_allreduce``, ``int4_gemm``, ``fused_rope``; ``norm_gemm`` (off by default: ``models.norm_gemm``).
 
         Off means the unfused PyTorch ops (norm, activation), cuBLAS (GEMMs), NCCL/gloo all-reduce then the norm,
         dequantise + cuBLAS (``Int4Linear``), RoPE + KV write in its own kernel. Also re-derives where FP8

@@ -1,0 +1,59 @@
+"""The decode step with each block's RMSNorms inside the GEMMs after them and the residual adds inside the GEMMs
+before them: the ``norm_gemm`` kernel switch of ``Transformer`` (off by default: ``llama.OPT_IN_KERNELS``).
+
+A block is then ``rms_norm_linear(h, wqkv) -> attention -> add_linear_(h, wo) -> rms_norm_linear(h, w13) ->
+add_linear_(h, w2)`` (w2 with SiLU-and-mul in its loads): 5 kernels instead of 7, the residual stream ``h`` updated
+in place by wo and w2 (``fastdecode.ops.norm_linear``, which says how the roundings differ from the two-kernel
+path). The final norm stays a kernel of its own before the lm head.
+
+It applies where the switch and ``fused_norm`` are on, on fastdecode's ops (not the ``"ref"`` baseline), on one
+GPU (under TP the norm owns the all-reduce), and where the four projections of every block are plain ``Linear``:
+bf16 / fp16 / fp32 (an ``Fp8Linear`` wants its norm to quantise, an ``Int4Linear`` has its own kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref
+from fastdecode.ops.norm_linear import add_linear_, rms_norm_linear
+
+
+def _projections(layer):
+    a, f = layer.attention, layer.feed_forward
+    return a.wqkv, a.wo, f.w13, f.w2
+
+
+def applies(model) -> bool:
+    """Whether ``model.decode`` takes this path (module docstring)."""
+    from fastdecode.models.llama import Linear
+
+    k = model.kernels
+    if not (k["norm_gemm"] and k["fused_norm"]) or model.backend == "ref" or model.tp is not None:
+        return False
+    return all(isinstance(p, Linear) for layer in model.layers for p in _projections(layer))
+
+
+def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens) -> torch.Tensor:
+    """``Transformer.decode`` on this path: tokens, input_pos [B] -> fp32 logits [B, V]."""
+    B = tokens.shape[0]
+    be = model.backend
+    h = model._embed(tokens.view(B, 1))  # [B, 1, dim]: the residual stream, a fresh tensor updated in place
+    for i, layer in enumerate(model.layers):
+        wqkv, wo, w13, w2 = _projections(layer)
+        a, f = layer.attention, layer.feed_forward
+        n = layer.attention_norm
+        qkv = rms_norm_linear(h, n.weight, wqkv.weight, wqkv.bias, eps=n.eps, backend=be, impl=wqkv.gemm_impl)
+        o = a.attend(qkv, model.rope, cache.k[i], cache.v[i], input_pos, seq_lens, be)
+        add_linear_(h, o, wo.weight, wo.bias, backend=be, impl=wo.gemm_impl)
+        n = layer.ffn_norm
+        gu = rms_norm_linear(h, n.weight, w13.weight, w13.bias, eps=n.eps, backend=be, impl=w13.gemm_impl)
+        if f.fuse_down and f.fused:  # SiLU-and-mul in w2's loads
+            add_linear_(h, gu, w2.weight, w2.bias, glu=True, backend=be, impl=w2.gemm_impl)
+        else:
+            act = silu_and_mul(gu, backend=be) if f.fused else silu_and_mul_ref(gu)
+            add_linear_(h, act, w2.weight, w2.bias, backend=be, impl=w2.gemm_impl)
+    return model._head(model.norm(h, be)).view(B, -1)
+
+
+__all__ = ["applies", "decode"]
