@@ -87,6 +87,10 @@ def test_family_table_says_when_kernels_overlap():
     rec = family_table(steps, 0)
     assert rec["families"][-1]["us_per_step"] < 0
     assert "overlap" in format_table({**rec, "impl": "fastdecode-graph", "shape": {}})
+    # a row profiled with PDL off for the whole process (FASTDECODE_PDL=0) says so beside its impl
+    assert "fastdecode-graph (PDL off) batch" in format_table({**rec, "impl": "fastdecode-graph", "pdl": False,
+                                                               "shape": {}})
+    assert "(PDL off)" not in format_table({**rec, "impl": "fastdecode-graph-no-pdl", "pdl": False, "shape": {}})
     with pytest.raises(ValueError, match="no kernels"):
         family_table([[]], 1)
 
@@ -149,6 +153,7 @@ def test_profile_tiny_on_the_gpu(tmp_path, capsys):
     text = capsys.readouterr().out
     recs = json.loads(out.read_text())
     assert [r["impl"] for r in recs] == ["fastdecode-graph-no-pdl", "fastdecode-graph"]
+    assert [r["pdl"] for r in recs] == [False, torch.cuda.get_device_capability() >= (9, 0)]
     for r in recs:
         fams = {f["family"]: f for f in r["families"]}
         assert {"qkv", "o", "gate_up", "down", "head", "attention", "norms", "sampling", "gaps"} <= set(fams)

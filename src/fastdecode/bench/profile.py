@@ -140,7 +140,8 @@ def family_table(steps: Sequence[Sequence[tuple[str, float, float]]], n_layers: 
 def format_table(rec: dict) -> str:
     """The family table as text (what ``bench decode --profile`` prints)."""
     sh = rec.get("shape", {})
-    head = (f"{sh.get('model', '?')} quant={sh.get('quant')} {rec.get('impl')} batch={sh.get('batch')}: "
+    pdl = "" if rec.get("pdl", True) or rec.get("impl") == "fastdecode-graph-no-pdl" else " (PDL off)"
+    head = (f"{sh.get('model', '?')} quant={sh.get('quant')} {rec.get('impl')}{pdl} batch={sh.get('batch')}: "
             f"span {rec['span_us_per_step']:.1f} us/step, kernels {rec['kernel_us_per_step']:.1f} us "
             f"({rec['kernels_per_step']:.0f} kernels)")
     lines = [head, f"{'family':<11}{'calls':>7}{'us/step':>10}{'share':>8}{'MB/step':>10}{'floor us':>10}"
@@ -198,6 +199,7 @@ def profile_decode(model_name: str = "llama-3.1-8b", *, impls: Sequence[str] = (
     from fastdecode.bench.decode import PEER_IMPLS, DecodeRunner, build_bench_model, model_label, quant_label
     from fastdecode.bench.harness import env_info
     from fastdecode.engine.kv_cache import KVCache
+    from fastdecode.ops import pdl_enabled
 
     peers = [i for i in impls if i in PEER_IMPLS]
     if peers:
@@ -224,7 +226,10 @@ def profile_decode(model_name: str = "llama-3.1-8b", *, impls: Sequence[str] = (
         runner = DecodeRunner(impl, model, cache, batch)
         per_step = record_steps(runner, tok, pos, steps)
         del runner
+        # PDL as captured: off for the -no-pdl row, and for every row when FASTDECODE_PDL=0 (or set_pdl(False))
+        # turns it off for the process (how a row with another switch is profiled without PDL)
         rec = {"op": "decode_profile", "impl": impl, "shape": shape, "steps": steps,
+               "pdl": impl != "fastdecode-graph-no-pdl" and pdl_enabled(tok),
                **family_table(per_step, len(model.layers), fam_bytes), "kernels": kernel_rows(per_step),
                **env_info()}
         log(format_table(rec))

@@ -77,6 +77,22 @@ def _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _times_norm(h, g):
+    """X_NORM: ``h * g`` rounded to h's dtype (as the norm kernel rounds its output), widened to fp32 for the FMAs.
+    The product is taken in fp32 and rounded (the interpreter's bf16 arithmetic is wrong: docs/architecture.md)."""
+    return (h.to(tl.float32) * g.to(tl.float32)).to(h.dtype).to(tl.float32)
+
+
+@triton.jit
+def _sum_squares(h, BLOCK_K: tl.constexpr, NORM_VEC: tl.constexpr):
+    """X_NORM: h's squares in fp32, summed over each run of NORM_VEC elements (the 16 bytes one thread loads: the
+    sum stays in the thread, one register a row instead of NORM_VEC; ptxas: 72 registers against 83 on the 8B
+    qkv tile, the plain GEMV's occupancy) -> [BLOCK_K // NORM_VEC]."""
+    hf = h.to(tl.float32)
+    return tl.sum(tl.reshape(hf * hf, (BLOCK_K // NORM_VEC, NORM_VEC)), axis=1)
+
+
+@triton.jit
 def _norm_rows(ss0, ss1, ss2, ss3, K, eps, BLOCK_M: tl.constexpr):
     """X_NORM: ``rsqrt(mean(h^2) + eps)`` of each token row from its [BLOCK_K] partial sums of squares -> [BLOCK_M]
     (rows past 3 unused: BLOCK_M <= 4 on the FMA path)."""
@@ -151,7 +167,7 @@ def _skinny_linear_kernel(
     HAS_BIAS: tl.constexpr, X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP8: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr, W_EVICT: tl.constexpr, X_GLU: tl.constexpr, X_NORM: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    NORM_VEC: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles): the M tiles sharing a weight tile launch side by side (L2).
@@ -161,9 +177,9 @@ def _skinny_linear_kernel(
 
     X_NORM (FMA path, no split): x holds the residual stream h and the input is ``rms_norm(h) * nw`` (RMSNorm
     with weight ``nw``, epsilon ``eps``). Each program streams its whole x row anyway (no split), so the row's
-    sum of squares is accumulated beside the products of ``h * nw`` with the weights, and the per-row
-    ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums once at the end: no pass over x before the weights, and
-    the normed activation is never rounded to x's dtype (``ops.norm_linear.rms_norm_linear``).
+    sum of squares is accumulated beside the products of ``h * nw`` (rounded to x's dtype) with the weights, and
+    the per-row ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums once at the end: no pass over x before the
+    weights (``ops.norm_linear.rms_norm_linear``). NORM_VEC: the elements of one thread's 16-byte x load.
     ACCUMULATE: out += the result (the residual add after wo / w2, in place; ``_epilogue``).
 
     USE_PDL (programmatic dependent launch): this grid may be scheduled while the previous kernel
@@ -239,11 +255,11 @@ def _skinny_linear_kernel(
         # tile's layout sliced along N: no per-step layout conversion through shared memory
         x0_ptrs = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm + k0 + offs_k
         row0 = pid_m * BLOCK_M + tl.zeros((BLOCK_K,), dtype=tl.int32)  # a splat: constant along K
-        if X_NORM:  # per-row sums of squares of h, reduced along K after the loop
-            ss0 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            ss1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            ss2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            ss3 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        if X_NORM:  # per-row sums of squares of h: one partial per thread (NORM_VEC elements), reduced after the loop
+            ss0 = tl.zeros((BLOCK_K // NORM_VEC,), dtype=tl.float32)
+            ss1 = tl.zeros((BLOCK_K // NORM_VEC,), dtype=tl.float32)
+            ss2 = tl.zeros((BLOCK_K // NORM_VEC,), dtype=tl.float32)
+            ss3 = tl.zeros((BLOCK_K // NORM_VEC,), dtype=tl.float32)
         ok0 = row0 < M
         ok1 = row0 + 1 < M
         ok2 = row0 + 2 < M
@@ -277,25 +293,26 @@ def _skinny_linear_kernel(
             else:
                 w = _load_w_masked(w_ptrs, k_mask[None, :], W_EVICT).to(tl.float32)
             if X_NORM:
-                # h rows: their squares summed along K, their products with the norm weight multiplied
+                # h rows times the norm weight, multiplied in x's dtype (packed bf16x2 / f16x2, one rounding, as
+                # the norm kernel rounds its output) and widened for the FMAs; h's squares summed in fp32
                 if EVEN_K:
-                    g = tl.load(nw_ptr + kb * BLOCK_K + offs_k).to(tl.float32)
+                    g = tl.load(nw_ptr + kb * BLOCK_K + offs_k)
                 else:
-                    g = tl.load(nw_ptr + kb * BLOCK_K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                h0 = _load_x(x0_ptrs, m0, K, False).to(tl.float32)
-                ss0 += h0 * h0
-                acc0 += w * (h0 * g)[None, :]
+                    g = tl.load(nw_ptr + kb * BLOCK_K + offs_k, mask=k_mask, other=0.0)
+                h0 = _load_x(x0_ptrs, m0, K, False)
+                ss0 += _sum_squares(h0, BLOCK_K, NORM_VEC)
+                acc0 += w * _times_norm(h0, g)[None, :]
                 if BLOCK_M > 1:
-                    h1 = _load_x(x0_ptrs + stride_xm, m1, K, False).to(tl.float32)
-                    ss1 += h1 * h1
-                    acc1 += w * (h1 * g)[None, :]
+                    h1 = _load_x(x0_ptrs + stride_xm, m1, K, False)
+                    ss1 += _sum_squares(h1, BLOCK_K, NORM_VEC)
+                    acc1 += w * _times_norm(h1, g)[None, :]
                 if BLOCK_M > 2:
-                    h2 = _load_x(x0_ptrs + 2 * stride_xm, m2, K, False).to(tl.float32)
-                    ss2 += h2 * h2
-                    acc2 += w * (h2 * g)[None, :]
-                    h3 = _load_x(x0_ptrs + 3 * stride_xm, m3, K, False).to(tl.float32)
-                    ss3 += h3 * h3
-                    acc3 += w * (h3 * g)[None, :]
+                    h2 = _load_x(x0_ptrs + 2 * stride_xm, m2, K, False)
+                    ss2 += _sum_squares(h2, BLOCK_K, NORM_VEC)
+                    acc2 += w * _times_norm(h2, g)[None, :]
+                    h3 = _load_x(x0_ptrs + 3 * stride_xm, m3, K, False)
+                    ss3 += _sum_squares(h3, BLOCK_K, NORM_VEC)
+                    acc3 += w * _times_norm(h3, g)[None, :]
             else:
                 acc0 += w * _load_x(x0_ptrs, m0, K, X_GLU).to(tl.float32)[None, :]
                 if BLOCK_M > 1:
@@ -351,6 +368,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     pdl = pdl or bool(config.get("PDL", False))
     if norm_weight is not None and (config["kind"] != "fma" or split > 1 or glu):
         raise ValueError("norm_weight needs an FMA config with one split and no glu (the caller checks)")
+    norm_vec = min(16 // x.element_size(), bk)  # one thread's 16-byte load of x (BLOCK_K: a power of 2)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,
         x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
@@ -361,7 +379,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
         USE_DOT=config["kind"] == "dot", DOT_FP8=bool(config.get("DOT_FP8", False)),
         EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=bool(config.get("PREFETCH", False)),
         W_EVICT=bool(config.get("EVICT", False)), X_GLU=glu, X_NORM=norm_weight is not None,
-        ACCUMULATE=accumulate,
+        NORM_VEC=norm_vec, ACCUMULATE=accumulate,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

@@ -9,9 +9,10 @@ norm kernels a layer between GEMMs that read every weight anyway. These two ops 
 so a block becomes ``rms_norm_linear(h, wqkv) -> attention -> add_linear_(h, wo) -> rms_norm_linear(h, w13) ->
 add_linear_(h, w2, glu)``: 5 kernels instead of 7 (``fastdecode.models.llama``).
 
-Numerics. ``rms_norm_linear`` sums ``W[n, k] * h[k] * g[k]`` in fp32 beside ``h[k]^2`` and scales the sum by
-``rsqrt(mean(h^2) + eps)`` at the end: the normed activation is never rounded to h's dtype (the two-kernel
-path rounds it once, so the two differ by that rounding, about 2^-9 relative in bf16). ``add_linear_`` adds
+Numerics. ``rms_norm_linear`` multiplies ``h[k] * g[k]`` in h's dtype (one rounding, as the norm kernel rounds its
+output; packed bf16x2 in the kernel), sums its products with ``W[n, k]`` in fp32 beside ``h[k]^2``, and scales the
+sum by ``rsqrt(mean(h^2) + eps)`` at the end. The two-kernel path rounds ``h * rstd * g`` instead, so the two
+differ by about one rounding of the activation (2^-9 relative in bf16). ``add_linear_`` adds
 the fp32 product to h's old values and rounds once (the two-kernel path rounds the product, then the sum).
 Where the kernel does not apply (the dispatcher picks cuBLAS or a tile other than the one-split FMA GEMV, as
 for larger M or other shapes; ``fastdecode.ops.gemm``), the ops run as the two kernels they replace, with
@@ -164,11 +165,11 @@ def add_linear_(residual, x, weight, bias=None, *, glu: bool = False, backend: O
 
 
 def rms_norm_linear_ref(h, norm_weight, weight, bias=None, *, eps: float = 1e-6) -> torch.Tensor:
-    """Reference of :func:`rms_norm_linear`, the fused recipe: ``(h * g) @ W.T`` in fp32 times each row's
-    ``rsqrt(mean(h^2) + eps)``, plus the bias, one rounding to h's dtype."""
+    """Reference of :func:`rms_norm_linear`, the fused recipe: ``h * g`` rounded to h's dtype, its product with
+    ``W.T`` in fp32 times each row's ``rsqrt(mean(h^2) + eps)``, plus the bias, one rounding to h's dtype."""
     v = h.float()
     rstd = torch.rsqrt(v.pow(2).mean(dim=-1, keepdim=True) + eps)
-    y = ((v * norm_weight.float()) @ weight.float().t()) * rstd
+    y = ((h * norm_weight).float() @ weight.float().t()) * rstd
     if bias is not None:
         y = y + bias.float()
     return y.to(h.dtype)
