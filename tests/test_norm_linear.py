@@ -7,14 +7,18 @@ product to the residual in the GEMM's epilogue (any config), one rounding. Devic
 the CPU (fp32, and bf16 on the FMA path, which has no ``tl.dot``), bf16 / fp16 on a GPU.
 """
 
+import itertools
+from functools import partial
+
 import pytest
 import torch
 
+import fastdecode.kernels.gemm as KG
 import fastdecode.ops.gemm as L
 from fastdecode.ops.activation import silu_and_mul_ref
 from fastdecode.ops.norm import rms_norm_ref
 from fastdecode.ops.norm_linear import add_linear_, add_linear_ref, rms_norm_linear, rms_norm_linear_ref
-from helpers import assert_close, interpreter_on, poison_, strided_rows
+from helpers import assert_close, interpreter_on, poison_, precompile_calls, strided_rows
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -36,21 +40,55 @@ def _h(M, K, dtype, strided=False):
     return h.to(dtype), (torch.rand(K, device=DEV) + 0.5).to(dtype)
 
 
-# ----------------------------------------------------------------------------- rms_norm_linear
+# (M, N, K, PREFETCH, bias): odd N, K not a multiple of BLOCK_K
+NORM_CASES = [(1, 37, 256, False, False), (2, 19, 300, True, True), (3, 8, 130, False, False),
+              (4, 21, 192, True, False)]
+ADD_CASES = [("fma_m1", _fma(1), 1), ("fma_m3_split3", _fma(3, split=3, bn=4, bk=32), 3),
+             ("fma_m2_prefetch", _fma(2, prefetch=True), 2),
+             ("dot_split2", dict(kind="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2), 19)]
+ADD_N, ADD_K = 45, 200
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,N,K,prefetch,bias", [
-    (1, 37, 256, False, False), (2, 19, 300, True, True), (3, 8, 130, False, False), (4, 21, 192, True, False),
-])
-def test_rms_norm_in_the_gemv_equals_the_reference(dtype, M, N, K, prefetch, bias):
-    """The X_NORM kernel on odd sizes (partial N tiles, K not a multiple of BLOCK_K), strided h rows, a poisoned
-    output: the fused reference (no rounding of the normed rows) within one rounding of the output."""
+def _norm_gemv(dtype, M, N, K, prefetch, bias):
     h, g = _h(M, K, dtype, strided=True)
     w = _weights(N, K, dtype)
     b = torch.randn(N, device=DEV).to(dtype) if bias else None
     out = poison_(torch.empty(M, N, dtype=dtype, device=DEV))
     L.linear_with_config(h, w, b, None, 0, None, 0, out, _fma(M, prefetch=prefetch), norm_weight=g, eps=1e-5)
+    return h, g, w, b, out
+
+
+def _add_gemm(dtype, cfg, M, glu):
+    x = strided_rows(M, 2 * ADD_K if glu else ADD_K, torch.float32, DEV).to(dtype) * 2
+    w = _weights(ADD_N, ADD_K, dtype)
+    b = torch.randn(ADD_N, device=DEV).to(dtype)
+    r0 = (torch.randn(M, ADD_N, device=DEV) * 4).to(dtype)
+    r = r0.clone()
+    L.linear_with_config(x, w, b, None, 0, None, 0, r, cfg, glu=glu, accumulate=True)
+    return x, w, b, r0, r
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    """On a GPU, the kernels of the parametrized tests below compiled first in parallel threads (as
+    test_gemm_gpu.py does): one after another they would add tens of seconds to the whole suite."""
+    if not CUDA:
+        return
+    calls = [partial(_norm_gemv, dtype, *case) for dtype, case in itertools.product(DTYPES, NORM_CASES)]
+    calls += [partial(_add_gemm, dtype, cfg, M, glu)
+              for dtype, (_, cfg, M), glu in itertools.product(DTYPES, ADD_CASES, (False, True))]
+    precompile_calls(calls, [(KG, "_skinny_linear_kernel")])
+
+
+# ----------------------------------------------------------------------------- rms_norm_linear
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K,prefetch,bias", NORM_CASES)
+def test_rms_norm_in_the_gemv_equals_the_reference(dtype, M, N, K, prefetch, bias):
+    """The X_NORM kernel on odd sizes (partial N tiles, K not a multiple of BLOCK_K), strided h rows, a poisoned
+    output: the fused reference within one rounding of the output."""
+    h, g, w, b, out = _norm_gemv(dtype, M, N, K, prefetch, bias)
     assert not out.isnan().any()
     assert_close(out, rms_norm_linear_ref(h, g, w, b, eps=1e-5))
     # and the two-kernel path within the one rounding of the normed rows it adds
@@ -112,24 +150,14 @@ def test_rms_norm_linear_errors():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name,cfg,M", [
-    ("fma_m1", _fma(1), 1), ("fma_m3_split3", _fma(3, split=3, bn=4, bk=32), 3),
-    ("fma_m2_prefetch", _fma(2, prefetch=True), 2),
-    ("dot_split2", dict(kind="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2), 19),
-])
+@pytest.mark.parametrize("name,cfg,M", ADD_CASES)
 @pytest.mark.parametrize("glu", [False, True])
 def test_residual_add_in_the_epilogue(dtype, name, cfg, M, glu):
     """out += x @ W.T in place, every path and split, with and without SiLU-and-mul in the loads: the fp32 sum
     rounded once (the reference)."""
     if cfg["kind"] == "dot" and dtype == torch.bfloat16 and interpreter_on():
         pytest.skip("bf16 tl.dot is wrong under the interpreter (docs/architecture.md); the GPU suite runs it")
-    N, K = 45, 200
-    x = strided_rows(M, 2 * K if glu else K, torch.float32, DEV).to(dtype) * 2
-    w = _weights(N, K, dtype)
-    b = torch.randn(N, device=DEV).to(dtype)
-    r0 = (torch.randn(M, N, device=DEV) * 4).to(dtype)
-    r = r0.clone()
-    L.linear_with_config(x, w, b, None, 0, None, 0, r, cfg, glu=glu, accumulate=True)
+    x, w, b, r0, r = _add_gemm(dtype, cfg, M, glu)
     # 2 ulps: where the residual (~4) and the product cancel, an activation one bf16 ulp off (the interpreter
     # truncates SiLU-and-mul's fp32 -> bf16 cast) moves the small sum by more than the table's rtol of it
     assert_close(r, add_linear_ref(r0, x, w, b, glu=glu), ulps=2 if glu and interpreter_on() else 1)
@@ -151,6 +179,20 @@ def test_add_linear_op(glu):
     r = r0.clone()
     add_linear_(r, x, w, glu=glu, backend="torch")
     assert torch.equal(r, add_linear_ref(r0, x, w, glu=glu))
+    if CUDA:  # the cuBLAS branch: one addmm_ with beta = 1 (SiLU-and-mul first with glu)
+        r = r0.clone()
+        add_linear_(r, x, w, glu=glu, impl="cublas")
+        assert_close(r, add_linear_ref(r0, x, w, glu=glu))
+
+
+@pytest.mark.skipif(not CUDA, reason="impl='cublas' needs CUDA tensors")
+def test_rms_norm_linear_on_cublas_is_the_two_kernels():
+    from fastdecode.ops import rms_norm
+
+    h, g = _h(3, 256, torch.bfloat16)
+    w = _weights(40, 256, torch.bfloat16)
+    y = rms_norm_linear(h, g, w, eps=1e-6, impl="cublas")
+    assert torch.equal(y, L.linear(rms_norm(h, g, 1e-6), w, impl="cublas"))
 
 
 def test_add_linear_errors_leave_the_residual_alone():

@@ -14,9 +14,11 @@ output; packed bf16x2 in the kernel), sums its products with ``W[n, k]`` in fp32
 sum by ``rsqrt(mean(h^2) + eps)`` at the end. The two-kernel path rounds ``h * rstd * g`` instead, so the two
 differ by about one rounding of the activation (2^-9 relative in bf16). ``add_linear_`` adds
 the fp32 product to h's old values and rounds once (the two-kernel path rounds the product, then the sum).
-Where the kernel does not apply (the dispatcher picks cuBLAS or a tile other than the one-split FMA GEMV, as
-for larger M or other shapes; ``fastdecode.ops.gemm``), the ops run as the two kernels they replace, with
-those roundings. The ``*_ref`` functions follow the fused recipe.
+Where ``rms_norm_linear``'s kernel does not apply (the dispatcher picks cuBLAS or a tile other than the one-split
+FMA GEMV, as for larger M or other shapes; ``fastdecode.ops.gemm``), it runs the norm kernel, then the GEMM.
+``add_linear_`` takes the residual add into our kernel on any config; where the dispatcher picks cuBLAS it is one
+``addmm_`` (beta = 1: one rounding), then the bias if any (a second). The ``*_ref`` functions follow the fused
+recipe.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from fastdecode.constants import SCALE_NONE
 from fastdecode.ops._common import as_rows, check_eps, check_out, check_same_device, check_tensor
 from fastdecode.ops._registry import define_op
 from fastdecode.ops.gemm import (
-    LINEAR_DTYPES, _check_weight, _choose, _cublas_linear, _resolve_impl, check_bias, linear_with_config,
+    LINEAR_DTYPES, _check_weight, _choose, _resolve_impl, check_bias, linear_with_config,
 )
 
 
@@ -79,10 +81,10 @@ def _add_linear_op(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         linear_with_config(x, weight, bias, None, SCALE_NONE, None, SCALE_NONE, residual, cfg, glu=glu,
                            accumulate=True)
         return
-    a = silu_and_mul(x, backend="triton") if glu else x
-    y = torch.empty_like(residual)
-    _cublas_linear(a, weight, bias, y)
-    residual.add_(y)
+    # cuBLAS (the dispatcher's pick for the shape, or impl="cublas"): residual += a @ W.T as one GEMM with beta = 1
+    residual.addmm_(silu_and_mul(x, backend="triton") if glu else x, weight.t())
+    if bias is not None:
+        residual.add_(bias)
 
 
 @_add_linear_op.register_fake
