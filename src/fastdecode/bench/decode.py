@@ -362,7 +362,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         elif impl in ("torch-compile",) + PEER_IMPLS and tp is not None:
             skip = "not with --tp"
         elif impl == "fastdecode-graph-with-norm_gemm" and (quant or model.quant or tp is not None):
-            skip = "bf16 / fp16 projections on one GPU only (Transformer._norm_gemm_applies)"
+            skip = "bf16 / fp16 projections on one GPU only (models.norm_gemm.applies)"
         if skip:
             log(f"{impl}: skipped ({skip})")
             rows.append({"op": "decode", "impl": impl, "shape": shape, "skipped": skip, **env_info()})

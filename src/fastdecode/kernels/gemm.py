@@ -94,8 +94,8 @@ def _sum_squares(h, BLOCK_K: tl.constexpr, NORM_VEC: tl.constexpr):
 
 @triton.jit
 def _norm_rows(ss0, ss1, ss2, ss3, K, eps, BLOCK_M: tl.constexpr):
-    """X_NORM: ``rsqrt(mean(h^2) + eps)`` of each token row from its [BLOCK_K] partial sums of squares -> [BLOCK_M]
-    (rows past 3 unused: BLOCK_M <= 4 on the FMA path)."""
+    """X_NORM: ``rsqrt(mean(h^2) + eps)`` of each token row from its per-thread partial sums of squares (``ss*``,
+    ``_sum_squares``) -> [BLOCK_M] (rows past 3 unused: BLOCK_M <= 4 on the FMA path)."""
     rows = tl.arange(0, BLOCK_M)
     r = tl.where(rows == 0, tl.rsqrt(tl.sum(ss0, axis=0) / K + eps), 1.0)
     if BLOCK_M > 1:
@@ -293,8 +293,8 @@ def _skinny_linear_kernel(
             else:
                 w = _load_w_masked(w_ptrs, k_mask[None, :], W_EVICT).to(tl.float32)
             if X_NORM:
-                # h rows times the norm weight, multiplied in x's dtype (packed bf16x2 / f16x2, one rounding, as
-                # the norm kernel rounds its output) and widened for the FMAs; h's squares summed in fp32
+                # h rows times the norm weight, rounded to x's dtype (as the norm kernel rounds its output) and
+                # widened for the FMAs; h's squares summed in fp32
                 if EVEN_K:
                     g = tl.load(nw_ptr + kb * BLOCK_K + offs_k)
                 else:
