@@ -132,7 +132,7 @@ SELFCHECK_LINES = (
     "rms_norm", "rms_norm_fp8 dynamic", "rms_norm_fp8 static", "fused_add_rms_norm",
     "fused_add_rms_norm_fp8 dyn", "fused_add_rms_norm_fp8 stat", "silu_and_mul", "silu_and_mul_fp8 dynamic",
     "silu_and_mul_fp8 static", "quantize_fp8 per-token", "quantize_fp8 per-tensor", "quantize_fp8 static",
-    "linear", "linear_fp8", "int4_linear",
+    "linear", "rms_norm_linear", "add_linear_", "linear_fp8", "int4_linear",
 )
 # one size each in --quick: decode attention and its prologue; the all-reduce across two gloo ranks
 SELFCHECK_ONCE = ("decode_attention", "rope_kv_write", "rope_decode_attention")

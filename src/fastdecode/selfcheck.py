@@ -2,7 +2,8 @@
 
 Checked: RMSNorm and fused add + RMSNorm (native, FP8 dynamic and static output; the in-place
 residual too), SiLU-and-mul (same three outputs), FP8 quantisation (per token, per tensor, static),
-the skinny ``linear``, W8A8 ``linear_fp8`` and ``int4_linear``, decode attention and the RoPE + KV-cache
+the skinny ``linear`` (also with the RMSNorm before it, ``rms_norm_linear``, and the residual add after it,
+``add_linear_``), W8A8 ``linear_fp8`` and ``int4_linear``, decode attention and the RoPE + KV-cache
 write, our Triton kernels forced; then the all-reduce and all-reduce + add + RMSNorm (native and FP8)
 across two processes: gloo on a CPU, every peer-memory path (one-shot, two-shot) and NCCL on 2+ GPUs
 (on one GPU it is skipped, and says so). ``--quick``: tiny sizes only.
@@ -120,6 +121,13 @@ def _gemm_checks(dev, act, M, N, K):
     xq, xs = quantize_activation_fp8(x)
     yield f"linear_fp8                  {tag}", _close(fd.linear_fp8(xq, xs, wq, ws, b, out_dtype=act, impl="triton"),
                                                        fd.linear_fp8_ref(xq, xs, wq, ws, b, out_dtype=act))
+    # the RMSNorm inside the GEMM after it, the residual add inside the GEMM's epilogue (norm_gemm's ops)
+    h, g = x * 3, (torch.rand(K, device=dev) + 0.5).to(act)
+    yield f"rms_norm_linear             {tag}", _close(fd.rms_norm_linear(h, g, w, b, impl="triton"),
+                                                       fd.rms_norm_linear_ref(h, g, w, b))
+    r = torch.randn(M, N, device=dev, dtype=act)
+    yield f"add_linear_                 {tag}", _close(fd.add_linear_(r.clone(), x, w, b, impl="triton"),
+                                                       fd.add_linear_ref(r, x, w, b))
     packed = quantize_int4(w, 128, scale_dtype=act)
     yield f"int4_linear                 {tag}", _close(fd.int4_linear(x, packed, b, impl="triton"),
                                                        fd.int4_linear_ref(x, packed, b))
