@@ -9,9 +9,11 @@ Slots are the rows of the engine's static KV cache (``engine.max_batch`` of them
 freed when a request finishes, fails or is cancelled. One ``step()``:
 
 1. admit waiting requests into free slots (first come, first served);
-2. prefill **one chunk** (``prefill_chunk`` tokens at most) of the oldest admitted request, into its own cache row
-   (``models.prefill.prefill_chunk`` on ``KVCache.rows(slot)``): a long prompt stalls the running sequences for
-   one chunk per step, never for its whole prefill. Its last chunk samples its first token;
+2. prefill **one chunk** (``prefill_chunk`` tokens at most) of the oldest admitted request, into its own cache row,
+   and beside it the next chunks of the requests admitted after it, as long as the padded batch holds at most
+   ``prefill_chunk`` tokens (rows x the longest chunk), all in one forward pass (``models.prefill.prefill_rows``):
+   a long prompt stalls the running sequences for one chunk per step, never for its whole prefill, and prompts
+   that arrive together are prefilled together. A request's last chunk samples its first token;
 3. one decode step for every decoding slot: the engine's decode (one CUDA graph per batch bucket on GPUs) over
    the cache rows ``[:n]``, ``n`` the bucket that covers the highest decoding slot. The other rows inside run a
    dummy token at a position whose write is harmless: 0 for a free row, and for a row still in prefill the next
@@ -34,7 +36,7 @@ import torch
 
 from fastdecode.engine.generate import Engine, _Stream
 from fastdecode.engine.sampler import SamplingParams, apply_repetition_penalty, greedy_argmax, sample
-from fastdecode.models.prefill import prefill_chunk
+from fastdecode.models.prefill import prefill_rows
 
 _ids = itertools.count(1)
 
@@ -163,10 +165,11 @@ class ContinuousBatcher:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Admit, prefill one chunk, decode one token for every decoding request (see the module docstring)."""
+        """Admit, prefill one chunk (of one or more requests), decode one token for every decoding request (see the
+        module docstring)."""
         self._admit()
         if self.prefilling:
-            self._prefill_chunk(self.prefilling[0])
+            self._prefill()
         self._decode()
 
     def _admit(self) -> None:
@@ -176,21 +179,39 @@ class ContinuousBatcher:
             self.slots[seq.slot] = seq
             self.prefilling.append(seq)
 
-    def _prefill_chunk(self, seq: _Seq) -> None:
-        prompt = seq.req.prompt
-        C = min(self.prefill_chunk, len(prompt) - seq.pos)
-        dev = self.engine.device
-        tokens = torch.tensor([prompt[seq.pos:seq.pos + C]], dtype=torch.long, device=dev)
-        logits = prefill_chunk(self.engine.model, tokens, seq.pos, self.engine.cache.rows(seq.slot),
-                               last_idx=torch.tensor([C - 1], device=dev))  # [1, V]
-        seq.pos += C
-        if seq.pos < len(prompt):
+    def prefill_plan(self) -> list[tuple["_Seq", int]]:
+        """This step's prefill: (request, chunk length) for the oldest admitted request (a chunk of at most
+        ``prefill_chunk`` tokens), then the next ones in admission order while rows x the longest chunk stays
+        within ``prefill_chunk`` tokens."""
+        plan, longest = [], 0
+        for seq in self.prefilling:
+            c = min(self.prefill_chunk, len(seq.req.prompt) - seq.pos)
+            if plan and (len(plan) + 1) * max(longest, c) > self.prefill_chunk:
+                break
+            plan.append((seq, c))
+            longest = max(longest, c)
+        return plan
+
+    def _prefill(self) -> None:
+        plan = self.prefill_plan()
+        longest = max(c for _, c in plan)
+        rows = [seq.req.prompt[seq.pos:seq.pos + c] + [0] * (longest - c) for seq, c in plan]
+        tokens = torch.tensor(rows, dtype=torch.long, device=self.engine.device)
+        logits = prefill_rows(self.engine.model, tokens, [seq.pos for seq, _ in plan], [c for _, c in plan],
+                              [seq.slot for seq, _ in plan], self.engine.cache)  # [rows, V]
+        done = []
+        for i, (seq, c) in enumerate(plan):
+            seq.pos += c
+            if seq.pos == len(seq.req.prompt):
+                done.append(i)
+        if not done:
             return
-        self.prefilling.popleft()
-        seq.decoding = True
-        seq.pos = len(prompt)  # where the first generated token goes
-        [tok] = self._sample([seq], logits).tolist()
-        self._accept(seq, tok)
+        seqs = [plan[i][0] for i in done]
+        for seq in seqs:
+            self.prefilling.remove(seq)
+            seq.decoding = True  # seq.pos: where the first generated token goes
+        for seq, tok in zip(seqs, self._sample(seqs, logits[done]).tolist()):
+            self._accept(seq, tok)
 
     def _decode(self) -> None:
         rows = [s for s in self.slots if s is not None and s.decoding]

@@ -11,6 +11,12 @@ projections, feed-forward) and so the same quantised / tensor-parallel variants.
 
 The cache is anything with ``k``, ``v`` of shape [L, B, Hkv, T, D]: an ``engine.kv_cache.KVCache`` or a view of
 some of its rows (``KVCache.rows``), whose writes land in the real cache.
+
+``prefill_rows(model, tokens, starts, lens, slots, cache)`` runs chunks of several sequences in one forward pass:
+row r holds ``lens[r]`` tokens (right-padded to the longest) at positions ``starts[r] ..`` of cache row
+``slots[r]``. Only the real tokens' K and V are written; the padding computes values nobody reads. It returns the
+logits at each row's last real token: a server prefills the prompts that arrived together in one pass of the
+model's ~10 kernels a layer instead of one pass each (``engine.batching``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,75 @@ def attention_chunk(attn: Attention, x, cs: torch.Tensor, k_cache: torch.Tensor,
     return attn.wo(o.transpose(1, 2).reshape(B, C, -1), backend)
 
 
+def attention_rows(attn: Attention, x, cs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, backend: str):
+    """x: [R, C, dim] (or an FP8 pair); row r's token j at position ``pos[r, j]`` of cache row ``slots[r]``, real
+    where ``valid[r, j]``; cs: the RoPE rows of ``pos``. Writes the real tokens' k / v, then each query attends to
+    the cached positions <= its own in its row. -> [R, C, dim]."""
+    R, C = _lead(x)
+    q, k, v = attn._qkv(x, cs, backend)
+    rows = slots[:, None].expand(R, C)[valid]
+    k_cache[rows, :, pos[valid]] = k[valid]  # [N real tokens, Hkv, D]
+    v_cache[rows, :, pos[valid]] = v[valid]
+    end = int(pos[valid].max()) + 1
+    keys, values = k_cache[slots, :, :end], v_cache[slots, :, :end]  # [R, Hkv, end, D] (copies)
+    mask = torch.arange(end, device=pos.device)[None, None, :] <= pos[:, :, None]  # [R, C, end]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=attn.scale,
+                                       enable_gqa=attn.n_heads != attn.n_kv_heads)
+    return attn.wo(o.transpose(1, 2).reshape(R, C, -1), backend)
+
+
+def _blocks(model: Transformer, tokens: torch.Tensor, attend) -> tuple:
+    """The layers over tokens [B, C]: ``attend(layer index, attention, x)`` is the attention with its cache writes;
+    returns ``(h, head)``: the last hidden states and the head that takes them (the final norm inside, or done)."""
+    be = model.backend
+    residual = model._embed(tokens)  # [B, C, dim]
+    x = model.layers[0].attention_norm(residual, be)
+    for i, layer in enumerate(model.layers):
+        if i > 0:
+            x, residual = layer.attention_norm.add_forward(x, residual, be)
+        x = attend(i, layer.attention, x)
+        x, residual = layer.ffn_norm.add_forward(x, residual, be)
+        x = layer.feed_forward(x, be)
+    if model.norm.comm is not None:  # as Transformer.prefill: a TP partial sum, all-reduced with the add + norm
+        h, _ = model.norm.add_forward(x, residual, be)
+        return h, model._head
+    return x + residual, model._logits
+
+
+def _take_rows(h, rows):
+    return tuple(t[rows] for t in h) if isinstance(h, tuple) else h[rows]
+
+
+@torch.no_grad()
+def prefill_rows(model: Transformer, tokens: torch.Tensor, starts, lens, slots, cache) -> torch.Tensor:
+    """tokens: [R, C], row r's first ``lens[r]`` real (the rest padding), at positions ``starts[r] ..`` of cache row
+    ``slots[r]`` (distinct), whose positions [0, starts[r]) hold that sequence's earlier chunks. Returns fp32
+    logits [R, V] at each row's last real token."""
+    R, C = tokens.shape
+    dev = tokens.device
+    starts, lens, slots = (torch.as_tensor(v, dtype=torch.long).reshape(-1) for v in (starts, lens, slots))
+    if not len(starts) == len(lens) == len(slots) == R:
+        raise ValueError(f"starts, lens and slots need one entry per row of tokens ({R}), got {len(starts)}, "
+                         f"{len(lens)}, {len(slots)}")
+    if R == 0 or C < 1 or (lens < 1).any() or (lens > C).any() or (starts < 0).any():
+        raise ValueError(f"every row needs 1..{C} real tokens at a position >= 0; got lens {lens.tolist()}, "
+                         f"starts {starts.tolist()}")
+    T = cache.k.shape[3]
+    if int((starts + lens).max()) > min(T, model.rope_len):
+        raise ValueError(f"a chunk runs past the KV cache ({T} positions) or the RoPE table ({model.rope_len})")
+    if len(set(slots.tolist())) < R or int(slots.min()) < 0 or int(slots.max()) >= cache.k.shape[1]:
+        raise ValueError(f"slots must be distinct rows of the cache's {cache.k.shape[1]}, got {slots.tolist()}")
+    j = torch.arange(C)
+    valid = (j[None, :] < lens[:, None]).to(dev)
+    pos = (starts[:, None] + j[None, :]).clamp(max=model.rope_len - 1).to(dev)  # padding: any row of the table
+    slots = slots.to(dev)
+    cs = model.rope[pos]  # [R, C, D/2, 2]
+    h, head = _blocks(model, tokens, lambda i, attn, x: attention_rows(
+        attn, x, cs, cache.k[i], cache.v[i], slots, pos, valid, model.backend))
+    return head(_take_rows(h, (torch.arange(R, device=dev), (lens - 1).to(dev))))
+
+
 @torch.no_grad()
 def prefill_chunk(model: Transformer, tokens: torch.Tensor, start: int, cache,
                   last_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -57,23 +132,9 @@ def prefill_chunk(model: Transformer, tokens: torch.Tensor, start: int, cache,
                          f"RoPE table ({model.rope_len})")
     if B > cache.k.shape[1]:
         raise ValueError(f"batch of {B} rows exceeds the cache's {cache.k.shape[1]}")
-    be = model.backend
     cs = model.rope[start:start + C].unsqueeze(0).expand(B, C, *model.rope.shape[1:])  # [B, C, D/2, 2]
-    residual = model._embed(tokens)  # [B, C, dim]
-    x = model.layers[0].attention_norm(residual, be)
-    for i, layer in enumerate(model.layers):
-        if i > 0:
-            x, residual = layer.attention_norm.add_forward(x, residual, be)
-        x = attention_chunk(layer.attention, x, cs, cache.k[i], cache.v[i], start, be)
-        x, residual = layer.ffn_norm.add_forward(x, residual, be)
-        x = layer.feed_forward(x, be)
-    if model.norm.comm is not None:  # as Transformer.prefill: a TP partial sum, all-reduced with the add + norm
-        h, _ = model.norm.add_forward(x, residual, be)
-        head = model._head
-    else:
-        h = x + residual
-        head = model._logits
+    h, head = _blocks(model, tokens, lambda i, attn, x: attention_chunk(
+        attn, x, cs, cache.k[i], cache.v[i], start, model.backend))
     if last_idx is not None:
-        rows = (torch.arange(B, device=last_idx.device), last_idx)
-        h = tuple(t[rows] for t in h) if isinstance(h, tuple) else h[rows]
+        h = _take_rows(h, (torch.arange(B, device=last_idx.device), last_idx))
     return head(h)
