@@ -14,7 +14,7 @@ from fastdecode.engine.loader import random_model
 from fastdecode.engine.sampler import SamplingParams
 from fastdecode.engine.tokenizer import Tokenizer
 from fastdecode.models.config import ModelConfig
-from fastdecode.models.prefill import prefill_chunk
+from fastdecode.models.prefill import prefill_chunk, prefill_rows
 
 # fp32 on the CPU: the chunked and one-shot paths differ only in summation order
 ATOL = RTOL = 1e-4
@@ -82,6 +82,50 @@ def test_chunked_prefill_arguments(model):
         cache.rows(1)
 
 
+def test_prefill_rows_equals_each_row_alone(model):
+    """Three sequences in one pass: different slots (not the first rows, not in order), starts (two have earlier
+    chunks in the cache) and lengths (right-padded): each row's logits and K / V as its own prefill_chunk; the
+    positions past each row's real tokens (NaN) and the other rows are left alone."""
+    cfg = model.config
+    cache, ref = (KVCache(cfg, 5, 32, dtype=torch.float32) for _ in range(2))
+    for c in (cache, ref):
+        c.k.fill_(float("nan"))
+        c.v.fill_(float("nan"))
+    seqs = [(3, 0, _prompt(7)), (1, 5, _prompt(3)), (4, 2, _prompt(6))]  # (slot, start, tokens)
+    earlier = {1: torch.randint(0, 256, (1, 5)), 4: torch.randint(0, 256, (1, 2))}
+    for c in (cache, ref):
+        for slot, ids in earlier.items():
+            prefill_chunk(model, ids, 0, c.rows(slot))
+    tokens = torch.tensor([t + [0] * (7 - len(t)) for _, _, t in seqs])
+    out = prefill_rows(model, tokens, [st for _, st, _ in seqs], [len(t) for *_, t in seqs],
+                       [slot for slot, *_ in seqs], cache)
+    assert out.shape == (3, cfg.vocab_size) and torch.isfinite(out).all()
+    for r, (slot, start, t) in enumerate(seqs):
+        alone = prefill_chunk(model, torch.tensor([t]), start, ref.rows(slot), last_idx=torch.tensor([len(t) - 1]))
+        torch.testing.assert_close(out[r:r + 1], alone, atol=ATOL, rtol=RTOL)
+        end = start + len(t)
+        torch.testing.assert_close(cache.k[:, slot, :, :end], ref.k[:, slot, :, :end], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(cache.v[:, slot, :, :end], ref.v[:, slot, :, :end], atol=ATOL, rtol=RTOL)
+        assert torch.isnan(cache.k[:, slot, :, end:]).all() and torch.isnan(cache.v[:, slot, :, end:]).all()
+    for slot in (0, 2):
+        assert torch.isnan(cache.k[:, slot]).all()
+
+
+def test_prefill_rows_arguments(model):
+    cache = KVCache(model.config, 3, 16, dtype=torch.float32)
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="one entry per row"):
+        prefill_rows(model, ids, [0], [4, 4], [0, 1], cache)
+    with pytest.raises(ValueError, match=r"1\.\.4 real tokens"):
+        prefill_rows(model, ids, [0, 0], [4, 5], [0, 1], cache)
+    with pytest.raises(ValueError, match="runs past the KV cache"):
+        prefill_rows(model, ids, [0, 13], [4, 4], [0, 1], cache)
+    with pytest.raises(ValueError, match="slots must be distinct rows"):
+        prefill_rows(model, ids, [0, 0], [4, 4], [1, 1], cache)
+    with pytest.raises(ValueError, match="slots must be distinct rows"):
+        prefill_rows(model, ids, [0, 0], [4, 4], [0, 3], cache)
+
+
 def _run(batcher, requests, join_at=None):
     """Add ``requests`` (request i before step ``join_at[i]``), step until done; {id: (tokens, text, reason)}."""
     join_at = join_at or [0] * len(requests)
@@ -133,6 +177,29 @@ def test_continuous_batching_equals_each_request_alone(model):
         want = {"eos": "stop", "stop": "stop", "length": "length"}[ref.finish_reason]
         assert reason == [want]
     assert batcher.free_slots == 3 and not batcher.has_work
+
+
+def test_prompts_arriving_together_are_prefilled_together(model, monkeypatch):
+    """Five short prompts and a long one admitted in one step: the first prefill pass takes as many as fit the
+    chunk budget (rows x the longest chunk <= prefill_chunk: 4 rows of up to 4 tokens in 16), the next the fifth
+    beside the long prompt's first chunk cut to its share (8), then the long one alone; every request still gets
+    Engine.generate's tokens alone."""
+    import fastdecode.engine.batching as B
+
+    passes = []
+    real = B.prefill_rows
+    monkeypatch.setattr(B, "prefill_rows", lambda m, tokens, *a: passes.append(tuple(tokens.shape)) or real(
+        m, tokens, *a))
+    tok = Tokenizer.synthetic(256)
+    eng = Engine(model, tok, max_batch=6, max_seq_len=64)
+    batcher = ContinuousBatcher(eng, prefill_chunk=16)
+    reqs = [Request(_prompt(n), max_new_tokens=6) for n in (4, 3, 4, 2, 1, 30)]
+    assert batcher.prefill_plan() == []
+    out = _run(batcher, reqs)
+    assert passes[:4] == [(4, 4), (2, 8), (1, 16), (1, 6)]
+    assert all(r * c <= 16 for r, c in passes)
+    for r in reqs:
+        assert out[r.id][0] == _alone(model, tok, r.prompt, r.max_new_tokens).tokens
 
 
 def test_prefill_beside_decoding_rows_keeps_both_right(model):

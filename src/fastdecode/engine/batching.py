@@ -10,8 +10,8 @@ freed when a request finishes, fails or is cancelled. One ``step()``:
 
 1. admit waiting requests into free slots (first come, first served);
 2. prefill **one chunk** (``prefill_chunk`` tokens at most) of the oldest admitted request, into its own cache row,
-   and beside it the next chunks of the requests admitted after it, as long as the padded batch holds at most
-   ``prefill_chunk`` tokens (rows x the longest chunk), all in one forward pass (``models.prefill.prefill_rows``):
+   and beside it chunks of the requests admitted after it (each cut to its share), as long as the padded batch holds
+   at most ``prefill_chunk`` tokens (rows x the longest chunk), in one forward pass (``models.prefill.prefill_rows``):
    a long prompt stalls the running sequences for one chunk per step, never for its whole prefill, and prompts
    that arrive together are prefilled together. A request's last chunk samples its first token;
 3. one decode step for every decoding slot: the engine's decode (one CUDA graph per batch bucket on GPUs) over
@@ -181,12 +181,13 @@ class ContinuousBatcher:
 
     def prefill_plan(self) -> list[tuple["_Seq", int]]:
         """This step's prefill: (request, chunk length) for the oldest admitted request (a chunk of at most
-        ``prefill_chunk`` tokens), then the next ones in admission order while rows x the longest chunk stays
-        within ``prefill_chunk`` tokens."""
+        ``prefill_chunk`` tokens), then the next ones in admission order, each chunk cut to its share of the
+        budget, while rows x the longest chunk stays within ``prefill_chunk`` tokens."""
         plan, longest = [], 0
         for seq in self.prefilling:
-            c = min(self.prefill_chunk, len(seq.req.prompt) - seq.pos)
-            if plan and (len(plan) + 1) * max(longest, c) > self.prefill_chunk:
+            rest = len(seq.req.prompt) - seq.pos
+            c = min(rest, self.prefill_chunk // (len(plan) + 1))
+            if plan and (c < 1 or (len(plan) + 1) * max(longest, c) > self.prefill_chunk):
                 break
             plan.append((seq, c))
             longest = max(longest, c)

@@ -48,18 +48,23 @@ def attention_chunk(attn: Attention, x, cs: torch.Tensor, k_cache: torch.Tensor,
 
 
 def attention_rows(attn: Attention, x, cs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slots: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, backend: str):
+                   slots: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, row_end: torch.Tensor, backend: str):
     """x: [R, C, dim] (or an FP8 pair); row r's token j at position ``pos[r, j]`` of cache row ``slots[r]``, real
-    where ``valid[r, j]``; cs: the RoPE rows of ``pos``. Writes the real tokens' k / v, then each query attends to
-    the cached positions <= its own in its row. -> [R, C, dim]."""
+    where ``valid[r, j]``; ``row_end[r]``: one past its last real position; cs: the RoPE rows of ``pos``. Writes
+    the real tokens' k / v, then each query attends to the cached positions <= its own in its row. -> [R, C, dim]."""
     R, C = _lead(x)
     q, k, v = attn._qkv(x, cs, backend)
     rows = slots[:, None].expand(R, C)[valid]
     k_cache[rows, :, pos[valid]] = k[valid]  # [N real tokens, Hkv, D]
     v_cache[rows, :, pos[valid]] = v[valid]
-    end = int(pos[valid].max()) + 1
-    keys, values = k_cache[slots, :, :end], v_cache[slots, :, :end]  # [R, Hkv, end, D] (copies)
-    mask = torch.arange(end, device=pos.device)[None, None, :] <= pos[:, :, None]  # [R, C, end]
+    end = int(row_end.max())
+    t = torch.arange(end, device=pos.device)
+    # the rows' keys up to the longest row's end (copies); past a row's own end the cache holds another request's
+    # leftovers (even NaN): zeroed, as masked keys are still multiplied (NaN * 0 is NaN)
+    live = (t[None, :] < row_end[:, None])[:, None, :, None]  # [R, 1, end, 1]
+    keys = torch.where(live, k_cache[slots, :, :end], 0)
+    values = torch.where(live, v_cache[slots, :, :end], 0)
+    mask = t[None, None, :] <= pos[:, :, None]  # [R, C, end]
     o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=attn.scale,
                                        enable_gqa=attn.n_heads != attn.n_kv_heads)
     return attn.wo(o.transpose(1, 2).reshape(R, C, -1), backend)
@@ -111,8 +116,9 @@ def prefill_rows(model: Transformer, tokens: torch.Tensor, starts, lens, slots, 
     pos = (starts[:, None] + j[None, :]).clamp(max=model.rope_len - 1).to(dev)  # padding: any row of the table
     slots = slots.to(dev)
     cs = model.rope[pos]  # [R, C, D/2, 2]
+    row_end = (starts + lens).to(dev)
     h, head = _blocks(model, tokens, lambda i, attn, x: attention_rows(
-        attn, x, cs, cache.k[i], cache.v[i], slots, pos, valid, model.backend))
+        attn, x, cs, cache.k[i], cache.v[i], slots, pos, valid, row_end, model.backend))
     return head(_take_rows(h, (torch.arange(R, device=dev), (lens - 1).to(dev))))
 
 
