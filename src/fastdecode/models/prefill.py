@@ -5,9 +5,10 @@ steps of other sequences: ``fastdecode.engine.batching``).
 ``prefill_chunk(model, tokens, start, cache)`` runs tokens [B, C] at positions ``start .. start + C - 1``:
 RoPE at those positions, K and V written to ``cache.k[i][:B, :, start:start + C]``, and attention of each new
 token ``start + j`` over the cached positions ``0 .. start + j`` (everything before the chunk, causal inside it).
-``start = 0`` with the whole prompt is ``Transformer.prefill``. This is the plain-PyTorch path (SDPA with an
-explicit mask), run outside any CUDA graph like ``Transformer.prefill``; it uses the same modules (norms,
-projections, feed-forward) and so the same quantised / tensor-parallel variants.
+``start = 0`` with the whole prompt is ``Transformer.prefill``; the pass is ``prefill_rows``' with every row alike.
+This is the plain-PyTorch path (SDPA with an explicit mask), run outside any CUDA graph like
+``Transformer.prefill``; it uses the same modules (norms, projections, feed-forward) and so the same quantised /
+tensor-parallel variants.
 
 The cache is anything with ``k``, ``v`` of shape [L, B, Hkv, T, D]: an ``engine.kv_cache.KVCache`` or a view of
 some of its rows (``KVCache.rows``), whose writes land in the real cache.
@@ -27,24 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from fastdecode.models.llama import Attention, Transformer, _lead
-
-
-def attention_chunk(attn: Attention, x, cs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    start: int, backend: str):
-    """x: [B, C, dim] (or an FP8 pair) at positions start..start+C-1, cs: their RoPE rows [B, C, D/2, 2].
-    Writes k/v_cache[:B, :, start:start+C]; each query attends to cached positions <= its own. -> [B, C, dim]."""
-    B, C = _lead(x)
-    end = start + C
-    q, k, v = attn._qkv(x, cs, backend)
-    q = q.transpose(1, 2)  # [B, Hq, C, D]
-    k_cache[:B, :, start:end] = k.transpose(1, 2)
-    v_cache[:B, :, start:end] = v.transpose(1, 2)
-    keys, values = k_cache[:B, :, :end], v_cache[:B, :, :end]  # [B, Hkv, end, D]
-    # query j (position start + j) sees key t iff t <= start + j
-    mask = torch.arange(end, device=q.device)[None, :] <= (start + torch.arange(C, device=q.device))[:, None]
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scale,
-                                       enable_gqa=attn.n_heads != attn.n_kv_heads)
-    return attn.wo(o.transpose(1, 2).reshape(B, C, -1), backend)
 
 
 def attention_rows(attn: Attention, x, cs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -111,15 +94,21 @@ def prefill_rows(model: Transformer, tokens: torch.Tensor, starts, lens, slots, 
         raise ValueError(f"a chunk runs past the KV cache ({T} positions) or the RoPE table ({model.rope_len})")
     if len(set(slots.tolist())) < R or int(slots.min()) < 0 or int(slots.max()) >= cache.k.shape[1]:
         raise ValueError(f"slots must be distinct rows of the cache's {cache.k.shape[1]}, got {slots.tolist()}")
-    j = torch.arange(C)
+    h, head = _rows_pass(model, tokens, starts, lens, slots, cache)
+    return head(_take_rows(h, (torch.arange(R, device=dev), (lens - 1).to(dev))))
+
+
+def _rows_pass(model: Transformer, tokens: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+               slots: torch.Tensor, cache) -> tuple:
+    """The layers over checked rows (``prefill_rows``' arguments as CPU int64 tensors) -> ``_blocks``' (h, head)."""
+    dev = tokens.device
+    j = torch.arange(tokens.shape[1])
     valid = (j[None, :] < lens[:, None]).to(dev)
     pos = (starts[:, None] + j[None, :]).clamp(max=model.rope_len - 1).to(dev)  # padding: any row of the table
-    slots = slots.to(dev)
+    slots, row_end = slots.to(dev), (starts + lens).to(dev)
     cs = model.rope[pos]  # [R, C, D/2, 2]
-    row_end = (starts + lens).to(dev)
-    h, head = _blocks(model, tokens, lambda i, attn, x: attention_rows(
+    return _blocks(model, tokens, lambda i, attn, x: attention_rows(
         attn, x, cs, cache.k[i], cache.v[i], slots, pos, valid, row_end, model.backend))
-    return head(_take_rows(h, (torch.arange(R, device=dev), (lens - 1).to(dev))))
 
 
 @torch.no_grad()
@@ -138,9 +127,8 @@ def prefill_chunk(model: Transformer, tokens: torch.Tensor, start: int, cache,
                          f"RoPE table ({model.rope_len})")
     if B > cache.k.shape[1]:
         raise ValueError(f"batch of {B} rows exceeds the cache's {cache.k.shape[1]}")
-    cs = model.rope[start:start + C].unsqueeze(0).expand(B, C, *model.rope.shape[1:])  # [B, C, D/2, 2]
-    h, head = _blocks(model, tokens, lambda i, attn, x: attention_chunk(
-        attn, x, cs, cache.k[i], cache.v[i], start, model.backend))
+    # the rows [:B] of the cache, each chunk C long at the same start: prefill_rows' pass without padding
+    h, head = _rows_pass(model, tokens, torch.full((B,), start), torch.full((B,), C), torch.arange(B), cache)
     if last_idx is not None:
         h = _take_rows(h, (torch.arange(B, device=last_idx.device), last_idx))
     return head(h)
