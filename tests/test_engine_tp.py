@@ -239,7 +239,8 @@ def test_cli_tp2_relaunch_under_torchrun_matches_tp1(tmp_path, capsys):
     r = subprocess.run([sys.executable, "-m", "fastdecode", *args, "--tp", "2"], capture_output=True, text=True,
                        timeout=JOIN_TIMEOUT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout == want and len(want.strip()) > 0
+    assert len(want.strip()) > 0
+    assert r.stdout == want, f"TP=2 printed {r.stdout!r}, TP=1 {want!r}; TP=2's stderr: {r.stderr[-2000:]}"
     assert "TP=2" in r.stderr
 
 

@@ -401,6 +401,7 @@ sig = {"x_ptr": pt, "w_ptr": pt, "bias_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr
 consts = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=0, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
               USE_PDL=False, PREFETCH=cfg.get("PREFETCH", False), W_EVICT=cfg.get("EVICT", False), X_GLU=False,
               X_NORM=cfg.get("X_NORM", False), NORM_VEC=16 // (1 if "fp8" in elem_ty else 2),
+              NORM_AFFINE=cfg.get("NORM_AFFINE", True),
               ACCUMULATE=cfg.get("ACCUMULATE", False),
               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
               SPLIT=not cfg.get("X_NORM", False))
@@ -422,7 +423,7 @@ def _ptx_for_h100(cfg, elem_ty) -> str:
     ("bf16", "bf16", 1, False, False, False), ("bf16", "bf16", 2, True, False, False),
     ("fp8", "fp8e4nv", 1, True, False, False), ("fp8", "fp8e4nv", 2, False, False, False),
     ("fp8", "fp8e4nv", 1, False, True, False), ("bf16", "bf16", 1, True, True, True),
-    ("bf16", "bf16", 4, False, True, True),
+    ("bf16", "bf16", 4, False, True, True), ("bf16", "bf16", 1, False, False, "folded"),
 ])
 def test_fma_loop_streams_16_byte_loads_without_shuffles(dkey, elem_ty, M, prefetch, evict, norm):
     """Regression guard for the FMA path's speed: in the K loop every weight load is 16 bytes wide
@@ -432,8 +433,8 @@ def test_fma_loop_streams_16_byte_loads_without_shuffles(dkey, elem_ty, M, prefe
     the norm weight's slice and the squares of h stay in the weight tile's layout too."""
     import re
 
-    cfg = {**L.fma_tile(M, 1 if dkey == "fp8" else 2), "PREFETCH": prefetch, "EVICT": evict, "X_NORM": norm,
-           "ACCUMULATE": norm}
+    cfg = {**L.fma_tile(M, 1 if dkey == "fp8" else 2), "PREFETCH": prefetch, "EVICT": evict, "X_NORM": bool(norm),
+           "NORM_AFFINE": norm != "folded", "ACCUMULATE": bool(norm)}
     ptx = _ptx_for_h100(cfg, elem_ty)
     body = k_loop(ptx)
     assert "shared" not in body and "bar.sync" not in body, "the K loop shuffles through shared memory"

@@ -17,7 +17,9 @@ import fastdecode.kernels.gemm as KG
 import fastdecode.ops.gemm as L
 from fastdecode.ops.activation import silu_and_mul_ref
 from fastdecode.ops.norm import rms_norm_ref
-from fastdecode.ops.norm_linear import add_linear_, add_linear_ref, rms_norm_linear, rms_norm_linear_ref
+from fastdecode.ops.norm_linear import (
+    add_linear_, add_linear_ref, fold_norm_weight, rms_norm_linear, rms_norm_linear_ref,
+)
 from helpers import assert_close, interpreter_on, poison_, precompile_calls, strided_rows
 
 CUDA = torch.cuda.is_available()
@@ -49,12 +51,18 @@ ADD_CASES = [("fma_m1", _fma(1), 1), ("fma_m3_split3", _fma(3, split=3, bn=4, bk
 ADD_N, ADD_K = 45, 200
 
 
-def _norm_gemv(dtype, M, N, K, prefetch, bias):
+def _norm_gemv(dtype, M, N, K, prefetch, bias, folded=False):
+    """(h, g, w, b, out) of the X_NORM kernel; ``folded``: g folded into the weight the kernel reads (no norm
+    weight in the kernel), w still the unfolded weight."""
     h, g = _h(M, K, dtype, strided=True)
     w = _weights(N, K, dtype)
     b = torch.randn(N, device=DEV).to(dtype) if bias else None
     out = poison_(torch.empty(M, N, dtype=dtype, device=DEV))
-    L.linear_with_config(h, w, b, None, 0, None, 0, out, _fma(M, prefetch=prefetch), norm_weight=g, eps=1e-5)
+    cfg = _fma(M, prefetch=prefetch)
+    if folded:
+        L.linear_with_config(h, fold_norm_weight(w, g), b, None, 0, None, 0, out, cfg, eps=1e-5, x_norm=True)
+    else:
+        L.linear_with_config(h, w, b, None, 0, None, 0, out, cfg, norm_weight=g, eps=1e-5)
     return h, g, w, b, out
 
 
@@ -74,7 +82,8 @@ def _compiled():
     test_gemm_gpu.py does): one after another they would add tens of seconds to the whole suite."""
     if not CUDA:
         return
-    calls = [partial(_norm_gemv, dtype, *case) for dtype, case in itertools.product(DTYPES, NORM_CASES)]
+    calls = [partial(_norm_gemv, dtype, *case, folded=f)
+             for dtype, case, f in itertools.product(DTYPES, NORM_CASES, (False, True))]
     calls += [partial(_add_gemm, dtype, cfg, M, glu)
               for dtype, (_, cfg, M), glu in itertools.product(DTYPES, ADD_CASES, (False, True))]
     precompile_calls(calls, [(KG, "_skinny_linear_kernel")])
@@ -95,6 +104,18 @@ def test_rms_norm_in_the_gemv_equals_the_reference(dtype, M, N, K, prefetch, bia
     assert_close(out, L.linear_ref(rms_norm_ref(h, g, 1e-5), w, b), ulps=4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K,prefetch,bias", NORM_CASES)
+def test_rms_norm_in_the_gemv_with_the_norm_weight_folded_into_w(dtype, M, N, K, prefetch, bias):
+    """The norm without weight in the kernel (NORM_AFFINE off) on ``fold_norm_weight(w, g)``: the reference of the
+    folded weight within one rounding, and the unfolded two-kernel path within the roundings of W * g and of the
+    normed rows."""
+    h, g, w, b, out = _norm_gemv(dtype, M, N, K, prefetch, bias, folded=True)
+    assert not out.isnan().any()
+    assert_close(out, rms_norm_linear_ref(h, None, fold_norm_weight(w, g), b, eps=1e-5))
+    assert_close(out, L.linear_ref(rms_norm_ref(h, g, 1e-5), w, b), ulps=6)
+
+
 def test_the_op_takes_the_kernel_or_the_two_kernels():
     """Through the public op: a shape whose config is a one-split FMA tile runs X_NORM; one whose K is split runs
     the norm kernel then the GEMM, bit-equal to those two calls."""
@@ -113,6 +134,13 @@ def test_the_op_takes_the_kernel_or_the_two_kernels():
         if not fused:
             assert torch.equal(y, L.linear(rms_norm(h, g, 1e-6, backend="triton"), w, backend="triton"))
         assert_close(y, rms_norm_linear_ref(h, g, w, eps=1e-6), ulps=1 if fused else 4)
+        # no norm weight (one folded into w): the same two paths, the norm's weight all ones on the second
+        wf = fold_norm_weight(w, g)
+        y = rms_norm_linear(h, None, wf, eps=1e-6, backend="triton")
+        if not fused:
+            ones = torch.ones(K, dtype=dtype, device=DEV)
+            assert torch.equal(y, L.linear(rms_norm(h, ones, 1e-6, backend="triton"), wf, backend="triton"))
+        assert_close(y, rms_norm_linear_ref(h, None, wf, eps=1e-6), ulps=1 if fused else 4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -136,6 +164,10 @@ def test_rms_norm_linear_errors():
     w = _weights(8, 32, dtype)
     with pytest.raises(ValueError, match=r"norm_weight must have shape \(32,\)"):
         rms_norm_linear(h, g[:16], w)
+    with pytest.raises(ValueError, match=r"norm_weight must have shape \(32,\) \(weight's K\)"):
+        fold_norm_weight(w, g[:16])
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        fold_norm_weight(w[0], g)
     with pytest.raises(ValueError, match="mismatched K"):
         rms_norm_linear(h, g, _weights(8, 16, dtype))
     with pytest.raises(ValueError, match="weight must have the dtype of h"):

@@ -77,10 +77,14 @@ def _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _times_norm(h, g):
-    """X_NORM: ``h * g`` rounded to h's dtype (as the norm kernel rounds its output), widened to fp32 for the FMAs.
+def _norm_input(h, g, NORM_AFFINE: tl.constexpr):
+    """X_NORM: the GEMM's input before the row's rstd, in fp32: ``h * g`` rounded to h's dtype (as the norm kernel
+    rounds its output) with NORM_AFFINE, else h itself (no norm weight, or one folded into the GEMM's weight).
     The product is taken in fp32 and rounded (the interpreter's bf16 arithmetic is wrong: docs/architecture.md)."""
-    return (h.to(tl.float32) * g.to(tl.float32)).to(h.dtype).to(tl.float32)
+    if NORM_AFFINE:
+        return (h.to(tl.float32) * g.to(tl.float32)).to(h.dtype).to(tl.float32)
+    else:
+        return h.to(tl.float32)
 
 
 @triton.jit
@@ -167,7 +171,7 @@ def _skinny_linear_kernel(
     HAS_BIAS: tl.constexpr, X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP8: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr, W_EVICT: tl.constexpr, X_GLU: tl.constexpr, X_NORM: tl.constexpr,
-    NORM_VEC: tl.constexpr, ACCUMULATE: tl.constexpr,
+    NORM_VEC: tl.constexpr, NORM_AFFINE: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles): the M tiles sharing a weight tile launch side by side (L2).
@@ -180,6 +184,7 @@ def _skinny_linear_kernel(
     sum of squares is accumulated beside the products of ``h * nw`` (rounded to x's dtype) with the weights, and
     the per-row ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums once at the end: no pass over x before the
     weights (``ops.norm_linear.rms_norm_linear``). NORM_VEC: the elements of one thread's 16-byte x load.
+    NORM_AFFINE: False for a norm without weight (nw_ptr unused), as when nw is folded into the GEMM's weight.
     ACCUMULATE: out += the result (the residual add after wo / w2, in place; ``_epilogue``).
 
     USE_PDL (programmatic dependent launch): this grid may be scheduled while the previous kernel
@@ -293,26 +298,29 @@ def _skinny_linear_kernel(
             else:
                 w = _load_w_masked(w_ptrs, k_mask[None, :], W_EVICT).to(tl.float32)
             if X_NORM:
-                # h rows times the norm weight, rounded to x's dtype (as the norm kernel rounds its output) and
-                # widened for the FMAs; h's squares summed in fp32
-                if EVEN_K:
-                    g = tl.load(nw_ptr + kb * BLOCK_K + offs_k)
+                # h rows (times the norm weight with NORM_AFFINE, rounded to x's dtype as the norm kernel rounds
+                # its output) widened for the FMAs; h's squares summed in fp32
+                if NORM_AFFINE:
+                    if EVEN_K:
+                        g = tl.load(nw_ptr + kb * BLOCK_K + offs_k)
+                    else:
+                        g = tl.load(nw_ptr + kb * BLOCK_K + offs_k, mask=k_mask, other=0.0)
                 else:
-                    g = tl.load(nw_ptr + kb * BLOCK_K + offs_k, mask=k_mask, other=0.0)
+                    g = 0.0  # unused
                 h0 = _load_x(x0_ptrs, m0, K, False)
                 ss0 += _sum_squares(h0, BLOCK_K, NORM_VEC)
-                acc0 += w * _times_norm(h0, g)[None, :]
+                acc0 += w * _norm_input(h0, g, NORM_AFFINE)[None, :]
                 if BLOCK_M > 1:
                     h1 = _load_x(x0_ptrs + stride_xm, m1, K, False)
                     ss1 += _sum_squares(h1, BLOCK_K, NORM_VEC)
-                    acc1 += w * _times_norm(h1, g)[None, :]
+                    acc1 += w * _norm_input(h1, g, NORM_AFFINE)[None, :]
                 if BLOCK_M > 2:
                     h2 = _load_x(x0_ptrs + 2 * stride_xm, m2, K, False)
                     ss2 += _sum_squares(h2, BLOCK_K, NORM_VEC)
-                    acc2 += w * _times_norm(h2, g)[None, :]
+                    acc2 += w * _norm_input(h2, g, NORM_AFFINE)[None, :]
                     h3 = _load_x(x0_ptrs + 3 * stride_xm, m3, K, False)
                     ss3 += _sum_squares(h3, BLOCK_K, NORM_VEC)
-                    acc3 += w * _times_norm(h3, g)[None, :]
+                    acc3 += w * _norm_input(h3, g, NORM_AFFINE)[None, :]
             else:
                 acc0 += w * _load_x(x0_ptrs, m0, K, X_GLU).to(tl.float32)[None, :]
                 if BLOCK_M > 1:
@@ -346,7 +354,7 @@ def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
 
 def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scale_mode,
                          out, part, locks, config, pdl: bool = False, glu: bool = False,
-                         norm_weight=None, eps: float = 0.0, accumulate: bool = False):
+                         norm_weight=None, eps: float = 0.0, accumulate: bool = False, x_norm: bool = False):
     """Launch on 2-D views: x (M, K) unit stride in K, weight (N, K) contiguous, out (M, N) contiguous.
 
     ``part``: fp32 workspace of ``SPLIT_K * M * N`` elements and ``locks``: zeroed int32 counters
@@ -356,7 +364,8 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     PREFETCH (FMA path: register double buffer of the weight tile), EVICT (weights ``evict_first``)).
     ``pdl``: programmatic dependent launch (``kernels.pdl``) whatever the config says.
     ``glu``: x is (M, 2K) ``[gate | up]`` and the input is ``silu(gate) * up`` (SiLU-and-mul fused in).
-    ``norm_weight`` (K,): the input is ``rms_norm(x) * norm_weight`` with ``eps`` (FMA config, one split only).
+    ``norm_weight`` (K,): the input is ``rms_norm(x) * norm_weight`` with ``eps`` (FMA config, one split only);
+    ``x_norm`` without ``norm_weight``: the input is ``rms_norm(x)`` with no weight (one folded into ``weight``).
     ``accumulate``: ``out += x @ weight.T (+ bias)``, one rounding (out's old values read in the epilogue).
     """
     M = x.shape[0]
@@ -366,7 +375,8 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     grid = (cdiv(M, bm), split, cdiv(N, bn))
     dummy = out
     pdl = pdl or bool(config.get("PDL", False))
-    if norm_weight is not None and (config["kind"] != "fma" or split > 1 or glu):
+    x_norm = x_norm or norm_weight is not None
+    if x_norm and (config["kind"] != "fma" or split > 1 or glu):
         raise ValueError("norm_weight needs an FMA config with one split and no glu (the caller checks)")
     norm_vec = min(16 // x.element_size(), bk)  # one thread's 16-byte load of x (BLOCK_K: a power of 2)
     _skinny_linear_kernel[grid](
@@ -378,8 +388,8 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
         HAS_BIAS=bias is not None, X_SCALE_MODE=x_scale_mode, W_SCALE_MODE=w_scale_mode,
         USE_DOT=config["kind"] == "dot", DOT_FP8=bool(config.get("DOT_FP8", False)),
         EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=bool(config.get("PREFETCH", False)),
-        W_EVICT=bool(config.get("EVICT", False)), X_GLU=glu, X_NORM=norm_weight is not None,
-        NORM_VEC=norm_vec, ACCUMULATE=accumulate,
+        W_EVICT=bool(config.get("EVICT", False)), X_GLU=glu, X_NORM=x_norm,
+        NORM_VEC=norm_vec, NORM_AFFINE=norm_weight is not None, ACCUMULATE=accumulate,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

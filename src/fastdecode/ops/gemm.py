@@ -148,13 +148,14 @@ _LOCKS = SPLIT_K_LOCKS  # the split-K counters (ops._tuned); tests/test_gemm*.py
 
 
 def linear_with_config(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, config: dict,
-                       glu: bool = False, norm_weight=None, eps: float = 0.0, accumulate: bool = False) -> None:
+                       glu: bool = False, norm_weight=None, eps: float = 0.0, accumulate: bool = False,
+                       x_norm: bool = False) -> None:
     """Run the skinny kernel on 2-D views with an explicit config: the entry point of the tuner and the GEMM
     benchmark (``fastdecode.bench.gemm``). No validation and no dispatch: ``linear`` / ``linear_fp8`` are the
     checked ops. x (M, K), weight (N, K); ``x_mode`` / ``w_mode``: 0 no scale, 1 per tensor, 2 per row.
     ``glu``: x is (M, 2K) ``[gate | up]`` and the GEMM's input ``silu(gate) * up`` (``silu_and_mul_linear``).
-    ``norm_weight`` / ``eps``: the input is ``rms_norm(x)`` (one-split FMA configs only), ``accumulate``: out +=
-    (``fastdecode.ops.norm_linear``)."""
+    ``norm_weight`` / ``eps``: the input is ``rms_norm(x)`` (one-split FMA configs only; ``x_norm`` without
+    ``norm_weight``: a norm without weight), ``accumulate``: out += (``fastdecode.ops.norm_linear``)."""
     from fastdecode.kernels.gemm import launch_skinny_linear, split_k_blocks
 
     M = x.shape[0]
@@ -172,7 +173,8 @@ def linear_with_config(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, c
         else:
             part = split_k_partials(x.device, split * M * N)
     launch_skinny_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, part, locks, config,
-                         pdl=pdl_enabled(x), glu=glu, norm_weight=norm_weight, eps=eps, accumulate=accumulate)
+                         pdl=pdl_enabled(x), glu=glu, norm_weight=norm_weight, eps=eps, accumulate=accumulate,
+                         x_norm=x_norm)
 
 
 def cublas_fp8_supported(M: int, N: int, K: int, x_mode: int, w_mode: int, out_dtype,

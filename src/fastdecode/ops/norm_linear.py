@@ -43,9 +43,10 @@ def _fma_one_split(cfg: dict, K: int) -> bool:
 
 
 @define_op("rms_norm_linear", mutates_args=("out",))
-def _rms_norm_linear_op(h: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+def _rms_norm_linear_op(h: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
                         bias: Optional[torch.Tensor], out: torch.Tensor, eps: float, impl: str) -> None:
-    """h (M, K) unit stride in K; norm_weight (K,) contiguous; weight (N, K) contiguous; out (M, N) contiguous."""
+    """h (M, K) unit stride in K; norm_weight (K,) contiguous or None; weight (N, K) contiguous; out (M, N)
+    contiguous."""
     from fastdecode.ops.gemm import linear
     from fastdecode.ops.norm import rms_norm
 
@@ -55,10 +56,11 @@ def _rms_norm_linear_op(h: torch.Tensor, norm_weight: torch.Tensor, weight: torc
     which, cfg = _choose(impl, h, weight, cublas_ok=True)
     if which == "triton" and _fma_one_split(cfg, h.shape[1]):
         linear_with_config(h, weight, bias, None, SCALE_NONE, None, SCALE_NONE, out, cfg,
-                           norm_weight=norm_weight, eps=eps)
+                           norm_weight=norm_weight, eps=eps, x_norm=True)
         return
     # the two kernels: the normed rows rounded to h's dtype, then the GEMM the dispatcher picks
-    linear(rms_norm(h, norm_weight, eps, backend="triton"), weight, bias, out=out, backend="triton",
+    g = norm_weight if norm_weight is not None else torch.ones(h.shape[1], dtype=h.dtype, device=h.device)
+    linear(rms_norm(h, g, eps, backend="triton"), weight, bias, out=out, backend="triton",
            impl=None if impl == "auto" else impl)
 
 
@@ -96,15 +98,17 @@ def rms_norm_linear(h, norm_weight, weight, bias=None, *, eps: float = 1e-6, out
                     backend: Optional[str] = None, impl: Optional[str] = None) -> torch.Tensor:
     """``rms_norm(h, norm_weight, eps) @ weight.T + bias`` with the norm inside the GEMM (module docstring).
 
-    h: (..., K) bf16/fp16/fp32 (rows may be strided); norm_weight: (K,) h's dtype; weight: (N, K) contiguous,
-    h's dtype; bias: (N,) or None. Returns (..., N) (or ``out``). impl: as ``linear``.
+    h: (..., K) bf16/fp16/fp32 (rows may be strided); norm_weight: (K,) h's dtype, or None for a norm without
+    weight (as when it is folded into ``weight``: ``fold_norm_weight``); weight: (N, K) contiguous, h's dtype;
+    bias: (N,) or None. Returns (..., N) (or ``out``). impl: as ``linear``.
     """
     check_tensor("h", h, dtypes=LINEAR_DTYPES)
     if h.dim() == 0:
         raise ValueError("h must have at least 1 dimension (..., K), got a scalar")
     K = h.shape[-1]
-    check_tensor("norm_weight", norm_weight, dtypes=(h.dtype,), ndim=1)
-    if norm_weight.shape[0] != K:
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, dtypes=(h.dtype,), ndim=1)
+    if norm_weight is not None and norm_weight.shape[0] != K:
         raise ValueError(f"norm_weight must have shape ({K},) (the last dimension of h), got "
                          f"{tuple(norm_weight.shape)}")
     check_eps(eps)
@@ -122,8 +126,21 @@ def rms_norm_linear(h, norm_weight, weight, bias=None, *, eps: float = 1e-6, out
         return out
     if K == 0:  # the norm of an empty row is empty: the product is 0
         return out.copy_(bias.expand(out_shape)) if bias is not None else out.zero_()
-    _rms_norm_linear_op(h2, norm_weight.contiguous(), weight, bias, out.view(-1, N), float(eps), impl_s)
+    nw = norm_weight.contiguous() if norm_weight is not None else None
+    _rms_norm_linear_op(h2, nw, weight, bias, out.view(-1, N), float(eps), impl_s)
     return out
+
+
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """``weight * norm_weight`` along K (fp32 product, one rounding to weight's dtype): the weight for which
+    ``rms_norm_linear(h, None, folded)`` is ``rms_norm_linear(h, norm_weight, weight)`` up to that rounding
+    (``W[n, k] * g[k]`` rounded instead of ``h[k] * g[k]``). weight: (N, K); norm_weight: (K,)."""
+    check_tensor("weight", weight, dtypes=LINEAR_DTYPES, ndim=2)
+    check_tensor("norm_weight", norm_weight, ndim=1)
+    if norm_weight.shape[0] != weight.shape[1]:
+        raise ValueError(f"norm_weight must have shape ({weight.shape[1]},) (weight's K), got "
+                         f"{tuple(norm_weight.shape)}")
+    return (weight.float() * norm_weight.float()).to(weight.dtype)
 
 
 def add_linear_(residual, x, weight, bias=None, *, glu: bool = False, backend: Optional[str] = None,
@@ -167,11 +184,13 @@ def add_linear_(residual, x, weight, bias=None, *, glu: bool = False, backend: O
 
 
 def rms_norm_linear_ref(h, norm_weight, weight, bias=None, *, eps: float = 1e-6) -> torch.Tensor:
-    """Reference of :func:`rms_norm_linear`, the fused recipe: ``h * g`` rounded to h's dtype, its product with
-    ``W.T`` in fp32 times each row's ``rsqrt(mean(h^2) + eps)``, plus the bias, one rounding to h's dtype."""
+    """Reference of :func:`rms_norm_linear`, the fused recipe: ``h * g`` rounded to h's dtype (h itself when
+    norm_weight is None), its product with ``W.T`` in fp32 times each row's ``rsqrt(mean(h^2) + eps)``, plus the
+    bias, one rounding to h's dtype."""
     v = h.float()
     rstd = torch.rsqrt(v.pow(2).mean(dim=-1, keepdim=True) + eps)
-    y = ((h * norm_weight).float() @ weight.float().t()) * rstd
+    a = (h.float() * norm_weight.float()).to(h.dtype) if norm_weight is not None else h
+    y = (a.float() @ weight.float().t()) * rstd
     if bias is not None:
         y = y + bias.float()
     return y.to(h.dtype)
@@ -189,4 +208,4 @@ def add_linear_ref(residual, x, weight, bias=None, *, glu: bool = False) -> torc
     return y.to(residual.dtype)
 
 
-__all__ = ["add_linear_", "add_linear_ref", "rms_norm_linear", "rms_norm_linear_ref"]
+__all__ = ["add_linear_", "add_linear_ref", "fold_norm_weight", "rms_norm_linear", "rms_norm_linear_ref"]
