@@ -7,6 +7,7 @@ product to the residual in the GEMM's epilogue (any config), one rounding. Devic
 the CPU (fp32, and bf16 on the FMA path, which has no ``tl.dot``), bf16 / fp16 on a GPU.
 """
 
+import copy
 import itertools
 from functools import partial
 
@@ -262,6 +263,43 @@ def test_opcheck_both_ops():
 # ----------------------------------------------------------------------------- the model
 
 
+def _random_norm_weights(model):
+    """Norm weights other than ones (random models have ones): the fold then changes wqkv / w13."""
+    for layer in model.layers:
+        for n in (layer.attention_norm, layer.ffn_norm):
+            n.weight.copy_(1 + 0.3 * torch.randn(n.weight.shape, device=n.weight.device))
+
+
+def test_norm_weights_folded_again_after_a_reload_and_never_inside_a_capture(monkeypatch):
+    """Weights changed in place after the fold (a reload) are folded at the next eager decode: the norm_gemm path
+    still equals the default path on the model's current parameters. Inside a CUDA-graph capture stale weights
+    raise (the fold would sync and its copies would be recorded), with the way out in the message."""
+    from fastdecode.engine.kv_cache import KVCache
+    from fastdecode.engine.loader import random_model
+    from fastdecode.models import norm_gemm
+    from fastdecode.models.config import ModelConfig
+
+    cfg = ModelConfig.from_preset("tiny").replace(n_layers=2)
+    m = random_model(cfg, device=DEV, dtype=torch.float32, backend="torch", max_seq_len=64, std=0.2,
+                     seed=int(torch.randint(0, 2**31, ())))
+    m.set_kernels(norm_gemm=True)
+    tok, pos = torch.randint(0, cfg.vocab_size, (1,), device=DEV), torch.zeros(1, dtype=torch.long, device=DEV)
+    m.decode(tok, pos, KVCache(cfg, 1, 8, dtype=torch.float32, device=DEV))  # ones: nothing to fold
+    assert norm_gemm.fold(m) == 0
+    _random_norm_weights(m)  # "a reload": new norm weights into the same tensors
+    monkeypatch.setattr(norm_gemm, "_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="run one eager decode step before capturing"):
+        m.decode(tok, pos, KVCache(cfg, 1, 8, dtype=torch.float32, device=DEV))
+    monkeypatch.setattr(norm_gemm, "_capturing", lambda: False)
+    ref = copy.deepcopy(m)
+    ref.set_kernels(norm_gemm=False)
+    on = m.decode(tok, pos, KVCache(cfg, 1, 8, dtype=torch.float32, device=DEV))
+    torch.testing.assert_close(on, ref.decode(tok, pos, KVCache(cfg, 1, 8, dtype=torch.float32, device=DEV)),
+                               atol=5e-5, rtol=0)
+    assert all(torch.equal(n.weight, torch.ones_like(n.weight)) for layer in m.layers
+               for n in (layer.attention_norm, layer.ffn_norm))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_model_norm_gemm_switch(backend):
     """Off by default; on, decode steps give the default path's logits and caches (fp32: the orders of the sums
@@ -275,20 +313,30 @@ def test_model_norm_gemm_switch(backend):
     cfg = ModelConfig.from_preset("tiny").replace(n_layers=2)
     m = random_model(cfg, device=DEV, dtype=torch.float32, backend=backend, max_seq_len=64, std=0.2,
                      seed=int(torch.randint(0, 2**31, ())))
+    _random_norm_weights(m)
+    unfolded = copy.deepcopy(m)
     assert not m.kernels["norm_gemm"] and not norm_gemm.applies(m)
     toks = torch.randint(0, cfg.vocab_size, (2, 7), device=DEV)
-    caches = [KVCache(cfg, 2, 16, dtype=torch.float32, device=DEV) for _ in range(2)]
-    for c in caches:
-        m.prefill(toks[:, :4], c)
+    caches = [KVCache(cfg, 2, 16, dtype=torch.float32, device=DEV) for _ in range(3)]
+    for c, model in zip(caches, (m, m, unfolded)):
+        model.prefill(toks[:, :4], c)
     for t in range(4, 7):
         pos = torch.tensor([t, t - 2], device=DEV)
         m.set_kernels(norm_gemm=True)
         assert norm_gemm.applies(m)
         on = m.decode(toks[:, t], pos, caches[0])
         m.set_kernels(norm_gemm=False)
-        off = m.decode(toks[:, t], pos, caches[1])
+        off = m.decode(toks[:, t], pos, caches[1])  # the default path on the folded weights
+        before = unfolded.decode(toks[:, t], pos, caches[2])  # and on the model as it was loaded
         torch.testing.assert_close(on, off, atol=5e-5, rtol=0)
+        torch.testing.assert_close(on, before, atol=5e-5, rtol=0)
         torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-5, rtol=0)
+    # folded once: the norm weights are ones, wqkv / w13 took them; nothing to fold again
+    for layer, old in zip(m.layers, unfolded.layers):
+        assert torch.equal(layer.attention_norm.weight, torch.ones_like(old.attention_norm.weight))
+        torch.testing.assert_close(layer.attention.wqkv.weight,
+                                   old.attention.wqkv.weight * old.attention_norm.weight, rtol=0, atol=0)
+    assert norm_gemm.fold(m) == 0
     m.set_kernels(norm_gemm=True)
     m.backend = "ref"
     assert not norm_gemm.applies(m)

@@ -9,6 +9,15 @@ path). The final norm stays a kernel of its own before the lm head.
 It applies where the switch and ``fused_norm`` are on, on fastdecode's ops (not the ``"ref"`` baseline), on one
 GPU (under TP the norm owns the all-reduce), and where the four projections of every block are plain ``Linear``:
 bf16 / fp16 / fp32 (an ``Fp8Linear`` wants its norm to quantise, an ``Int4Linear`` has its own kernels).
+
+The norm weights are folded into wqkv / w13 (``fold``): ``W[n, k] <- W[n, k] * g[k]`` (fp32 product, one rounding)
+and ``g <- 1``, in place, so the model's parameters keep computing the same function on every path (the default
+path then multiplies by ones) and the fused GEMV does no per-step work for g. Measured (session 16,
+``benchmarks/sweep_norm_gemv.py``, H200, M = 1): with g in the kernel, the 8B qkv / gate_up GEMVs took 18.11 / 64.52
+us against 15.09 / 56.21 for the plain GEMVs (slower than the norm kernel plus the GEMV, 17.29 / 58.73); folded,
+15.30 / 56.85. The fold runs at the first eager decode on this path, and again after any in-place change of those
+weights (a reload): each block remembers the version counters of the four tensors it folded. A CUDA-graph capture
+on stale weights raises (its warm-up steps, eager, fold first: ``engine.cuda_graph``).
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref
-from fastdecode.ops.norm_linear import add_linear_, rms_norm_linear
+from fastdecode.ops.norm_linear import add_linear_, fold_norm_weight, rms_norm_linear
 
 
 def _projections(layer):
@@ -34,20 +43,61 @@ def applies(model) -> bool:
     return all(isinstance(p, Linear) for layer in model.layers for p in _projections(layer))
 
 
+def _pairs(layer):
+    """(norm, the projection it feeds) of a block: the norm weights ``fold`` moves into the projections."""
+    return (layer.attention_norm, layer.attention.wqkv), (layer.ffn_norm, layer.feed_forward.w13)
+
+
+def _key(norm, proj) -> tuple:
+    g, w = norm.weight, proj.weight
+    return g.data_ptr(), g._version, w.data_ptr(), w._version
+
+
+@torch.no_grad()
+def fold(model) -> int:
+    """Fold each block's norm weights into wqkv / w13 in place (module docstring) where they are not folded yet;
+    returns how many weights changed (a norm weight of ones needs no change)."""
+    changed = 0
+    for layer in model.layers:
+        for norm, proj in _pairs(layer):
+            if getattr(norm, "_folded_into", None) == _key(norm, proj):
+                continue
+            g = norm.weight
+            if not bool((g == 1).all()):
+                proj.weight.copy_(fold_norm_weight(proj.weight, g))
+                g.fill_(1)
+                changed += 1
+            norm._folded_into = _key(norm, proj)
+    return changed
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _folded(model) -> bool:
+    return all(getattr(n, "_folded_into", None) == _key(n, p) for layer in model.layers for n, p in _pairs(layer))
+
+
 def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens) -> torch.Tensor:
     """``Transformer.decode`` on this path: tokens, input_pos [B] -> fp32 logits [B, V]."""
+    if not _folded(model):
+        if _capturing():
+            raise RuntimeError("norm_gemm: the norm weights are not folded into wqkv / w13 yet (first use, or "
+                               "weights changed since); run one eager decode step before capturing a CUDA graph")
+        fold(model)
     B = tokens.shape[0]
     be = model.backend
     h = model._embed(tokens.view(B, 1))  # [B, 1, dim]: the residual stream, a fresh tensor updated in place
     for i, layer in enumerate(model.layers):
         wqkv, wo, w13, w2 = _projections(layer)
         a, f = layer.attention, layer.feed_forward
-        n = layer.attention_norm
-        qkv = rms_norm_linear(h, n.weight, wqkv.weight, wqkv.bias, eps=n.eps, backend=be, impl=wqkv.gemm_impl)
+        n = layer.attention_norm  # its weight folded into wqkv: a norm without weight
+        qkv = rms_norm_linear(h, None, wqkv.weight, wqkv.bias, eps=n.eps, backend=be, impl=wqkv.gemm_impl)
         o = a.attend(qkv, model.rope, cache.k[i], cache.v[i], input_pos, seq_lens, be)
         add_linear_(h, o, wo.weight, wo.bias, backend=be, impl=wo.gemm_impl)
         n = layer.ffn_norm
-        gu = rms_norm_linear(h, n.weight, w13.weight, w13.bias, eps=n.eps, backend=be, impl=w13.gemm_impl)
+        gu = rms_norm_linear(h, None, w13.weight, w13.bias, eps=n.eps, backend=be, impl=w13.gemm_impl)
         if f.fuse_down and f.fused:  # SiLU-and-mul in w2's loads
             add_linear_(h, gu, w2.weight, w2.bias, glu=True, backend=be, impl=w2.gemm_impl)
         else:
@@ -56,4 +106,4 @@ def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens
     return model._head(model.norm(h, be)).view(B, -1)
 
 
-__all__ = ["applies", "decode"]
+__all__ = ["applies", "decode", "fold"]
