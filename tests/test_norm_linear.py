@@ -280,9 +280,9 @@ def test_norm_weights_folded_again_after_a_reload_and_never_inside_a_capture(mon
     from fastdecode.models.config import ModelConfig
 
     cfg = ModelConfig.from_preset("tiny").replace(n_layers=2)
-    m = random_model(cfg, device=DEV, dtype=torch.float32, backend="torch", max_seq_len=64, std=0.2,
+    m = random_model(cfg, device=DEV, dtype=torch.float32, backend="triton", max_seq_len=64, std=0.2,
                      seed=int(torch.randint(0, 2**31, ())))
-    m.set_kernels(norm_gemm=True)
+    assert norm_gemm.applies(m)
     tok, pos = torch.randint(0, cfg.vocab_size, (1,), device=DEV), torch.zeros(1, dtype=torch.long, device=DEV)
     m.decode(tok, pos, KVCache(cfg, 1, 8, dtype=torch.float32, device=DEV))  # ones: nothing to fold
     assert norm_gemm.fold(m) == 0
@@ -300,22 +300,27 @@ def test_norm_weights_folded_again_after_a_reload_and_never_inside_a_capture(mon
                for n in (layer.attention_norm, layer.ffn_norm))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_model_norm_gemm_switch(backend):
-    """Off by default; on, decode steps give the default path's logits and caches (fp32: the orders of the sums
-    differ), on the torch backend and through the kernels (the interpreter on a CPU, CUDA on a GPU); the "ref"
-    baseline and quantised projections keep the default path."""
+def test_model_norm_gemm_switch(monkeypatch):
+    """On by default where the Triton kernels run; decode steps give the unfused path's logits and caches (fp32: the
+    orders of the sums differ), through the kernels (the interpreter on a CPU, CUDA on a GPU), on the folded weights
+    and against the model as loaded; the "torch" and "ref" backends, "auto" on a CPU and quantised projections
+    keep the unfused path."""
     from fastdecode.engine.kv_cache import KVCache
     from fastdecode.engine.loader import random_model
     from fastdecode.models import norm_gemm
     from fastdecode.models.config import ModelConfig
 
     cfg = ModelConfig.from_preset("tiny").replace(n_layers=2)
-    m = random_model(cfg, device=DEV, dtype=torch.float32, backend=backend, max_seq_len=64, std=0.2,
+    m = random_model(cfg, device=DEV, dtype=torch.float32, backend="triton", max_seq_len=64, std=0.2,
                      seed=int(torch.randint(0, 2**31, ())))
     _random_norm_weights(m)
+    assert m.kernels["norm_gemm"] and norm_gemm.applies(m)
+    for be in ("torch", "ref") + (() if CUDA else ("auto",)):
+        m.backend = be
+        assert not norm_gemm.applies(m), be
+    m.backend = "triton"
     unfolded = copy.deepcopy(m)
-    assert not m.kernels["norm_gemm"] and not norm_gemm.applies(m)
+    unfolded.set_kernels(norm_gemm=False)
     toks = torch.randint(0, cfg.vocab_size, (2, 7), device=DEV)
     caches = [KVCache(cfg, 2, 16, dtype=torch.float32, device=DEV) for _ in range(3)]
     for c, model in zip(caches, (m, m, unfolded)):
@@ -326,7 +331,7 @@ def test_model_norm_gemm_switch(backend):
         assert norm_gemm.applies(m)
         on = m.decode(toks[:, t], pos, caches[0])
         m.set_kernels(norm_gemm=False)
-        off = m.decode(toks[:, t], pos, caches[1])  # the default path on the folded weights
+        off = m.decode(toks[:, t], pos, caches[1])  # the unfused path on the folded weights
         before = unfolded.decode(toks[:, t], pos, caches[2])  # and on the model as it was loaded
         torch.testing.assert_close(on, off, atol=5e-5, rtol=0)
         torch.testing.assert_close(on, before, atol=5e-5, rtol=0)
@@ -338,8 +343,8 @@ def test_model_norm_gemm_switch(backend):
                                    old.attention.wqkv.weight * old.attention_norm.weight, rtol=0, atol=0)
     assert norm_gemm.fold(m) == 0
     m.set_kernels(norm_gemm=True)
-    m.backend = "ref"
-    assert not norm_gemm.applies(m)
-    m.backend = backend
+    with monkeypatch.context() as mp:  # a decode step traced by torch.compile takes the unfused path
+        mp.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not norm_gemm.applies(m)
     m.set_kernels(fused_norm=False)
     assert not norm_gemm.applies(m)

@@ -1,23 +1,27 @@
 """The decode step with each block's RMSNorms inside the GEMMs after them and the residual adds inside the GEMMs
-before them: the ``norm_gemm`` kernel switch of ``Transformer`` (off by default: ``llama.OPT_IN_KERNELS``).
+before them: the ``norm_gemm`` kernel switch of ``Transformer`` (on by default since session 16).
 
 A block is then ``rms_norm_linear(h, wqkv) -> attention -> add_linear_(h, wo) -> rms_norm_linear(h, w13) ->
 add_linear_(h, w2)`` (w2 with SiLU-and-mul in its loads): 5 kernels instead of 7, the residual stream ``h`` updated
 in place by wo and w2 (``fastdecode.ops.norm_linear``, which says how the roundings differ from the two-kernel
 path). The final norm stays a kernel of its own before the lm head.
 
-It applies where the switch and ``fused_norm`` are on, on fastdecode's ops (not the ``"ref"`` baseline), on one
-GPU (under TP the norm owns the all-reduce), and where the four projections of every block are plain ``Linear``:
-bf16 / fp16 / fp32 (an ``Fp8Linear`` wants its norm to quantise, an ``Int4Linear`` has its own kernels).
+It applies where the switch and ``fused_norm`` are on, where fastdecode's Triton kernels run (backend ``"auto"`` on
+CUDA, or ``"triton"``; not the ``"torch"`` backend, nor the ``"ref"`` baseline), on one GPU (under TP the norm
+owns the all-reduce), not while ``torch.compile`` traces the decode step, and where the four projections of every
+block are plain ``Linear``: bf16 / fp16 / fp32 (an ``Fp8Linear`` wants its norm to quantise, an ``Int4Linear`` has
+its own kernels).
 
-The norm weights are folded into wqkv / w13 (``fold``): ``W[n, k] <- W[n, k] * g[k]`` (fp32 product, one rounding)
-and ``g <- 1``, in place, so the model's parameters keep computing the same function on every path (the default
-path then multiplies by ones) and the fused GEMV does no per-step work for g. Measured (session 16,
-``benchmarks/sweep_norm_gemv.py``, H200, M = 1): with g in the kernel, the 8B qkv / gate_up GEMVs took 18.11 / 64.52
-us against 15.09 / 56.21 for the plain GEMVs (slower than the norm kernel plus the GEMV, 17.29 / 58.73); folded,
-15.30 / 56.85. The fold runs at the first eager decode on this path, and again after any in-place change of those
-weights (a reload): each block remembers the version counters of the four tensors it folded. A CUDA-graph capture
-on stale weights raises (its warm-up steps, eager, fold first: ``engine.cuda_graph``).
+The norm weights are folded into wqkv / w13 (``fold``): ``W[n, k] <- W[n, k] * g[k]`` (fp32 product, one
+rounding) and ``g <- 1``, in place, so the model's parameters keep computing the same function on every path (the
+unfused path then multiplies by ones) and the fused GEMV does no per-step work for g. Measured (session 16,
+``benchmarks/sweep_norm_gemv.py``, H200, M = 1): with g in the kernel, the 8B qkv / gate_up GEMVs took 18.11 /
+64.52 us against 15.09 / 56.21 for the plain GEMVs (slower than the norm kernel plus the GEMV, 17.29 / 58.73);
+folded, 15.30 / 56.85; the 8B bf16 step 3962.7 against 4030.5 us without the switch (252.3 against 248.0 tok/s,
+same process; ``benchmarks/NOTES.md``, session 16). The fold runs at the first eager decode on this path, and again
+after any in-place change of those weights (a reload): each block remembers the version counters of the tensors
+it folded. A CUDA-graph capture on stale weights raises (its warm-up steps, eager, fold first:
+``engine.cuda_graph``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,14 @@ def applies(model) -> bool:
     from fastdecode.models.llama import Linear
 
     k = model.kernels
-    if not (k["norm_gemm"] and k["fused_norm"]) or model.backend == "ref" or model.tp is not None:
+    if not (k["norm_gemm"] and k["fused_norm"]) or model.tp is not None:
+        return False
+    if torch.compiler.is_compiling():  # the fold's checks sync and mutate: a traced decode takes the unfused path
+        return False
+    # where the Triton kernels run: "auto" on CUDA, or "triton" (the interpreter on a CPU); the "torch" backend and
+    # "auto" on a CPU (plain PyTorch) would gain nothing from the fold, and the "ref" baseline keeps its path
+    on_cuda = model.tok_embeddings.weight.device.type == "cuda"
+    if not (model.backend == "triton" or (model.backend == "auto" and on_cuda)):
         return False
     return all(isinstance(p, Linear) for layer in model.layers for p in _projections(layer))
 
