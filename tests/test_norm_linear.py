@@ -141,6 +141,12 @@ def test_the_op_takes_the_kernel_or_the_two_kernels():
         if not fused:
             ones = torch.ones(K, dtype=dtype, device=DEV)
             assert torch.equal(y, L.linear(rms_norm(h, ones, 1e-6, backend="triton"), wf, backend="triton"))
+            # the ones are made once, not by a fill kernel in every call
+            from fastdecode.ops import norm_linear
+
+            kept = norm_linear._ONES[(K, dtype, h.device)]
+            rms_norm_linear(h, None, wf, eps=1e-6, backend="triton")
+            assert norm_linear._ONES[(K, dtype, h.device)] is kept and torch.equal(kept, ones)
         assert_close(y, rms_norm_linear_ref(h, None, wf, eps=1e-6), ulps=1 if fused else 4)
 
 

@@ -59,9 +59,25 @@ def _rms_norm_linear_op(h: torch.Tensor, norm_weight: Optional[torch.Tensor], we
                            norm_weight=norm_weight, eps=eps, x_norm=True)
         return
     # the two kernels: the normed rows rounded to h's dtype, then the GEMM the dispatcher picks
-    g = norm_weight if norm_weight is not None else torch.ones(h.shape[1], dtype=h.dtype, device=h.device)
+    g = norm_weight if norm_weight is not None else _ones(h.shape[1], h.dtype, h.device)
     linear(rms_norm(h, g, eps, backend="triton"), weight, bias, out=out, backend="triton",
            impl=None if impl == "auto" else impl)
+
+
+_ONES: dict = {}
+
+
+def _ones(K: int, dtype, device) -> torch.Tensor:
+    """A norm weight of ones for the two-kernel path without one, kept per (K, dtype, device): a decode step would
+    otherwise add a fill kernel per norm. Not kept when made inside a CUDA-graph capture (its fill has not run
+    then: only the graph's replays write it)."""
+    key = (K, dtype, device)
+    t = _ONES.get(key)
+    if t is None:
+        t = torch.ones(K, dtype=dtype, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ONES[key] = t
+    return t
 
 
 @_rms_norm_linear_op.register_fake
