@@ -377,7 +377,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     pdl = pdl or bool(config.get("PDL", False))
     x_norm = x_norm or norm_weight is not None
     if x_norm and (config["kind"] != "fma" or split > 1 or glu):
-        raise ValueError("norm_weight needs an FMA config with one split and no glu (the caller checks)")
+        raise ValueError("the RMSNorm in the GEMV needs an FMA config with one split and no glu (the caller checks)")
     norm_vec = min(16 // x.element_size(), bk)  # one thread's 16-byte load of x (BLOCK_K: a power of 2)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,

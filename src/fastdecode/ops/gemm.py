@@ -328,6 +328,23 @@ def check_bias(bias, N: int, dtypes, weight_name: str = "weight"):
     return bias.contiguous()
 
 
+def run_linear(op: str, name: str, x, K: int, N: int, bias, out, impl, backend, call) -> torch.Tensor:
+    """The tail the checked linear ops share: ``out`` (..., N) in x's dtype checked (or made), the impl resolved
+    for ``op``, then ``call(x_rows, out_rows, impl)`` on x's rows (``name`` in errors), unless nothing is left to
+    compute: no rows or N = 0 (out as it is), K = 0 (out = bias, or 0)."""
+    out_shape = (*x.shape[:-1], N)
+    check_out("out", out, out_shape, x.dtype, x.device)
+    impl_s = _resolve_impl(impl, backend, x.device, op)
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device) if out is None else out
+    x2 = as_rows(name, x)
+    if x2.shape[0] == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.copy_(bias.expand(out_shape)) if bias is not None else out.zero_()
+    call(x2, out.view(-1, N), impl_s)
+    return out
+
+
 def linear(x, weight, bias=None, *, out=None, backend: Optional[str] = None,
            impl: Optional[str] = None) -> torch.Tensor:
     """``out = x @ weight.T + bias`` with fp32 accumulation, one rounding to x.dtype.
@@ -345,17 +362,8 @@ def linear(x, weight, bias=None, *, out=None, backend: Optional[str] = None,
         raise ValueError(f"weight must have the dtype of x ({x.dtype}), got {weight.dtype}")
     bias = check_bias(bias, N, (x.dtype,))
     check_same_device(x=x, weight=weight, bias=bias)
-    out_shape = (*x.shape[:-1], N)
-    check_out("out", out, out_shape, x.dtype, x.device)
-    impl_s = _resolve_impl(impl, backend, x.device, "linear")
-    out = torch.empty(out_shape, dtype=x.dtype, device=x.device) if out is None else out
-    x2 = as_rows("x", x)
-    if x2.shape[0] == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.copy_(bias.expand(out_shape)) if bias is not None else out.zero_()
-    _linear_op(x2, weight, bias, out.view(-1, N), impl_s)
-    return out
+    return run_linear("linear", "x", x, K, N, bias, out, impl, backend,
+                      lambda x2, out2, impl_s: _linear_op(x2, weight, bias, out2, impl_s))
 
 
 def x_scale_rows(x_scale, lead: tuple, M: int, device) -> torch.Tensor:

@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 
 from fastdecode.constants import SCALE_NONE
-from fastdecode.ops._common import as_rows, check_out, check_same_device, check_tensor
+from fastdecode.ops._common import check_same_device, check_tensor
 from fastdecode.ops._registry import define_op
 from fastdecode.ops.gemm import (
-    LINEAR_DTYPES, _check_weight, _choose, _cublas_linear, _resolve_impl, check_bias, linear_ref, linear_with_config,
+    LINEAR_DTYPES, _check_weight, _choose, _cublas_linear, check_bias, linear_ref, linear_with_config, run_linear,
 )
 
 
@@ -68,17 +68,8 @@ def silu_and_mul_linear(h, weight, bias=None, *, out=None, backend: Optional[str
         raise ValueError(f"weight must have the dtype of h ({h.dtype}), got {weight.dtype}")
     bias = check_bias(bias, N, (h.dtype,))
     check_same_device(h=h, weight=weight, bias=bias)
-    out_shape = (*h.shape[:-1], N)
-    check_out("out", out, out_shape, h.dtype, h.device)
-    impl_s = _resolve_impl(impl, backend, h.device, "silu_and_mul_linear")
-    out = torch.empty(out_shape, dtype=h.dtype, device=h.device) if out is None else out
-    h2 = as_rows("h", h)
-    if h2.shape[0] == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.copy_(bias.expand(out_shape)) if bias is not None else out.zero_()
-    _silu_and_mul_linear_op(h2, weight, bias, out.view(-1, N), impl_s)
-    return out
+    return run_linear("silu_and_mul_linear", "h", h, K, N, bias, out, impl, backend,
+                      lambda h2, out2, impl_s: _silu_and_mul_linear_op(h2, weight, bias, out2, impl_s))
 
 
 __all__ = ["silu_and_mul_linear"]

@@ -28,10 +28,10 @@ from typing import Optional
 import torch
 
 from fastdecode.constants import SCALE_NONE
-from fastdecode.ops._common import as_rows, check_eps, check_out, check_same_device, check_tensor
+from fastdecode.ops._common import as_rows, check_eps, check_same_device, check_tensor
 from fastdecode.ops._registry import define_op
 from fastdecode.ops.gemm import (
-    LINEAR_DTYPES, _check_weight, _choose, _resolve_impl, check_bias, linear_with_config,
+    LINEAR_DTYPES, _check_weight, _choose, _resolve_impl, check_bias, linear_with_config, run_linear,
 )
 
 
@@ -133,18 +133,10 @@ def rms_norm_linear(h, norm_weight, weight, bias=None, *, eps: float = 1e-6, out
         raise ValueError(f"weight must have the dtype of h ({h.dtype}), got {weight.dtype}")
     bias = check_bias(bias, N, (h.dtype,))
     check_same_device(h=h, norm_weight=norm_weight, weight=weight, bias=bias)
-    out_shape = (*h.shape[:-1], N)
-    check_out("out", out, out_shape, h.dtype, h.device)
-    impl_s = _resolve_impl(impl, backend, h.device, "rms_norm_linear")
-    out = torch.empty(out_shape, dtype=h.dtype, device=h.device) if out is None else out
-    h2 = as_rows("h", h)
-    if h2.shape[0] == 0 or N == 0:
-        return out
-    if K == 0:  # the norm of an empty row is empty: the product is 0
-        return out.copy_(bias.expand(out_shape)) if bias is not None else out.zero_()
     nw = norm_weight.contiguous() if norm_weight is not None else None
-    _rms_norm_linear_op(h2, nw, weight, bias, out.view(-1, N), float(eps), impl_s)
-    return out
+    # K = 0: the norm of an empty row is empty, the product 0
+    return run_linear("rms_norm_linear", "h", h, K, N, bias, out, impl, backend,
+                      lambda h2, out2, impl_s: _rms_norm_linear_op(h2, nw, weight, bias, out2, float(eps), impl_s))
 
 
 def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
