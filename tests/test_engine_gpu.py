@@ -130,22 +130,36 @@ def test_cuda_graph_decode_equals_eager():
 
 @pytest.mark.parametrize("norm_gemm", [False, True])
 def test_one_token_prefill_replays_the_decode_graph(norm_gemm):
-    """Engine.prefill of one-token prompts with CUDA graphs is a decode step at position 0 (a replay), the same
-    logits and cache as the eager prefill up to kernel choice; also with the ``norm_gemm`` switch on (it failed
-    here in session 16's suite at 6a4baa0, where it was on by default; the failure's message was lost)."""
+    """Engine.prefill of one-token prompts with CUDA graphs is a decode step at position 0 (a replay): the logits
+    and cache of an eager decode step, and those of the eager prefill up to rounding.
+
+    The eager prefill runs the unfused kernels. Without ``norm_gemm`` the step runs the same ones: the cache rows
+    agree to 2e-2. With it (the default) the step reads the folded weights and does not round the normed
+    activation, so layer 1's K / V rows differ from the prefill's by a few bf16 ulps (session 17, H200,
+    ``benchmarks/diag_norm_gemm.py``: up to 0.039 on rows of rms ~1.3, where this test's old 2e-2 failed in
+    session 16): they are checked as the logits are, per layer and sequence."""
     model = _llama8b("triton")
     model.set_kernels(norm_gemm=norm_gemm)
     cfg = model.config
     eng_g = Engine(model, None, max_batch=4, max_seq_len=64, cuda_graph=True, batch_buckets=[1, 2, 4])
     eng_e = Engine(model, None, max_batch=4, max_seq_len=64, cuda_graph=False)
+    eng_d = Engine(model, None, max_batch=4, max_seq_len=64, cuda_graph=False)
     prompts = [[int(t)] for t in torch.randint(0, cfg.vocab_size, (3,))]
     calls = []
     orig = eng_g.graphs.run
     eng_g.graphs.run = lambda *a: calls.append(1) or orig(*a)
-    _assert_logits_close(eng_g.prefill(prompts).clone(), eng_e.prefill(prompts))
+    got = eng_g.prefill(prompts).clone()
     assert calls == [1]  # one replay, no eager prefill
-    for c_g, c_e in ((eng_g.cache.k, eng_e.cache.k), (eng_g.cache.v, eng_e.cache.v)):
-        torch.testing.assert_close(c_g[:, :3, :, 0], c_e[:, :3, :, 0], atol=2e-2, rtol=2e-2)
+    _assert_logits_close(got, eng_e.prefill(prompts))
+    step = eng_d.decode(torch.tensor([p[0] for p in prompts], device=DEV), torch.zeros(3, dtype=torch.long, device=DEV))
+    torch.testing.assert_close(got, step, atol=1e-3, rtol=1e-3)  # the same kernels, replayed and eager
+    for nm in ("k", "v"):
+        c_g, c_e = getattr(eng_g.cache, nm)[:, :3, :, 0], getattr(eng_e.cache, nm)[:, :3, :, 0]
+        torch.testing.assert_close(c_g, getattr(eng_d.cache, nm)[:, :3, :, 0], atol=1e-3, rtol=1e-3)
+        if norm_gemm:
+            _assert_logits_close(c_g.reshape(-1, c_g[0, 0].numel()), c_e.reshape(-1, c_e[0, 0].numel()))
+        else:
+            torch.testing.assert_close(c_g, c_e, atol=2e-2, rtol=2e-2)
 
 
 def test_graph_captured_without_pdl_equals_with_it():

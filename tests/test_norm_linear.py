@@ -288,7 +288,6 @@ def test_norm_weights_folded_again_after_a_reload_and_never_inside_a_capture(mon
     cfg = ModelConfig.from_preset("tiny").replace(n_layers=2)
     m = random_model(cfg, device=DEV, dtype=torch.float32, backend="triton", max_seq_len=64, std=0.2,
                      seed=int(torch.randint(0, 2**31, ())))
-    m.set_kernels(norm_gemm=True)
     assert norm_gemm.applies(m)
     tok, pos = torch.randint(0, cfg.vocab_size, (1,), device=DEV), torch.zeros(1, dtype=torch.long, device=DEV)
     m.decode(tok, pos, KVCache(cfg, 1, 8, dtype=torch.float32, device=DEV))  # ones: nothing to fold
@@ -308,10 +307,10 @@ def test_norm_weights_folded_again_after_a_reload_and_never_inside_a_capture(mon
 
 
 def test_model_norm_gemm_switch(monkeypatch):
-    """Off by default; on, where the Triton kernels run, decode steps give the unfused path's logits and caches
-    (fp32: the orders of the sums differ), through the kernels (the interpreter on a CPU, CUDA on a GPU), on the
-    folded weights and against the model as loaded; the "torch" and "ref" backends, "auto" on a CPU and quantised
-    projections keep the unfused path."""
+    """On by default where the Triton kernels run; decode steps give the unfused path's logits and caches (fp32: the
+    orders of the sums differ), through the kernels (the interpreter on a CPU, CUDA on a GPU), on the folded weights
+    and against the model as loaded; the "torch" and "ref" backends, "auto" on a CPU and quantised projections
+    keep the unfused path."""
     from fastdecode.engine.kv_cache import KVCache
     from fastdecode.engine.loader import random_model
     from fastdecode.models import norm_gemm
@@ -321,9 +320,7 @@ def test_model_norm_gemm_switch(monkeypatch):
     m = random_model(cfg, device=DEV, dtype=torch.float32, backend="triton", max_seq_len=64, std=0.2,
                      seed=int(torch.randint(0, 2**31, ())))
     _random_norm_weights(m)
-    assert not m.kernels["norm_gemm"] and not norm_gemm.applies(m)
-    m.set_kernels(norm_gemm=True)
-    assert norm_gemm.applies(m)
+    assert m.kernels["norm_gemm"] and norm_gemm.applies(m)
     for be in ("torch", "ref") + (() if CUDA else ("auto",)):
         m.backend = be
         assert not norm_gemm.applies(m), be

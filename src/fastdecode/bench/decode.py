@@ -32,9 +32,10 @@ Ablation (``--ablate``): ``fastdecode-graph`` with one switch off at a time (``m
 then the norm; TP only), ``-no-int4_gemm`` (the int4 projections dequantised into a scratch weight, then
 cuBLAS; int4 models only), ``-no-pdl`` (the graph captured without programmatic dependent launch,
 ``fastdecode.kernels.pdl``), ``-no-argmax`` (the next tokens from ``torch.argmax`` rather than
-``fastdecode.argmax``) and ``fastdecode-eager`` (no CUDA graph); ``fastdecode-graph-with-<switch>`` turns on a
-switch that is off by default (``OPT_IN_KERNELS``: ``norm_gemm``, the RMSNorms and residual adds inside the
-GEMMs). The fastdecode rows take the next tokens with
+``fastdecode.argmax``), ``-no-norm_gemm`` (the RMSNorms and residual adds as kernels of their own rather than
+inside the bf16 GEMMs, ``models.norm_gemm``) and ``fastdecode-eager`` (no CUDA graph);
+``fastdecode-graph-with-<switch>`` turns on a switch that is off by default (``OPT_IN_KERNELS``, none at present).
+The fastdecode rows take the next tokens with
 ``fastdecode.argmax`` (after the graph, as ``Engine``'s greedy sampler does), the torch rows with ``torch.argmax``.
 
 ``--quant fp8`` quantises the random-weight model (W8A8), ``--quant int4`` to W4A16 (RTN, group 128; a
@@ -361,8 +362,8 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
             skip = "needs int4 weights (--quant int4)"
         elif impl in ("torch-compile",) + PEER_IMPLS and tp is not None:
             skip = "not with --tp"
-        elif impl == "fastdecode-graph-with-norm_gemm" and (quant or model.quant or tp is not None):
-            skip = "bf16 / fp16 projections on one GPU only (models.norm_gemm.applies)"
+        elif impl == "fastdecode-graph-no-norm_gemm" and (quant or model.quant or tp is not None):
+            skip = "norm_gemm applies to bf16 / fp16 projections on one GPU only (models.norm_gemm.applies)"
         if skip:
             log(f"{impl}: skipped ({skip})")
             rows.append({"op": "decode", "impl": impl, "shape": shape, "skipped": skip, **env_info()})

@@ -43,8 +43,9 @@ Kernel switches for the ablation: ``model.set_kernels(fused_norm=..., fused_act=
 skinny_gemm=..., fused_allreduce=..., int4_gemm=..., fused_rope=..., norm_gemm=...)``; a switched-off fusion runs
 as separate plain-PyTorch ops (an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA, SiLU-and-mul inside a
 bf16 / fp16 ``w2``'s GEMM (``Linear.forward_glu``); off, apart, as always for int4 and FP8
-(``fastdecode.ops.glu_linear`` says why). ``fused_rope``: ``fastdecode.models.decode_attention``. ``norm_gemm`` (off
-by default, ``OPT_IN_KERNELS``, until a GPU suite passes with it on): ``fastdecode.models.norm_gemm``.
+(``fastdecode.ops.glu_linear`` says why). ``fused_rope``: ``fastdecode.models.decode_attention``. ``norm_gemm``:
+``fastdecode.models.norm_gemm`` (the decode step's norms and residual adds inside the bf16 GEMMs; it folds the
+norm weights into wqkv / w13 in place at the first decode).
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -86,7 +87,8 @@ from fastdecode.quant.formats import method_of
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
 KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm", "fused_rope",
            "norm_gemm")
-OPT_IN_KERNELS = ("norm_gemm",)  # off by default (``bench decode``'s ``-with-<switch>`` rows turn them on)
+# switches off by default (``bench decode``'s ``-with-<switch>`` rows turn them on)
+OPT_IN_KERNELS: tuple[str, ...] = ()
 
 
 def _lead(x) -> tuple:
@@ -439,7 +441,7 @@ class Transformer(nn.Module):
 
     def set_kernels(self, **flags: bool) -> None:
         """Switch fused kernels on/off (ablation): ``fused_norm``, ``fused_act``, ``fused_down``, ``skinny_gemm``,
-        ``fused_allreduce``, ``int4_gemm``, ``fused_rope``; ``norm_gemm`` (off by default: ``models.norm_gemm``).
+        ``fused_allreduce``, ``int4_gemm``, ``fused_rope``, ``norm_gemm`` (``models.norm_gemm``).
 
         Off means the unfused PyTorch ops (norm, activation), cuBLAS (GEMMs), NCCL/gloo all-reduce then the norm,
         dequantise + cuBLAS (``Int4Linear``), RoPE + KV write in its own kernel. Also re-derives where FP8

@@ -1,5 +1,5 @@
 """The decode step with each block's RMSNorms inside the GEMMs after them and the residual adds inside the GEMMs
-before them: the ``norm_gemm`` kernel switch of ``Transformer`` (off by default: ``llama.OPT_IN_KERNELS``).
+before them: the ``norm_gemm`` kernel switch of ``Transformer`` (on by default).
 
 A block is then ``rms_norm_linear(h, wqkv) -> attention -> add_linear_(h, wo) -> rms_norm_linear(h, w13) ->
 add_linear_(h, w2)`` (w2 with SiLU-and-mul in its loads): 5 kernels instead of 7, the residual stream ``h`` updated
@@ -18,11 +18,15 @@ unfused path then multiplies by ones) and the fused GEMV does no per-step work f
 ``benchmarks/sweep_norm_gemv.py``, H200, M = 1): with g in the kernel, the 8B qkv / gate_up GEMVs took 18.11 /
 64.52 us against 15.09 / 56.21 for the plain GEMVs (slower than the norm kernel plus the GEMV, 17.29 / 58.73);
 folded, 15.30 / 56.85; the 8B bf16 step 3962.7 against 4030.5 us without the switch (252.3 against 248.0 tok/s,
-same process; ``benchmarks/NOTES.md``, session 16). It stays off by default: with it on by default (6a4baa0) the
-GPU suite failed ``test_engine_gpu.py::test_one_token_prefill_replays_the_decode_graph``, not explained yet. The
-fold runs at the first eager decode on this path, and again after any in-place change of those weights (a
-reload): each block remembers the version counters of the tensors it folded. A CUDA-graph capture on stale
-weights raises (its warm-up steps, eager, fold first: ``engine.cuda_graph``).
+same process; ``benchmarks/NOTES.md``, session 16). The fold runs at the first eager decode on this path, and again
+after any in-place change of those weights (a reload): each block remembers the version counters of the tensors
+it folded. A CUDA-graph capture on stale weights raises (its warm-up steps, eager, fold first:
+``engine.cuda_graph``).
+
+The prefill keeps the unfused kernels, so the K / V a decode step writes differ from those a prefill of the same
+tokens writes by a few bf16 ulps (the normed activation not rounded, the folded weights; session 17, H200,
+``benchmarks/diag_norm_gemm.py``: up to 0.039 on 8B-shaped layer-1 rows of rms ~1.3, logits within 0.049 of their
+rms; a replayed step equals the eager step exactly).
 """
 
 from __future__ import annotations
