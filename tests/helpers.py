@@ -232,15 +232,21 @@ def sm90_ptx(snippet: str, *argv: str) -> str:
     return r.stdout
 
 
-def k_loop(ptx: str) -> str:
-    """The body of the first loop of the PTX (a label closed by a backward branch): a kernel's K loop."""
+def k_loop(ptx: str, nth: int = 0) -> str:
+    """The body of the first loop of the PTX (a label closed by a backward branch): a kernel's K loop. ``nth``:
+    the loop after that many others (a kernel with a loop before its K loop, as X_NORM's pass over the rows)."""
     lines = ptx.splitlines()
-    for i, line in enumerate(lines):
-        label = re.match(r"(\$L__BB\d+_\d+):", line)
+    i = 0
+    while i < len(lines):
+        label = re.match(r"(\$L__BB\d+_\d+):", lines[i])
         if label:
             ends = [j for j in range(i + 1, len(lines)) if re.search(rf"bra(\.uni)?\s+\{label.group(1)};", lines[j])]
             if ends:
-                return "\n".join(lines[i + 1:ends[0]])
+                if nth == 0:
+                    return "\n".join(lines[i + 1:ends[0]])
+                nth -= 1
+                i = ends[0]
+        i += 1
     raise AssertionError("no K loop found in the PTX")
 
 

@@ -87,6 +87,35 @@ def test_norm_gemm_graph_decode_matches_fp32():
             pos += 1
 
 
+def test_int4_norm_gemm_graph_decode_matches_the_unfused_step():
+    """The int4 (W4A16) norm_gemm step (``ops.int4_norm_linear``: the norm inside every int4 kernel kind and split
+    the 8B table picks, the residual adds in their epilogues, norm weights other than ones kept in the kernels)
+    replayed in CUDA graphs with PDL at batch 1 and 3 (bucket 4), against the unfused eager step on the same int4
+    weights, step after step."""
+    from fastdecode.models import norm_gemm
+    from fastdecode.models.quantize import quantize_model_int4
+
+    model = _llama8b("triton")
+    for layer in model.layers:
+        for n in (layer.attention_norm, layer.ffn_norm):
+            n.weight.copy_(1 + 0.2 * torch.randn_like(n.weight, dtype=torch.float32))
+    quantize_model_int4(model)
+    assert norm_gemm.applies(model)
+    unfused = copy.deepcopy(model)
+    unfused.set_kernels(norm_gemm=False)
+    cfg = model.config
+    for B in (1, 3):
+        eng = Engine(model, None, max_batch=4, max_seq_len=64, cuda_graph=True, batch_buckets=[1, 4])
+        ref = Engine(unfused, None, max_batch=4, max_seq_len=64, cuda_graph=False)
+        prompts = [torch.randint(0, cfg.vocab_size, (5,)).tolist() for _ in range(B)]
+        _assert_logits_close(eng.prefill(prompts), ref.prefill(prompts))
+        pos = torch.full((B,), 5, device=DEV)
+        for _ in range(4):
+            nxt = torch.randint(0, cfg.vocab_size, (B,), device=DEV)
+            _assert_logits_close(eng.decode(nxt, pos).clone(), ref.decode(nxt, pos))
+            pos += 1
+
+
 def test_llama8b_shaped_fp32_matches_transformers():
     """fp32 weights and math on the GPU against transformers with the same weights: the model code
     itself, at real Llama-3.1-8B shapes (llama3 RoPE scaling, GQA 4, D 128), to fp32 rounding."""

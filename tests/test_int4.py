@@ -544,13 +544,15 @@ from fastdecode.kernels.int4 import _int4_linear_kernel
 cfg = json.loads(sys.argv[1])
 xt = cfg["x"]
 sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "bias_ptr": "*bf16",
-       "xs_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
+       "xs_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "nw_ptr": "*" + xt,
+       "eps": "fp32", "M": "i32", "N": "i32",
        "K": "i32", "G": "i32", "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_part": "i32",
        "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"] == "dot", UNIFORM=True, SPG=4,
               EVEN_K=True, X_SCALE_MODE=0, FAST_CVT=cfg["kind"] == "dot", PREFETCH=cfg.get("PF", False),
               LOP3_ASM=cfg["kind"] == "fma", USE_PDL=False,
-              BLOCK_M=cfg["BLOCK_M"],
+              X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048 // cfg["BLOCK_M"],
+              ACCUMULATE=cfg.get("XN", False), BLOCK_M=cfg["BLOCK_M"],
               BLOCK_N=cfg["BLOCK_N"], BLOCK_K=256, SPLIT=True)
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "xs_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K",
@@ -566,7 +568,10 @@ sys.stdout.write(cc.asm["ptx"])
     dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True),
     dict(kind="fma", BLOCK_M=4, BLOCK_N=32, ZM=2, x="fp16"),
     dict(kind="dot", BLOCK_M=16, BLOCK_N=64, ZM=1, x="bf16"), dict(kind="dot", BLOCK_M=64, BLOCK_N=64, ZM=2, x="fp16"),
-], ids=["fma_m1_sym", "fma_m4_min", "dot_m16_zero_bf16", "dot_m64_min_fp16"])
+    # the norm inside (with its weight) and the residual add: the loop keeps its per-value instructions
+    dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True, XN=True),
+    dict(kind="dot", BLOCK_M=16, BLOCK_N=64, ZM=1, x="bf16", XN=True),
+], ids=["fma_m1_sym", "fma_m4_min", "dot_m16_zero_bf16", "dot_m64_min_fp16", "fma_m1_sym_norm", "dot_m16_zero_norm"])
 def test_sm90_code_converts_int4_without_float_conversions(cfg):
     """Speed guard, compiled ahead of time for sm_90 (Triton bundles ptxas; no GPU needed): the FMA loop
     turns nibbles into fp32 with one LOP3 each (no cvt of weights), then one FFMA per value for q - zero
@@ -574,7 +579,7 @@ def test_sm90_code_converts_int4_without_float_conversions(cfg):
     16-bit FMA (the inline PTX)."""
     import re
 
-    body = k_loop(sm90_ptx(_COMPILE_SNIPPET, json.dumps(cfg)))
+    body = k_loop(sm90_ptx(_COMPILE_SNIPPET, json.dumps(cfg)), 1 if cfg.get("XN") else 0)  # X_NORM: its pass first
     values = cfg["BLOCK_N"] * 256 // 128  # weights per thread per K step (4 warps)
     if cfg["kind"] == "fma":
         assert not re.search(r"cvt\.rn\.(bf16|f16)", body), "the FMA loop rounds weights to 16 bits"
@@ -646,10 +651,12 @@ cfg = json.loads(sys.argv[1])
 xt = cfg["x"]
 zt = {0: xt, 1: "u8", 2: xt}[cfg["ZM"]]
 sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*" + xt, "z_ptr": "*" + zt, "bias_ptr": "*" + xt,
-       "out_ptr": "*" + xt, "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32",
+       "out_ptr": "*" + xt, "part_ptr": "*fp32", "lock_ptr": "*i32", "nw_ptr": "*" + xt, "eps": "fp32", "M": "i32",
+       "N": "i32", "K": "i32", "G": "i32",
        "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_part": "i32", "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, SPG=4, EVEN_K=True, ASM=True, USE_PDL=True,
-              L2_PREFETCH=True, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True)
+              L2_PREFETCH=True, X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=128,
+              ACCUMULATE=cfg.get("XN", False), BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True)
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K", "G", "KW",
            "stride_xm", "stride_om"}
@@ -661,7 +668,8 @@ sys.stdout.write(cc.asm["ptx"])
 
 
 @pytest.mark.parametrize("cfg", [dict(BLOCK_N=128, ZM=1, x="bf16"), dict(BLOCK_N=64, ZM=0, x="fp16"),
-                                 dict(BLOCK_N=64, ZM=2, x="bf16")], ids=["bn128_zero_bf16", "bn64_sym_fp16", "min"])
+                                 dict(BLOCK_N=64, ZM=2, x="bf16"), dict(BLOCK_N=64, ZM=1, x="bf16", XN=True)],
+                         ids=["bn128_zero_bf16", "bn64_sym_fp16", "min", "bn64_zero_norm"])
 def test_sm90_mma_kind_keeps_the_weight_in_registers(cfg):
     """Speed guard, compiled ahead of time for sm_90: the mma loop feeds wgmma its weight operand from registers
     (``wgmma ... {a0, a1, a2, a3}, desc_b``, no 16-bit weight tile in shared memory), converts two values per
@@ -670,7 +678,7 @@ def test_sm90_mma_kind_keeps_the_weight_in_registers(cfg):
     import re
 
     ptx = sm90_ptx(_MMA_SNIPPET, json.dumps(cfg))
-    body = k_loop(ptx)
+    body = k_loop(ptx, 1 if cfg.get("XN") else 0)  # X_NORM: its pass over the rows comes first
     pairs = cfg["BLOCK_N"] * 256 // 128 // 2  # packed pairs of weights per thread per K step (4 warps)
     ty = "bf16x2" if cfg["x"] == "bf16" else "f16x2"
     mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.\w+\.\w+\s+\{[^}]*\},\s*\{[^}]*\},", body)

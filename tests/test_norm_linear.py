@@ -309,8 +309,8 @@ def test_norm_weights_folded_again_after_a_reload_and_never_inside_a_capture(mon
 def test_model_norm_gemm_switch(monkeypatch):
     """On by default where the Triton kernels run; decode steps give the unfused path's logits and caches (fp32: the
     orders of the sums differ), through the kernels (the interpreter on a CPU, CUDA on a GPU), on the folded weights
-    and against the model as loaded; the "torch" and "ref" backends, "auto" on a CPU and quantised projections
-    keep the unfused path."""
+    and against the model as loaded; the "torch" and "ref" backends and "auto" on a CPU keep the unfused path (int4
+    projections: tests/test_int4_norm_linear.py)."""
     from fastdecode.engine.kv_cache import KVCache
     from fastdecode.engine.loader import random_model
     from fastdecode.models import norm_gemm

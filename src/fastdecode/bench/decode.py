@@ -33,7 +33,7 @@ then the norm; TP only), ``-no-int4_gemm`` (the int4 projections dequantised int
 cuBLAS; int4 models only), ``-no-pdl`` (the graph captured without programmatic dependent launch,
 ``fastdecode.kernels.pdl``), ``-no-argmax`` (the next tokens from ``torch.argmax`` rather than
 ``fastdecode.argmax``), ``-no-norm_gemm`` (the RMSNorms and residual adds as kernels of their own rather than
-inside the bf16 GEMMs, ``models.norm_gemm``) and ``fastdecode-eager`` (no CUDA graph);
+inside the bf16 and int4 GEMMs, ``models.norm_gemm``) and ``fastdecode-eager`` (no CUDA graph);
 ``fastdecode-graph-with-<switch>`` turns on a switch that is off by default (``OPT_IN_KERNELS``, none at present).
 The fastdecode rows take the next tokens with
 ``fastdecode.argmax`` (after the graph, as ``Engine``'s greedy sampler does), the torch rows with ``torch.argmax``.
@@ -65,6 +65,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from fastdecode.bench.decode_results import add_speedup_vs_peer
+from fastdecode.models import norm_gemm
 from fastdecode.models.llama import KERNELS, OPT_IN_KERNELS
 from fastdecode.ops import argmax as fd_argmax, pdl_override
 
@@ -349,6 +350,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     shape = {"model": model_label(cfg, layers), "batch": batch, "input_len": input_len,
              "output_len": output_len, "dtype": str(dtype).replace("torch.", ""),
              "quant": quant_label(quant, quant_head), "tp": tp[1] if tp else 1}
+    norm_gemm_applies = norm_gemm.applies(model)  # the default switches, as built
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     last_peer = max((i for i, impl in enumerate(impls) if impl in PEER_IMPLS), default=-1)
@@ -362,8 +364,9 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
             skip = "needs int4 weights (--quant int4)"
         elif impl in ("torch-compile",) + PEER_IMPLS and tp is not None:
             skip = "not with --tp"
-        elif impl == "fastdecode-graph-no-norm_gemm" and (quant or model.quant or tp is not None):
-            skip = "norm_gemm applies to bf16 / fp16 projections on one GPU only (models.norm_gemm.applies)"
+        elif impl == "fastdecode-graph-no-norm_gemm" and not norm_gemm_applies:
+            skip = ("norm_gemm applies to bf16 / fp16 and int4 projections on one GPU only "
+                    "(models.norm_gemm.applies)")
         if skip:
             log(f"{impl}: skipped ({skip})")
             rows.append({"op": "decode", "impl": impl, "shape": shape, "skipped": skip, **env_info()})

@@ -111,6 +111,20 @@ def _norm_rows(ss0, ss1, ss2, ss3, K, eps, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M: tl.constexpr, NB: tl.constexpr):
+    """``rsqrt(mean(x[m, :K]^2) + eps)`` of the token rows ``offs_m`` (rows >= M wrap onto valid ones and are
+    never stored) in one pass over whole rows, NB columns a step: the RMSNorm scale for kernels whose programs
+    see only a slice of K (split-K; the int4 kernels' X_NORM) -> [BLOCK_M] fp32."""
+    rows = x_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_xm
+    ss = tl.zeros((BLOCK_M, NB), dtype=tl.float32)
+    for k in range(0, K, NB):
+        cols = k + tl.arange(0, NB)
+        v = tl.load(rows + cols[None, :], mask=(cols < K)[None, :], other=0.0).to(tl.float32)
+        ss += v * v
+    return tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+
+
+@triton.jit
 def _split_k_partial(acc, part_ptr, stride_part, pid_k, lock, split_k, offs_m, offs_n, m_valid, M, N,
                      out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS: tl.constexpr,
                      X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr,

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
+from fastdecode.kernels.gemm import _epilogue, _fma_rows, _rows_rstd, _split_k_partial
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import (
     _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _nibble_f32, _nibble_f32_asm, _slice_params, _uniform,
@@ -65,13 +65,22 @@ def _fold_row(acc, t, xs, d, x, s, z, FIRST: tl.constexpr, LAST: tl.constexpr, Z
     return acc, t, xs
 
 
+@triton.jit
+def _affine(x, g_ptr, cols, mask, XDT: tl.constexpr):
+    """X_NORM with NORM_AFFINE: the activation times the norm weight at ``cols``, rounded to x's dtype as the norm
+    kernel rounds its output (the product in fp32: the interpreter's bf16 arithmetic is wrong) -> x's dtype."""
+    g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return (x.to(tl.float32) * g).to(XDT)
+
+
 @triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
 def _int4_linear_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, xs_ptr, out_ptr, part_ptr, lock_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, xs_ptr, out_ptr, part_ptr, lock_ptr, nw_ptr, eps,
     M, N, K, G, KW, stride_xm, stride_om, stride_part, split_k,
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
     UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
     FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, LOP3_ASM: tl.constexpr, USE_PDL: tl.constexpr,
+    X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles). BLOCK_K is a multiple of 256 (whole layout tiles); KW is the
@@ -99,8 +108,16 @@ def _int4_linear_kernel(
     converts the integers ``q - zero`` (or ``q`` for "min"), exact in e4m3, to FP8 and runs FP8
     ``tl.dot`` per shift (32 columns, one group: UNIFORM is required), then ``acc += dot * scale[n]``
     (+ ``min[n] * sum(x)`` for "min"); x_scale in the epilogue.
+
+    X_NORM (16-bit x, any path and split): x holds the residual stream h and the input is ``rms_norm(h) * nw``:
+    each program first sums its rows' squares over the whole of K (``_rows_rstd``; a split sees only its slice of
+    K, so the loop cannot), the loop multiplies ``h * nw`` rounded to x's dtype (NORM_AFFINE; else h: a norm
+    without weight) with the weights, and the per-row ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums (or this
+    split's partial: the scale is linear) before the bias. ``ops.int4.int4_rms_norm_linear``. NORM_NB: columns a
+    step of that pass. ACCUMULATE: out += the result (the residual add after wo / w2, in place; ``_epilogue``).
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
+    tl.static_assert(not (X_NORM and X_FP8), "X_NORM takes a 16-bit residual stream, not an FP8 x")
     if USE_PDL and not PREFETCH:  # programmatic dependent launch: kernels.pdl (with PREFETCH: below)
         pdl_wait()
     pid_m = tl.program_id(0)
@@ -155,6 +172,8 @@ def _int4_linear_kernel(
             qw_next = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
         if USE_PDL:  # the first weight words are in flight while the previous kernel finishes
             pdl_wait()
+    if X_NORM:  # after the wait: h is the previous kernel's output (with PREFETCH the first words are in flight)
+        rstd = _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M, NORM_NB)
     for kb in range(kb_start, kb_end):
         k0 = kb * BLOCK_K
         if PREFETCH:
@@ -181,6 +200,8 @@ def _int4_linear_kernel(
                     k_mask = kcol < K
                 x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
                             mask=m_valid[:, None] & k_mask[None, :], other=0.0)
+                if NORM_AFFINE:
+                    x = _affine(x, nw_ptr, kcol[None, :], k_mask[None, :], W_DTYPE)
                 acc = tl.dot(x, tl.trans(ws[p]), acc)
         else:
             qw_hi = qw >> 16
@@ -210,6 +231,8 @@ def _int4_linear_kernel(
                     w = _dequant(qw, p, s, z, ZERO_MODE, W_DTYPE)  # [BLOCK_N, BK8]
                     x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
                                 mask=m_valid[:, None] & k_mask[None, :], other=0.0)
+                    if NORM_AFFINE:
+                        x = _affine(x, nw_ptr, kcol[None, :], k_mask[None, :], W_DTYPE)
                     acc = tl.dot(x, tl.trans(w), acc)
                 else:
                     # fp32 2**23 + q * 16**j (j = p % 4), then d = f * 16**-j - (2**(23 - 4j) + zero) in one
@@ -220,14 +243,26 @@ def _int4_linear_kernel(
                         f = _nibble_f32(qw, qw_hi, p)
                     INV = 1.0 / (16.0 ** (p % 4))
                     BIAS = 8388608.0 * INV
-                    x0 = tl.load(x0_ptr + kcol, mask=k_mask & (r0 < M), other=0.0).to(tl.float32)
+                    x0 = tl.load(x0_ptr + kcol, mask=k_mask & (r0 < M), other=0.0)
                     if BLOCK_M > 1:
-                        x1 = tl.load(x0_ptr + stride_xm + kcol, mask=k_mask & (r0 + 1 < M), other=0.0).to(tl.float32)
+                        x1 = tl.load(x0_ptr + stride_xm + kcol, mask=k_mask & (r0 + 1 < M), other=0.0)
                     if BLOCK_M > 2:
-                        x2 = tl.load(x0_ptr + 2 * stride_xm + kcol, mask=k_mask & (r0 + 2 < M),
-                                     other=0.0).to(tl.float32)
-                        x3 = tl.load(x0_ptr + 3 * stride_xm + kcol, mask=k_mask & (r0 + 3 < M),
-                                     other=0.0).to(tl.float32)
+                        x2 = tl.load(x0_ptr + 2 * stride_xm + kcol, mask=k_mask & (r0 + 2 < M), other=0.0)
+                        x3 = tl.load(x0_ptr + 3 * stride_xm + kcol, mask=k_mask & (r0 + 3 < M), other=0.0)
+                    if NORM_AFFINE:  # one load of the norm weight for the BLOCK_M rows
+                        g = tl.load(nw_ptr + kcol, mask=k_mask, other=0.0).to(tl.float32)
+                        x0 = (x0.to(tl.float32) * g).to(W_DTYPE)
+                        if BLOCK_M > 1:
+                            x1 = (x1.to(tl.float32) * g).to(W_DTYPE)
+                        if BLOCK_M > 2:
+                            x2 = (x2.to(tl.float32) * g).to(W_DTYPE)
+                            x3 = (x3.to(tl.float32) * g).to(W_DTYPE)
+                    x0 = x0.to(tl.float32)
+                    if BLOCK_M > 1:
+                        x1 = x1.to(tl.float32)
+                    if BLOCK_M > 2:
+                        x2 = x2.to(tl.float32)
+                        x3 = x3.to(tl.float32)
                     if SPG > 0:
                         first = p % SPG == 0
                         last = p % SPG == SPG - 1
@@ -259,14 +294,16 @@ def _int4_linear_kernel(
                             acc3 += w * x3[None, :]
     if not USE_DOT:
         acc = _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M)
+    if X_NORM:
+        acc = acc * rstd[:, None]
 
     if not SPLIT:
         _epilogue(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, bias_ptr,
-                  HAS_BIAS, X_SCALE_MODE, 0)
+                  HAS_BIAS, X_SCALE_MODE, 0, ACCUMULATE)
     else:
         _split_k_partial(acc, part_ptr, stride_part, pid_k, lock_ptr + pid_n * num_m + pid_m, split_k,
                          offs_m, offs_n, m_valid, M, N, out_ptr, stride_om, bias_ptr, xs_ptr, bias_ptr,
-                         HAS_BIAS, X_SCALE_MODE, 0, BLOCK_M, BLOCK_N)
+                         HAS_BIAS, X_SCALE_MODE, 0, BLOCK_M, BLOCK_N, ACCUMULATE)
 
 
 def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
@@ -311,8 +348,14 @@ def fast_cvt_ok(x, uniform: bool, x_scale_mode: int = 0, scale_dtype=None) -> bo
     return _sm_major(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 8
 
 
+def norm_block(block_m: int) -> int:
+    """X_NORM: columns a step of the pass over whole rows (``_rows_rstd``): 2048 values in flight a program."""
+    return max(16, 2048 // block_m)
+
+
 def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
-                       config: dict, x_scale=None, x_scale_mode: int = 0, warmup: bool = False, pdl: bool = False):
+                       config: dict, x_scale=None, x_scale_mode: int = 0, warmup: bool = False, pdl: bool = False,
+                       norm_weight=None, eps: float = 0.0, x_norm: bool = False, accumulate: bool = False):
     """Launch on 2-D views: x (M, K) unit stride in K (kernel column order), qweight (N, Kp // 8) int32,
     scales / zm (N, K // group_size) contiguous (zm: zeros uint8, mins, or None), out (M, N) contiguous.
 
@@ -325,6 +368,9 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     fast_cvt (default True: the packed-pair PTX conversion where it applies).
     ``warmup``: compile (or, under ``kernels.precompile``, queue the compile of) the kernel, launch nothing.
     ``pdl``: programmatic dependent launch (``kernels.pdl``).
+    ``x_norm``: x is the residual stream h and the input ``rms_norm(h, norm_weight, eps)`` (norm_weight (K,) in
+    kernel column order, or None for a norm without weight); ``accumulate``: out += the result (the kernel's
+    docstring; every kind, 16-bit x).
     ``config["kind"] == "mma"``: the weight-as-register-operand tensor-core kernel of ``kernels.int4_mma``
     (W4A16 only; the caller checks ``int4_mma.mma_supported``); optional key ``asm`` (default True): its
     inline-PTX conversion where ``lop3_asm_ok``.
@@ -333,7 +379,8 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     _, split = split_k_blocks(K, config)
     if config["kind"] == "mma":
         return launch_int4_mma(x, qweight, scales, zm, group_size, zero_mode, bias, out, part, locks, config, split,
-                               asm=bool(config.get("asm", True)) and lop3_asm_ok(x), warmup=warmup, pdl=pdl)
+                               asm=bool(config.get("asm", True)) and lop3_asm_ok(x), warmup=warmup, pdl=pdl,
+                               norm_weight=norm_weight, eps=eps, x_norm=x_norm, accumulate=accumulate)
     N = qweight.shape[0]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     grid = (cdiv(M, bm), split, cdiv(N, bn))
@@ -346,11 +393,13 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     kernel(
         x, qweight, scales, zm if zm is not None else scales, bias if bias is not None else out,
         x_scale if x_scale is not None else out, out, part if split > 1 else out, locks if split > 1 else out,
+        norm_weight if norm_weight is not None else out, float(eps),
         M, N, K, scales.shape[1], qweight.shape[1], x.stride(0), out.stride(0), M * N, split,
         GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
         USE_DOT=config["kind"] == "dot", UNIFORM=uniform, SPG=spg, EVEN_K=K % bk == 0,
         X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=bool(config.get("PREFETCH", False)),
         LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
+        X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None, NORM_NB=norm_block(bm),
+        ACCUMULATE=bool(accumulate), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

@@ -35,7 +35,7 @@ import triton.language as tl
 
 import torch
 
-from fastdecode.kernels.gemm import _epilogue, _split_k_partial
+from fastdecode.kernels.gemm import _epilogue, _rows_rstd, _split_k_partial
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import _ZERO_MODES, slices_per_group
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
@@ -193,10 +193,11 @@ def _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.con
 
 @triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
 def _int4_mma_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, nw_ptr, eps,
     M, N, K, G, KW, stride_xm, stride_om, stride_part, split_k,
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPG: tl.constexpr,
     EVEN_K: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, L2_PREFETCH: tl.constexpr,
+    X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles); a K step is one 256-column layout tile (32 words a row). KW is the
@@ -204,7 +205,10 @@ def _int4_mma_kernel(
 
     SPG: 32-column shifts per group inside a tile (1, 2, 4 or 8: groups of 32, 64, 128 or >= 256 / whole
     rows). L2_PREFETCH (with USE_PDL): before waiting for the previous kernel, each row's first two weight
-    tiles of this program are prefetched into L2 (weights are never written by the step's kernels)."""
+    tiles of this program are prefetched into L2 (weights are never written by the step's kernels).
+
+    X_NORM, NORM_AFFINE, NORM_NB, ACCUMULATE: the RMSNorm of x and the residual add, as ``kernels.int4``'s kernel
+    (its docstring)."""
     W_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -234,6 +238,8 @@ def _int4_mma_kernel(
                                       [first + tl.where(kb_start + 1 < kb_end, 32, 0)],
                                       dtype=tl.int32, is_pure=False, pack=1)
         pdl_wait()
+    if X_NORM:  # whole rows' RMSNorm scale, after the wait (h is the previous kernel's output)
+        rstd = _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M, NORM_NB)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     x_rows = x_ptr + rm[:, None] * stride_xm + offs_w[None, :]
     for kb in range(kb_start, kb_end):
@@ -246,6 +252,9 @@ def _int4_mma_kernel(
                 xt = tl.load(xp)
             else:
                 xt = tl.load(xp, mask=(k0 + 32 * p + offs_w < K)[None, :], other=0.0)
+            if NORM_AFFINE:  # h * nw rounded to x's dtype (the product in fp32)
+                g = tl.load(nw_ptr + k0 + 32 * p + offs_w, mask=k0 + 32 * p + offs_w < K, other=0.0)
+                xt = (xt.to(tl.float32) * g.to(tl.float32)[None, :]).to(W_DTYPE)
             if ZERO_MODE == 2:  # the weight is already scaled
                 acc = tl.dot(ws[p], tl.trans(xt), acc)
             else:  # the exact integers q - zero; the group's scale once per partial
@@ -256,13 +265,15 @@ def _int4_mma_kernel(
                 if p % SPG == SPG - 1:
                     acc += part * gs[p // SPG][:, None]
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    if X_NORM:
+        out = out * rstd[:, None]
     if not SPLIT:
         _epilogue(out, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, bias_ptr, bias_ptr,
-                  HAS_BIAS, 0, 0)
+                  HAS_BIAS, 0, 0, ACCUMULATE)
     else:
         _split_k_partial(out, part_ptr, stride_part, pid_k, lock_ptr + pid_n * num_m + pid_m, split_k,
                          offs_m, offs_n, m_valid, M, N, out_ptr, stride_om, bias_ptr, bias_ptr, bias_ptr,
-                         HAS_BIAS, 0, 0, BLOCK_M, BLOCK_N)
+                         HAS_BIAS, 0, 0, BLOCK_M, BLOCK_N, ACCUMULATE)
 
 
 def mma_supported(x_dtype, scale_dtype, zero_mode: str, group_size: int, K: int) -> bool:
@@ -276,7 +287,8 @@ def mma_supported(x_dtype, scale_dtype, zero_mode: str, group_size: int, K: int)
 
 
 def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
-                    config: dict, split: int, asm: bool, warmup: bool = False, pdl: bool = False):
+                    config: dict, split: int, asm: bool, warmup: bool = False, pdl: bool = False,
+                    norm_weight=None, eps: float = 0.0, x_norm: bool = False, accumulate: bool = False):
     """Launch on 2-D views: x (M, K) bf16/fp16 unit stride in K (kernel column order), qweight (N, Kp // 8)
     int32, scales / zm (N, K // group_size) contiguous (zm: zeros uint8, mins, or None), out (M, N)
     contiguous; ``part`` / ``locks`` as ``kernels.int4.launch_int4_linear`` (split-K only), ``split`` the effective
@@ -286,7 +298,9 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
     wgmma; fewer compile to ``mma.sync``),
     BLOCK_K (256: one layout tile a step), SPLIT_K, num_warps, num_stages, L2_PREFETCH (optional, default
     True)); ``asm``: the inline-PTX conversion (CUDA, not the interpreter). The caller checks
-    ``mma_supported``."""
+    ``mma_supported``. ``norm_weight``, ``eps``, ``x_norm``, ``accumulate``: as ``kernels.int4.launch_int4_linear``."""
+    from fastdecode.kernels.int4 import norm_block
+
     M, K = x.shape
     N = qweight.shape[0]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
@@ -296,10 +310,13 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
     kernel(
         x, qweight, scales, zm if zm is not None else scales, bias if bias is not None else out, out,
         part if split > 1 else out, locks if split > 1 else out,
+        norm_weight if norm_weight is not None else out, float(eps),
         M, N, K, scales.shape[1], qweight.shape[1], x.stride(0), out.stride(0), M * N, split,
         GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
         SPG=slices_per_group(group_size, K, 256), EVEN_K=K % 256 == 0, ASM=asm, USE_PDL=pdl,
-        L2_PREFETCH=bool(config.get("L2_PREFETCH", True)), BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
+        L2_PREFETCH=bool(config.get("L2_PREFETCH", True)),
+        X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None, NORM_NB=norm_block(bm),
+        ACCUMULATE=bool(accumulate), BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), **launch_kwargs(pdl),
         **extra,
     )

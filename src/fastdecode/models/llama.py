@@ -44,8 +44,8 @@ skinny_gemm=..., fused_allreduce=..., int4_gemm=..., fused_rope=..., norm_gemm=.
 as separate plain-PyTorch ops (an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA, SiLU-and-mul inside a
 bf16 / fp16 ``w2``'s GEMM (``Linear.forward_glu``); off, apart, as always for int4 and FP8
 (``fastdecode.ops.glu_linear`` says why). ``fused_rope``: ``fastdecode.models.decode_attention``. ``norm_gemm``:
-``fastdecode.models.norm_gemm`` (the decode step's norms and residual adds inside the bf16 GEMMs; it folds the
-norm weights into wqkv / w13 in place at the first decode).
+``fastdecode.models.norm_gemm`` (the decode step's norms and residual adds inside the bf16 and int4 GEMMs; it
+folds the norm weights into dense wqkv / w13 in place at the first decode).
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that

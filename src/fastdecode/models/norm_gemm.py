@@ -8,9 +8,11 @@ path). The final norm stays a kernel of its own before the lm head.
 
 It applies where the switch and ``fused_norm`` are on, where fastdecode's Triton kernels run (backend ``"auto"`` on
 CUDA, or ``"triton"``; not the ``"torch"`` backend, nor the ``"ref"`` baseline), on one GPU (under TP the norm
-owns the all-reduce), not while ``torch.compile`` traces the decode step, and where the four projections of every
-block are plain ``Linear``: bf16 / fp16 / fp32 (an ``Fp8Linear`` wants its norm to quantise, an ``Int4Linear`` has
-its own kernels).
+owns the all-reduce), not while ``torch.compile`` traces the decode step, and where each of the four projections
+of every block is a plain ``Linear`` (bf16 / fp16 / fp32) or, in a bf16 / fp16 model, a W4A16 ``Int4Linear`` (an
+``Fp8Linear`` wants its norm to quantise). The int4 projections take the int4 ops of ``ops.int4_norm_linear``
+(the norm weight stays in their kernels: it cannot be folded into int4 weights), and w2 takes SiLU-and-mul as a
+kernel of its own, as on the unfused path: 6 kernels a block instead of 8.
 
 The norm weights are folded into wqkv / w13 (``fold``): ``W[n, k] <- W[n, k] * g[k]`` (fp32 product, one
 rounding) and ``g <- 1``, in place, so the model's parameters keep computing the same function on every path (the
@@ -34,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref
+from fastdecode.ops.int4_norm_linear import int4_add_linear_, int4_rms_norm_linear
 from fastdecode.ops.norm_linear import add_linear_, fold_norm_weight, rms_norm_linear
 
 
@@ -42,10 +45,20 @@ def _projections(layer):
     return a.wqkv, a.wo, f.w13, f.w2
 
 
-def applies(model) -> bool:
-    """Whether ``model.decode`` takes this path (module docstring)."""
+def _dense(proj) -> bool:
     from fastdecode.models.llama import Linear
 
+    return isinstance(proj, Linear)
+
+
+def _supported(proj, dtype) -> bool:
+    from fastdecode.models.int4 import INT4_ACT_DTYPES, Int4Linear
+
+    return _dense(proj) or (isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES)
+
+
+def applies(model) -> bool:
+    """Whether ``model.decode`` takes this path (module docstring)."""
     k = model.kernels
     if not (k["norm_gemm"] and k["fused_norm"]) or model.tp is not None:
         return False
@@ -56,12 +69,15 @@ def applies(model) -> bool:
     on_cuda = model.tok_embeddings.weight.device.type == "cuda"
     if not (model.backend == "triton" or (model.backend == "auto" and on_cuda)):
         return False
-    return all(isinstance(p, Linear) for layer in model.layers for p in _projections(layer))
+    dtype = model.tok_embeddings.weight.dtype
+    return all(_supported(p, dtype) for layer in model.layers for p in _projections(layer))
 
 
 def _pairs(layer):
-    """(norm, the projection it feeds) of a block: the norm weights ``fold`` moves into the projections."""
-    return (layer.attention_norm, layer.attention.wqkv), (layer.ffn_norm, layer.feed_forward.w13)
+    """(norm, the dense projection it feeds) of a block: the norm weights ``fold`` moves into the projections (an
+    int4 projection keeps its norm's weight)."""
+    pairs = ((layer.attention_norm, layer.attention.wqkv), (layer.ffn_norm, layer.feed_forward.w13))
+    return tuple((n, p) for n, p in pairs if _dense(p))
 
 
 def _key(norm, proj) -> tuple:
@@ -95,6 +111,23 @@ def _folded(model) -> bool:
     return all(getattr(n, "_folded_into", None) == _key(n, p) for layer in model.layers for n, p in _pairs(layer))
 
 
+def _norm_linear(h, norm, proj, be):
+    """The norm, then the projection, as one kernel: a dense weight has the norm weight folded in (a norm without
+    weight), an int4 weight takes it in the kernel."""
+    if _dense(proj):
+        return rms_norm_linear(h, None, proj.weight, proj.bias, eps=norm.eps, backend=be, impl=proj.gemm_impl)
+    return int4_rms_norm_linear(h, norm.weight, proj.packed, proj.bias, eps=norm.eps, backend=be,
+                                impl=proj.impl if h.is_cuda else None)
+
+
+def _add_linear(h, x, proj, be, glu: bool = False) -> None:
+    """h += proj(x) in place (``glu``: x is ``[gate | up]``, dense projections only)."""
+    if _dense(proj):
+        add_linear_(h, x, proj.weight, proj.bias, glu=glu, backend=be, impl=proj.gemm_impl)
+    else:
+        int4_add_linear_(h, x, proj.packed, proj.bias, backend=be, impl=proj.impl if h.is_cuda else None)
+
+
 def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens) -> torch.Tensor:
     """``Transformer.decode`` on this path: tokens, input_pos [B] -> fp32 logits [B, V]."""
     if not _folded(model):
@@ -108,17 +141,14 @@ def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens
     for i, layer in enumerate(model.layers):
         wqkv, wo, w13, w2 = _projections(layer)
         a, f = layer.attention, layer.feed_forward
-        n = layer.attention_norm  # its weight folded into wqkv: a norm without weight
-        qkv = rms_norm_linear(h, None, wqkv.weight, wqkv.bias, eps=n.eps, backend=be, impl=wqkv.gemm_impl)
+        qkv = _norm_linear(h, layer.attention_norm, wqkv, be)
         o = a.attend(qkv, model.rope, cache.k[i], cache.v[i], input_pos, seq_lens, be)
-        add_linear_(h, o, wo.weight, wo.bias, backend=be, impl=wo.gemm_impl)
-        n = layer.ffn_norm
-        gu = rms_norm_linear(h, None, w13.weight, w13.bias, eps=n.eps, backend=be, impl=w13.gemm_impl)
-        if f.fuse_down and f.fused:  # SiLU-and-mul in w2's loads
-            add_linear_(h, gu, w2.weight, w2.bias, glu=True, backend=be, impl=w2.gemm_impl)
+        _add_linear(h, o, wo, be)
+        gu = _norm_linear(h, layer.ffn_norm, w13, be)
+        if f.fuse_down and f.fused and _dense(w2):  # SiLU-and-mul in w2's loads
+            _add_linear(h, gu, w2, be, glu=True)
         else:
-            act = silu_and_mul(gu, backend=be) if f.fused else silu_and_mul_ref(gu)
-            add_linear_(h, act, w2.weight, w2.bias, backend=be, impl=w2.gemm_impl)
+            _add_linear(h, silu_and_mul(gu, backend=be) if f.fused else silu_and_mul_ref(gu), w2, be)
     return model._head(model.norm(h, be)).view(B, -1)
 
 

@@ -14,6 +14,9 @@ from fastdecode.ops.gemm import get_linear_config, linear, linear_fp8, linear_fp
 from fastdecode.ops.glu_linear import silu_and_mul_linear
 from fastdecode.ops.norm_linear import add_linear_, add_linear_ref, rms_norm_linear, rms_norm_linear_ref
 from fastdecode.ops.int4 import get_int4_config, int4_linear, int4_linear_fp8, int4_linear_fp8_ref, int4_linear_ref
+from fastdecode.ops.int4_norm_linear import (
+    int4_add_linear_, int4_add_linear_ref, int4_rms_norm_linear, int4_rms_norm_linear_ref,
+)
 from fastdecode.ops.argmax import argmax, argmax_ref
 from fastdecode.ops._common import pdl_enabled, pdl_override, set_pdl
 
@@ -26,6 +29,7 @@ __all__ = [
     "get_linear_config", "linear", "linear_fp8", "linear_fp8_ref", "linear_ref", "silu_and_mul_linear",
     "add_linear_", "add_linear_ref", "rms_norm_linear", "rms_norm_linear_ref",
     "get_int4_config", "int4_linear", "int4_linear_fp8", "int4_linear_fp8_ref", "int4_linear_ref",
+    "int4_add_linear_", "int4_add_linear_ref", "int4_rms_norm_linear", "int4_rms_norm_linear_ref",
     "argmax", "argmax_ref",
     "pdl_enabled", "pdl_override", "set_pdl",
 ]

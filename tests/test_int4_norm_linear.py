@@ -1,0 +1,248 @@
+"""The RMSNorm inside the int4 GEMM and the residual add in its epilogue (``ops.int4_norm_linear``, the int4
+projections of the ``norm_gemm`` decode step).
+
+Every int4 kernel kind (fma, dot, mma) and split takes the norm: each program sums its rows' squares over the whole
+of K first, then scales its fp32 sums. Device-agnostic: the interpreter on the CPU (fp16 activations: its bf16
+``tl.dot`` is wrong), bf16 on a GPU.
+"""
+
+import copy
+import itertools
+from functools import partial
+
+import pytest
+import torch
+
+import fastdecode.kernels.int4 as KI
+import fastdecode.kernels.int4_mma as KM
+import fastdecode.ops.int4 as I
+from fastdecode.ops.int4_norm_linear import (
+    int4_add_linear_, int4_add_linear_ref, int4_rms_norm_linear, int4_rms_norm_linear_ref,
+)
+from fastdecode.quant import int4 as Q
+from helpers import assert_close, poison_, precompile_calls, strided_rows
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+XDT = torch.bfloat16 if CUDA else torch.float16
+N, K = 37, 640  # odd N: partial N tiles; K = 2.5 layout tiles: padding, a partial K block
+EPS = 1e-5
+
+# (config, M, weight format, group): every kind, with and without split-K, PREFETCH, a K block of 512
+CASES = {
+    "fma_m1": (dict(kind="fma", BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1), 1, "sym", 128),
+    "fma_m3_split3_prefetch": (dict(kind="fma", BLOCK_M=4, BLOCK_N=8, BLOCK_K=256, SPLIT_K=3, PREFETCH=True), 3,
+                               "zero", 32),
+    "fma_m2_bk512_split2": (dict(kind="fma", BLOCK_M=2, BLOCK_N=16, BLOCK_K=512, SPLIT_K=2), 2, "min", 64),
+    "dot_split2": (dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=2), 19, "min", 32),
+    "mma_split3": (dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=3), 5, "zero", 64),
+}
+
+
+def _packed(fmt, g, g_idx=None):
+    """Random integers, scales of the activations' dtype (the mma kind computes "min" only then:
+    ``int4_mma.mma_supported``); ``g_idx``: GPTQ act-order groups."""
+    G = K // g
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    s = (torch.rand(N, G) * 0.02 + 0.005).to(XDT)
+    kw = ({"zeros": torch.randint(0, 16, (N, G), dtype=torch.uint8)} if fmt == "zero"
+          else {"mins": (torch.randn(N, G) * 0.05).to(XDT)} if fmt == "min" else {})
+    return Q.prepack(q, s, group_size=g, g_idx=g_idx, **kw).to(DEV)
+
+
+def _h(M, k=K):
+    """A residual stream (rms ~3, strided rows) and a norm weight around 1."""
+    h = (strided_rows(M, k, torch.float32, DEV) * 3).to(XDT)
+    return h, (torch.rand(k, device=DEV) + 0.5).to(XDT)
+
+
+def _norm_call(name, affine):
+    cfg, M, fmt, g = CASES[name]
+    w = _packed(fmt, g)
+    h, nw = _h(M)
+    nw = nw if affine else None
+    b = torch.randn(N, device=DEV).to(XDT)
+    out = poison_(torch.empty(M, N, dtype=XDT, device=DEV))
+    I.int4_linear_with_config(h, w, b, out, cfg, norm_weight=nw, eps=EPS, x_norm=True)
+    return h, nw, w, b, out
+
+
+def _add_call(name):
+    cfg, M, fmt, g = CASES[name]
+    w = _packed(fmt, g)
+    x = (strided_rows(M, K, torch.float32, DEV) * 0.5).to(XDT)
+    r0 = (torch.randn(M, N, device=DEV) * 3).to(XDT)
+    r = r0.clone()
+    I.int4_linear_with_config(x, w, None, r, cfg, accumulate=True)
+    return x, w, r0, r
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    """On a GPU, the kernels of the tests below compiled first in parallel threads (test_int4_gpu.py)."""
+    if not CUDA:
+        return
+    calls = [partial(_norm_call, n, a) for n, a in itertools.product(CASES, (False, True))]
+    calls += [partial(_add_call, n) for n in CASES]
+    precompile_calls(calls, [(KI, "_int4_linear_kernel"), (KM, "_int4_mma_kernel")])
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["norm_weight", "no_norm_weight"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_rms_norm_inside_every_kind_and_split(name, affine):
+    """rms_norm(h, g) @ W.T + b with the norm in the kernel: the row's squares over the whole of K (each split sees
+    a slice), h * g rounded to h's dtype, the fp32 sums scaled once."""
+    h, nw, w, b, out = _norm_call(name, affine)
+    # 2 ulps: the fma kind multiplies the exact dequantised weight, the reference the weight rounded to x's dtype
+    # (as int4_linear_ref); with "min" weights that rounding moved a sum by 1.6e-3 where 1e-3 was allowed
+    assert_close(out, int4_rms_norm_linear_ref(h, nw, w, b, eps=EPS), ulps=2)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_residual_add_in_the_epilogue_every_kind_and_split(name):
+    x, w, r0, r = _add_call(name)
+    assert_close(r, int4_add_linear_ref(r0, x, w), ulps=2)  # the kernel's exact weights against the rounded ones
+
+
+def test_the_references_are_the_two_kernel_recipes():
+    """What the fused ops compute, stated with the plain ops: the norm (rounded) then the int4 GEMM, up to the one
+    rounding of the normed rows; the GEMM then the add, up to the rounding of the product."""
+    from fastdecode.ops.norm import rms_norm_ref
+
+    w = _packed("zero", 32)
+    h, nw = _h(3)
+    two = I.int4_linear_ref(rms_norm_ref(h, nw, EPS), w)
+    assert_close(int4_rms_norm_linear_ref(h, nw, w, eps=EPS), two, ulps=2)
+    r0 = torch.randn(3, N, device=DEV).to(XDT)
+    assert_close(int4_add_linear_ref(r0, h, w), (r0.float() + I.int4_linear_ref(h, w).float()).to(XDT), ulps=2)
+
+
+def test_ops_shapes_out_backends_and_act_order():
+    w = _packed("sym", 64)
+    h, nw = _h(6)
+    h3 = h.view(2, 3, K)
+    y = int4_rms_norm_linear(h3, nw, w, eps=EPS, backend="triton")
+    assert y.shape == (2, 3, N)
+    assert_close(y.view(6, N), int4_rms_norm_linear_ref(h, nw, w, eps=EPS))
+    out = poison_(torch.empty(2, 3, N, dtype=XDT, device=DEV))
+    assert int4_rms_norm_linear(h3, None, w, eps=EPS, out=out, backend="triton") is out
+    assert_close(out.view(6, N), int4_rms_norm_linear_ref(h, None, w, eps=EPS))
+    assert torch.equal(int4_rms_norm_linear(h, nw, w, eps=EPS, backend="torch"),
+                       int4_rms_norm_linear_ref(h, nw, w, eps=EPS))
+    assert int4_rms_norm_linear(h[:0], nw, w).shape == (0, N)
+    r0 = torch.randn(2, 3, N, device=DEV).to(XDT)
+    r = r0.clone()
+    assert int4_add_linear_(r, h3, w, backend="triton") is r
+    assert_close(r, int4_add_linear_ref(r0, h3, w), ulps=2)
+    r = r0.clone()
+    int4_add_linear_(r, h3, w, backend="torch")
+    assert torch.equal(r, int4_add_linear_ref(r0, h3, w))
+    if CUDA:  # the dequantise + cuBLAS branch: the norm kernel then the GEMM; the GEMM then the add
+        assert_close(int4_rms_norm_linear(h, nw, w, eps=EPS, impl="dequant"),
+                     int4_rms_norm_linear_ref(h, nw, w, eps=EPS), ulps=2)
+        r = r0.clone()
+        int4_add_linear_(r, h3, w, impl="dequant")
+        assert_close(r, int4_add_linear_ref(r0, h3, w), ulps=2)
+    # GPTQ act-order: h and the norm weight gathered alike into the kernel's column order
+    g_idx = torch.empty(K, dtype=torch.int64)
+    g_idx[torch.randperm(K)] = torch.arange(K) // 64
+    wa = _packed("zero", 64, g_idx=g_idx)
+    assert wa.perm is not None
+    assert_close(int4_rms_norm_linear(h, nw, wa, eps=EPS, backend="triton"),
+                 int4_rms_norm_linear_ref(h, nw, wa, eps=EPS))
+    r = r0.clone()
+    int4_add_linear_(r, h3, wa, backend="triton")
+    assert_close(r, int4_add_linear_ref(r0, h3, wa), ulps=2)
+
+
+def test_errors_leave_the_residual_alone():
+    w = _packed("sym", 64)
+    h, nw = _h(2)
+    with pytest.raises(ValueError, match="norm_weight must have shape"):
+        int4_rms_norm_linear(h, nw[:-1], w)
+    with pytest.raises(ValueError, match="norm_weight must have dtype|norm_weight"):
+        int4_rms_norm_linear(h, nw.float(), w)
+    with pytest.raises(ValueError, match="eps must be a non-negative float"):
+        int4_rms_norm_linear(h, nw, w, eps=-1.0)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        int4_rms_norm_linear(h, nw, w, impl="magic")
+    with pytest.raises(ValueError, match="packed must be"):
+        int4_rms_norm_linear(h, nw, torch.zeros(N, K, device=DEV))
+    with pytest.raises(ValueError, match="x must have dtype|x"):
+        int4_add_linear_(torch.zeros(2, N, device=DEV), h.float(), w)
+    r0 = torch.randn(2, N, device=DEV).to(XDT)
+    for bad, match in (((2, N + 1), "residual must have shape"), ((N, 2), "residual must have shape")):
+        r = torch.zeros(bad, device=DEV).to(XDT)
+        with pytest.raises(ValueError, match=match):
+            int4_add_linear_(r, h, w)
+        assert not r.any()
+    r = torch.zeros(N, 2, device=DEV).to(XDT).t()
+    with pytest.raises(ValueError, match="residual must be contiguous"):
+        int4_add_linear_(r, h, w)
+    r = r0.clone()
+    with pytest.raises(ValueError):
+        int4_add_linear_(r, h, w, bias=torch.zeros(N + 1, device=DEV).to(XDT))
+    assert torch.equal(r, r0)
+    if not CUDA:
+        with pytest.raises(RuntimeError, match="impl='dequant' needs CUDA"):
+            int4_add_linear_(r, h, w, impl="dequant")
+        assert torch.equal(r, r0)
+
+
+def test_opcheck_both_ops():
+    from fastdecode.ops.int4_norm_linear import _int4_add_linear_op, _int4_rms_norm_linear_op
+
+    w = _packed("zero", 32)
+    h, nw = _h(3)
+    zm = I._zm(w)
+    torch.library.opcheck(_int4_rms_norm_linear_op.default,
+                          (h.contiguous(), nw, w.qweight, w.scales, zm, None, None,
+                           torch.empty(3, N, dtype=XDT, device=DEV), 32, "zero", EPS, "torch"),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(_int4_add_linear_op.default,
+                          (torch.randn(3, N, device=DEV).to(XDT), h.contiguous(), w.qweight, w.scales, zm, None,
+                           None, 32, "zero", "torch"),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def test_int4_model_takes_the_norm_gemm_path():
+    """An int4 (W4A16) model in 16 bits runs the norm_gemm step through the int4 ops, its norm weights left in
+    place (not folded: int4 weights cannot take them): decode steps give the unfused path's logits and caches
+    within the rounding of the normed rows; fp32 models (which run the int4 reference) keep the unfused path."""
+    from fastdecode.engine.kv_cache import KVCache
+    from fastdecode.engine.loader import random_model
+    from fastdecode.models import norm_gemm
+    from fastdecode.models.config import ModelConfig
+    from fastdecode.models.quantize import quantize_model_int4
+
+    cfg = ModelConfig.from_preset("tiny").replace(n_layers=2)
+    m = random_model(cfg, device=DEV, dtype=XDT, backend="triton", max_seq_len=64, std=0.2,
+                     seed=int(torch.randint(0, 2**31, ())))
+    for layer in m.layers:
+        for n in (layer.attention_norm, layer.ffn_norm):
+            n.weight.copy_(1 + 0.3 * torch.randn(n.weight.shape, device=DEV))
+    quantize_model_int4(m)
+    norms = [layer.attention_norm.weight.clone() for layer in m.layers]
+    assert norm_gemm.applies(m)
+    toks = torch.randint(0, cfg.vocab_size, (2, 6), device=DEV)
+    caches = [KVCache(cfg, 2, 16, dtype=XDT, device=DEV) for _ in range(2)]
+    for c in caches:
+        m.prefill(toks[:, :4], c)
+    for t in (4, 5):
+        pos = torch.tensor([t, t - 2], device=DEV)
+        m.set_kernels(norm_gemm=True)
+        on = m.decode(toks[:, t], pos, caches[0])
+        m.set_kernels(norm_gemm=False)
+        off = m.decode(toks[:, t], pos, caches[1])
+        cos = torch.nn.functional.cosine_similarity(on.float(), off.float(), dim=-1)
+        assert cos.min() > 0.9999, cos
+        err = ((on - off).abs().amax(-1) / off.pow(2).mean(-1).sqrt()).max().item()
+        assert err < 0.02, err
+        torch.testing.assert_close(caches[0].k.float(), caches[1].k.float(), atol=0.02, rtol=0.02)
+    assert all(torch.equal(layer.attention_norm.weight, n) for layer, n in zip(m.layers, norms))
+    assert norm_gemm.fold(m) == 0
+    f32 = copy.deepcopy(m).float()
+    assert not norm_gemm.applies(f32)
