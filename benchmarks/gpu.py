@@ -98,7 +98,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         return [("bench int4", _fd("bench", "int4", "--out", str(out / "int4_linear.json")), 420)]
     if name == "decode":
         # beside every fastdecode-graph row: the PDL ablation and RoPE + KV write in its own kernel (fused_rope off);
-        # bf16 and int4: the norms and residual adds as kernels of their own (norm_gemm off; not for FP8)
+        # bf16: the norms and residual adds as kernels of their own (norm_gemm off); int4: them inside the int4
+        # GEMMs (norm_gemm_int4, opt-in until measured)
         abl = ("fastdecode-graph", "fastdecode-graph-no-pdl", "fastdecode-graph-no-fused_rope")
         steps = {
             "bf16": ("decode bf16", _decode(out, "--batch", "1", "--iters", "30", "--impl", "peer-compile",
@@ -107,7 +108,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
             "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8", "--impl",
                                           "peer-compile", *abl), 420),
             "int4": ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
-                                            "--impl", "peer-compile", *abl, "fastdecode-graph-no-norm_gemm"), 420),
+                                            "--impl", "peer-compile", *abl, "fastdecode-graph-with-norm_gemm_int4"),
+                     420),
             # the lm head quantised too (issue 18's "the head"; the peers keep a dense head)
             "fp8-head": ("decode fp8 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
                                                     "--quant-head", "fp8", "--impl", "fastdecode-graph"), 300),
@@ -148,8 +150,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "decode-small":  # the embedded model (GGUF Q4_1: native int4 on CUDA) and its shapes in bf16
         small = ("--batch", "1", "--iters", "30", "--out", str(out / "decode_small.json"))
         return [("decode embedded", _fd("bench", "decode", "--model", _embedded_gguf(), *small, "--impl",
-                                        "fastdecode-graph", "fastdecode-graph-no-pdl", "fastdecode-graph-no-norm_gemm"),
-                 240),
+                                        "fastdecode-graph", "fastdecode-graph-no-pdl",
+                                        "fastdecode-graph-with-norm_gemm_int4"), 240),
                 ("decode smollm2 bf16", _fd("bench", "decode", "--preset", "smollm2-135m", *small, "--impl",
                                             "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl"), 240)]
     if name == "profile-small":

@@ -209,9 +209,10 @@ def test_opcheck_both_ops():
 
 
 def test_int4_model_takes_the_norm_gemm_path():
-    """An int4 (W4A16) model in 16 bits runs the norm_gemm step through the int4 ops, its norm weights left in
-    place (not folded: int4 weights cannot take them): decode steps give the unfused path's logits and caches
-    within the rounding of the normed rows; fp32 models (which run the int4 reference) keep the unfused path."""
+    """With ``norm_gemm_int4`` on (off by default until a GPU has measured it), an int4 (W4A16) model in 16 bits
+    runs the norm_gemm step through the int4 ops, its norm weights left in place (not folded: int4 weights cannot
+    take them): decode steps give the unfused path's logits and caches within the rounding of the normed rows;
+    fp32 models (which run the int4 reference) keep the unfused path."""
     from fastdecode.engine.kv_cache import KVCache
     from fastdecode.engine.loader import random_model
     from fastdecode.models import norm_gemm
@@ -226,6 +227,8 @@ def test_int4_model_takes_the_norm_gemm_path():
             n.weight.copy_(1 + 0.3 * torch.randn(n.weight.shape, device=DEV))
     quantize_model_int4(m)
     norms = [layer.attention_norm.weight.clone() for layer in m.layers]
+    assert m.kernels["norm_gemm"] and not m.kernels["norm_gemm_int4"] and not norm_gemm.applies(m)
+    m.set_kernels(norm_gemm_int4=True)
     assert norm_gemm.applies(m)
     toks = torch.randint(0, cfg.vocab_size, (2, 6), device=DEV)
     caches = [KVCache(cfg, 2, 16, dtype=XDT, device=DEV) for _ in range(2)]
