@@ -36,6 +36,8 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``tp``      multi-GPU: the all-reduce tests, the all-reduce benchmark, 70B decode at TP = all GPUs.
 * ``attention`` ``benchmarks/sweep_attention.py``: the decode attention kernel's configs (RoPE + KV write
               inside) against the two kernels it replaces, 8B heads, short and long caches.
+* ``int4-norm`` ``benchmarks/sweep_int4_norm_gemv.py``: the RMSNorm and the residual add inside the int4 GEMMs
+              (``norm_gemm_int4``) against the two kernels each replaces, 8B and SmolLM2 shapes, M = 1 and 4.
 
 What it never does: copy files into ``src/`` (tuned tables are written only by
 ``fastdecode tune ... --out``; this script passes every ``--out`` into --out-dir). The device machine
@@ -141,6 +143,9 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         return [("bench startup", _fd("bench", "startup", "--runs", "cold", "warm", "--timeout", "110", *rows), 240),
                 ("bench startup serve eager", _fd("bench", "startup", "--runs", "warm", "warm", *serve), 240),
                 ("bench startup serve lazy", _fd("bench", "startup", "--graph-capture", "lazy", *serve), 120)]
+    if name == "int4-norm":
+        return [("sweep int4 norm", [PY, str(ROOT / "benchmarks" / "sweep_int4_norm_gemv.py"),
+                                     "--out", str(out / "sweep_int4_norm_gemv.json")], 240)]
     if name == "attention":
         return [("sweep attention", [PY, str(ROOT / "benchmarks" / "sweep_attention.py"),
                                      "--out", str(out / "sweep_attention.json")], 240)]
@@ -174,7 +179,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
 
 
 SUITES = ("tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "hf", "serve", "startup",
-          "overhead", "profile-small", "decode-small", "tp", "attention")
+          "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm")
 
 
 def _embedded_gguf() -> str:
