@@ -18,6 +18,7 @@ import json
 
 import torch
 
+from fastdecode.bench.harness import capture_graph
 from fastdecode.engine.generate import Engine
 from fastdecode.engine.loader import random_model
 from fastdecode.models.config import ModelConfig
@@ -33,18 +34,6 @@ def _rel(got, ref):
     return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
 
 
-def _graph(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def ops() -> list:
     rows = []
     for M in (1, 2, 3, 4):
@@ -56,7 +45,7 @@ def ops() -> list:
             rms_norm_linear(h, None, w, eps=1e-5, out=out, backend="triton")
             eager = _rel(out, ref)
             out.fill_(float("nan"))
-            g = _graph(lambda: rms_norm_linear(h, None, w, eps=1e-5, out=out, backend="triton"))
+            g = capture_graph(lambda: rms_norm_linear(h, None, w, eps=1e-5, out=out, backend="triton"))
             out.fill_(float("nan"))
             g.replay()
             torch.cuda.synchronize()
@@ -70,7 +59,7 @@ def ops() -> list:
             r = r0.clone()
             add_linear_(r, x, w, glu=glu, backend="triton")
             eager = _rel(r, ref)
-            g = _graph(lambda: add_linear_(r, x, w, glu=glu, backend="triton"))
+            g = capture_graph(lambda: add_linear_(r, x, w, glu=glu, backend="triton"))
             r.copy_(r0)
             g.replay()
             torch.cuda.synchronize()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from fastdecode.bench.harness import Timing, _stats, env_info, merge_rows, print_table
+from fastdecode.bench.harness import Timing, _stats, capture_graph, env_info, merge_rows, print_table
 from fastdecode.ops._common import load_config_table
 from fastdecode.ops.allreduce import config_path
 
@@ -34,15 +34,12 @@ def _time_graph(fn, reps=30) -> Timing:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+
+    def calls():
         for _ in range(CALLS):
             fn()
+
+    g = capture_graph(calls)
     g.replay()
     torch.cuda.synchronize()
     ts = []

@@ -116,6 +116,20 @@ def time_cuda(
         return _time_cuda(list(calls), graph, calls_per_graph, warmup, reps)
 
 
+def capture_graph(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+    """``fn`` run once on a side stream (its allocations and lazy set-up happen outside the capture), then captured
+    into a CUDA graph, which is returned (not replayed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def _time_cuda(calls, graph: bool, calls_per_graph: int, warmup: int, reps: int) -> Timing:
     for _ in range(warmup):
         for c in calls:
@@ -123,16 +137,12 @@ def _time_cuda(calls, graph: bool, calls_per_graph: int, warmup: int, reps: int)
     torch.cuda.synchronize()
     if graph:
         n = max(calls_per_graph, len(calls))
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+
+        def round_():
             for i in range(n):
                 calls[i % len(calls)]()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(n):
-                calls[i % len(calls)]()
+
+        g = capture_graph(round_)
         g.replay()
         torch.cuda.synchronize()
         run, per = g.replay, n
