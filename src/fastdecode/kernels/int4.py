@@ -113,7 +113,7 @@ def _int4_linear_kernel(
     each program first sums its rows' squares over the whole of K (``_rows_rstd``; a split sees only its slice of
     K, so the loop cannot), the loop multiplies ``h * nw`` rounded to x's dtype (NORM_AFFINE; else h: a norm
     without weight) with the weights, and the per-row ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums (or this
-    split's partial: the scale is linear) before the bias. ``ops.int4.int4_rms_norm_linear``. NORM_NB: columns a
+    split's partial: the scale is linear) before the bias (``ops.int4_norm_linear``). NORM_NB: columns a
     step of that pass. ACCUMULATE: out += the result (the residual add after wo / w2, in place; ``_epilogue``).
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
