@@ -105,9 +105,9 @@ def test_int4_norm_gemm_graph_decode_matches_the_unfused_step():
     unfused = copy.deepcopy(model)
     unfused.set_kernels(norm_gemm=False)
     cfg = model.config
+    eng = Engine(model, None, max_batch=4, max_seq_len=64, cuda_graph=True, batch_buckets=[1, 4])
+    ref = Engine(unfused, None, max_batch=4, max_seq_len=64, cuda_graph=False)
     for B in (1, 3):
-        eng = Engine(model, None, max_batch=4, max_seq_len=64, cuda_graph=True, batch_buckets=[1, 4])
-        ref = Engine(unfused, None, max_batch=4, max_seq_len=64, cuda_graph=False)
         prompts = [torch.randint(0, cfg.vocab_size, (5,)).tolist() for _ in range(B)]
         _assert_logits_close(eng.prefill(prompts), ref.prefill(prompts))
         pos = torch.full((B,), 5, device=DEV)
