@@ -9,7 +9,9 @@ on (batch 3 in bucket 4, position 0); the message was lost. This prints, for the
 * per batch 1..4: a 2-layer random 8B-shaped model's graph decode at position 0 (the one-token prefill) against the
   eager prefill, with the switch off and on, and the largest difference of the K / V cache rows at position 0.
 
-    PYTHONPATH=src python benchmarks/diag_norm_gemm.py
+    PYTHONPATH=src python benchmarks/diag_norm_gemm.py [--out rows.json]
+
+Session 17 ran it at dd772cf and kept only its stdout (numbers in benchmarks/NOTES.md, session 17).
 """
 
 from __future__ import annotations
@@ -106,9 +108,18 @@ def engine() -> list:
 
 
 def main() -> None:
-    for r in ops():
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="also write every row as JSON here")
+    a = p.parse_args()
+    rows = ops()
+    for r in rows:
         print(json.dumps(r), flush=True)
-    engine()
+    rows += engine()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
