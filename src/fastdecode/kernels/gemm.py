@@ -125,6 +125,20 @@ def _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M: tl.constexpr, NB: t
 
 
 @triton.jit
+def _affine(x, g_ptr, cols, mask, XDT: tl.constexpr):
+    """X_NORM with a norm weight, on kernels whose loop loads x as a tile: x times the norm weight at ``cols``,
+    rounded to x's dtype as the norm kernel rounds its output (the product in fp32: the interpreter's bf16
+    arithmetic is wrong) -> XDT."""
+    g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return (x.to(tl.float32) * g).to(XDT)
+
+
+def norm_block(block_m: int) -> int:
+    """X_NORM's pass over whole rows (``_rows_rstd``): the columns a step, 2048 values in flight a program."""
+    return max(16, 2048 // block_m)
+
+
+@triton.jit
 def _split_k_partial(acc, part_ptr, stride_part, pid_k, lock, split_k, offs_m, offs_n, m_valid, M, N,
                      out_ptr, stride_om, bias_ptr, xs_ptr, ws_ptr, HAS_BIAS: tl.constexpr,
                      X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr,

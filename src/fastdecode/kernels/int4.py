@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdecode.kernels.gemm import _epilogue, _fma_rows, _rows_rstd, _split_k_partial
+from fastdecode.kernels.gemm import _affine, _epilogue, _fma_rows, _rows_rstd, _split_k_partial, norm_block
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import (
     _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _nibble_f32, _nibble_f32_asm, _slice_params, _uniform,
@@ -63,14 +63,6 @@ def _fold_row(acc, t, xs, d, x, s, z, FIRST: tl.constexpr, LAST: tl.constexpr, Z
     if LAST:
         acc = _fma_group(acc, t, s, z, xs, ZERO_MODE)
     return acc, t, xs
-
-
-@triton.jit
-def _affine(x, g_ptr, cols, mask, XDT: tl.constexpr):
-    """X_NORM with NORM_AFFINE: the activation times the norm weight at ``cols``, rounded to x's dtype as the norm
-    kernel rounds its output (the product in fp32: the interpreter's bf16 arithmetic is wrong) -> x's dtype."""
-    g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return (x.to(tl.float32) * g).to(XDT)
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
@@ -346,11 +338,6 @@ def fast_cvt_ok(x, uniform: bool, x_scale_mode: int = 0, scale_dtype=None) -> bo
     if _interpreting():
         return False
     return _sm_major(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 8
-
-
-def norm_block(block_m: int) -> int:
-    """X_NORM: columns a step of the pass over whole rows (``_rows_rstd``): 2048 values in flight a program."""
-    return max(16, 2048 // block_m)
 
 
 def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,

@@ -35,7 +35,7 @@ import triton.language as tl
 
 import torch
 
-from fastdecode.kernels.gemm import _epilogue, _rows_rstd, _split_k_partial
+from fastdecode.kernels.gemm import _affine, _epilogue, _rows_rstd, _split_k_partial, norm_block
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import _ZERO_MODES, slices_per_group
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
@@ -252,9 +252,9 @@ def _int4_mma_kernel(
                 xt = tl.load(xp)
             else:
                 xt = tl.load(xp, mask=(k0 + 32 * p + offs_w < K)[None, :], other=0.0)
-            if NORM_AFFINE:  # h * nw rounded to x's dtype (the product in fp32)
-                g = tl.load(nw_ptr + k0 + 32 * p + offs_w, mask=k0 + 32 * p + offs_w < K, other=0.0)
-                xt = (xt.to(tl.float32) * g.to(tl.float32)[None, :]).to(W_DTYPE)
+            if NORM_AFFINE:  # h * nw rounded to x's dtype
+                cols = k0 + 32 * p + offs_w
+                xt = _affine(xt, nw_ptr, cols[None, :], (cols < K)[None, :], W_DTYPE)
             if ZERO_MODE == 2:  # the weight is already scaled
                 acc = tl.dot(ws[p], tl.trans(xt), acc)
             else:  # the exact integers q - zero; the group's scale once per partial
@@ -299,8 +299,6 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
     BLOCK_K (256: one layout tile a step), SPLIT_K, num_warps, num_stages, L2_PREFETCH (optional, default
     True)); ``asm``: the inline-PTX conversion (CUDA, not the interpreter). The caller checks
     ``mma_supported``. ``norm_weight``, ``eps``, ``x_norm``, ``accumulate``: as ``kernels.int4.launch_int4_linear``."""
-    from fastdecode.kernels.int4 import norm_block
-
     M, K = x.shape
     N = qweight.shape[0]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]

@@ -197,6 +197,37 @@ def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=N
                        x_norm=x_norm, accumulate=accumulate)
 
 
+def op_weight(qweight, scales, zm, perm, group_size: int, zero_mode: str, K: int) -> Int4Weight:
+    """The :class:`Int4Weight` a registered int4 op receives as tensors (``zm``: zeros or mins, by zero mode)."""
+    return Int4Weight(qweight, scales, zm if zero_mode == "zero" else None, zm if zero_mode == "min" else None,
+                      group_size, zero_mode, perm, K)
+
+
+def dispatch(impl: str, x, w: Int4Weight) -> tuple[str, Optional[dict]]:
+    """("triton" | "dequant", config) for x (M, K) in kernel column order: the table's choice, overridden by
+    ``impl`` ("triton", "dequant"); Triton only off CUDA."""
+    M, K = x.shape
+    which, cfg = get_int4_config(M, w.N, K, w.group_size, x.device)
+    if impl == "triton" or x.device.type != "cuda":
+        which = "triton"
+    elif impl == "dequant":
+        which = "dequant"
+    return which, cfg
+
+
+def resolve_impl(impl: Optional[str], backend: Optional[str], device, op: str) -> str:
+    """A W4A16 op's impl string for its registered op: "torch" (the reference) or impl ("auto" for None),
+    refusing impls the resolved backend or the device cannot run."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    be = resolve_backend(backend, device, op)
+    if be == "torch" and impl is not None:
+        raise ValueError(f"impl={impl!r} needs the triton backend, but {op} resolved to the torch backend")
+    if impl == "dequant" and device.type != "cuda":
+        raise RuntimeError(f"{op}: impl='dequant' needs CUDA tensors (cuBLAS), got tensors on {device}")
+    return "torch" if be == "torch" else (impl or "auto")
+
+
 def int4_linear_dequant_cublas(x, w: Int4Weight, bias, out) -> None:
     """Large M: dequantise into a scratch (N, K) buffer with the Triton kernel, then cuBLAS (the dispatcher's
     ``impl="dequant"``; the int4 benchmark times it on its own)."""
@@ -215,19 +246,13 @@ def _int4_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                     zm: Optional[torch.Tensor], perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                     out: torch.Tensor, group_size: int, zero_mode: str, impl: str) -> None:
     """x (M, K) original column order; the weight's tensors in the kernel layout; out (M, N)."""
-    w = Int4Weight(qweight, scales, zm if zero_mode == "zero" else None, zm if zero_mode == "min" else None,
-                   group_size, zero_mode, perm, x.shape[1])
+    w = op_weight(qweight, scales, zm, perm, group_size, zero_mode, x.shape[1])
     if impl == "torch":
         out.copy_(int4_linear_ref(x, w, bias))
         return
     if perm is not None:
         x = x.index_select(1, perm)
-    M, K = x.shape
-    which, cfg = get_int4_config(M, w.N, K, group_size, x.device)
-    if impl == "triton" or x.device.type != "cuda":
-        which = "triton"
-    elif impl == "dequant":
-        which = "dequant"
+    which, cfg = dispatch(impl, x, w)
     if which == "dequant":
         int4_linear_dequant_cublas(x, w, bias, out)
     else:
@@ -244,8 +269,7 @@ def _int4_linear_fp8_op(x: torch.Tensor, x_scale: torch.Tensor, qweight: torch.T
                         zm: Optional[torch.Tensor], perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                         out: torch.Tensor, group_size: int, zero_mode: str, impl: str) -> None:
     """x (M, K) fp8 original column order; x_scale (1,) or (M,) fp32; out (M, N)."""
-    w = Int4Weight(qweight, scales, zm if zero_mode == "zero" else None, zm if zero_mode == "min" else None,
-                   group_size, zero_mode, perm, x.shape[1])
+    w = op_weight(qweight, scales, zm, perm, group_size, zero_mode, x.shape[1])
     if impl == "torch":
         xs = x_scale if x_scale.numel() == 1 else x_scale.reshape(-1, 1)
         out.copy_(int4_linear_fp8_ref(x, xs, w, bias, out_dtype=out.dtype))
@@ -276,6 +300,16 @@ def _check_packed(packed, K: int) -> None:
                          f"{packed.qweight.dtype} {tuple(packed.qweight.shape)}")
 
 
+def check_x(name: str, x, packed) -> int:
+    """A W4A16 op's 16-bit activation (..., K) and its packed weight checked together; returns K."""
+    check_tensor(name, x, dtypes=X_DTYPES)
+    if x.dim() == 0:
+        raise ValueError(f"{name} must have at least 1 dimension (..., K), got a scalar")
+    K = x.shape[-1]
+    _check_packed(packed, K)
+    return K
+
+
 def int4_linear(x, packed: Int4Weight, bias=None, *, out=None, backend: Optional[str] = None,
                 impl: Optional[str] = None) -> torch.Tensor:
     """``out = x @ dequantize_int4(packed, x.dtype).T + bias``: fp32 accumulation, one rounding to x.dtype.
@@ -285,24 +319,13 @@ def int4_linear(x, packed: Int4Weight, bias=None, *, out=None, backend: Optional
     None. Returns (..., N) in x.dtype (or ``out``). impl: None (dispatcher) | "triton" (our kernel,
     fma or dot as tuned) | "dequant" (dequantise + cuBLAS; CUDA only).
     """
-    check_tensor("x", x, dtypes=X_DTYPES)
-    if x.dim() == 0:
-        raise ValueError("x must have at least 1 dimension (..., K), got a scalar")
-    K = x.shape[-1]
-    _check_packed(packed, K)
+    check_x("x", x, packed)
     N = packed.N
     bias = check_bias(bias, N, (x.dtype,), "the weight")  # contiguous: the kernel reads it at unit stride
     check_same_device(x=x, qweight=packed.qweight, scales=packed.scales, bias=bias)
     out_shape = (*x.shape[:-1], N)
     check_out("out", out, out_shape, x.dtype, x.device)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    be = resolve_backend(backend, x.device, "int4_linear")
-    if be == "torch" and impl is not None:
-        raise ValueError(f"impl={impl!r} needs the triton backend, but int4_linear resolved to the torch backend")
-    if impl == "dequant" and x.device.type != "cuda":
-        raise RuntimeError(f"int4_linear: impl='dequant' needs CUDA tensors (cuBLAS), got tensors on {x.device}")
-    impl_s = "torch" if be == "torch" else (impl or "auto")
+    impl_s = resolve_impl(impl, backend, x.device, "int4_linear")
     out = torch.empty(out_shape, dtype=x.dtype, device=x.device) if out is None else out
     x2 = as_rows("x", x)
     if x2.shape[0] == 0 or N == 0:

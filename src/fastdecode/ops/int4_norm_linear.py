@@ -21,28 +21,14 @@ from typing import Optional
 
 import torch
 
-from fastdecode.ops._common import as_rows, check_eps, check_out, check_same_device, check_tensor, resolve_backend
+from fastdecode.ops._common import as_rows, check_eps, check_out, check_same_device
 from fastdecode.ops._registry import define_op
 from fastdecode.ops.gemm import check_bias
 from fastdecode.ops.int4 import (
-    IMPLS, X_DTYPES, _check_packed, _zm, get_int4_config, int4_linear_dequant_cublas, int4_linear_with_config,
+    _zm, check_x, dispatch, int4_linear_dequant_cublas, int4_linear_with_config, op_weight, resolve_impl,
 )
 from fastdecode.ops.int4_format import Int4Weight, dequantize_int4
-
-
-def _weight(qweight, scales, zm, perm, group_size: int, zero_mode: str, K: int) -> Int4Weight:
-    return Int4Weight(qweight, scales, zm if zero_mode == "zero" else None, zm if zero_mode == "min" else None,
-                      group_size, zero_mode, perm, K)
-
-
-def _which(impl: str, x, w: Int4Weight) -> tuple[str, dict]:
-    M, K = x.shape
-    which, cfg = get_int4_config(M, w.N, K, w.group_size, x.device)
-    if impl == "triton" or x.device.type != "cuda":
-        which = "triton"
-    elif impl == "dequant":
-        which = "dequant"
-    return which, cfg
+from fastdecode.ops.norm_linear import check_norm_weight, check_residual
 
 
 @define_op("int4_rms_norm_linear", mutates_args=("out",))
@@ -54,14 +40,14 @@ def _int4_rms_norm_linear_op(h: torch.Tensor, norm_weight: Optional[torch.Tensor
     from fastdecode.ops.norm import rms_norm
     from fastdecode.ops.norm_linear import _ones
 
-    w = _weight(qweight, scales, zm, perm, group_size, zero_mode, h.shape[1])
+    w = op_weight(qweight, scales, zm, perm, group_size, zero_mode, h.shape[1])
     if impl == "torch":
         out.copy_(int4_rms_norm_linear_ref(h, norm_weight, w, bias, eps=eps))
         return
     if perm is not None:  # the kernels' column order (GPTQ act-order): h and g gathered alike
         h = h.index_select(1, perm)
         norm_weight = norm_weight.index_select(0, perm) if norm_weight is not None else None
-    which, cfg = _which(impl, h, w)
+    which, cfg = dispatch(impl, h, w)
     if which == "dequant":  # the norm kernel, then dequantise + cuBLAS
         g = norm_weight if norm_weight is not None else _ones(h.shape[1], h.dtype, h.device)
         int4_linear_dequant_cublas(rms_norm(h, g, eps, backend="triton"), w, bias, out)
@@ -79,13 +65,13 @@ def _int4_add_linear_op(residual: torch.Tensor, x: torch.Tensor, qweight: torch.
                         zm: Optional[torch.Tensor], perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                         group_size: int, zero_mode: str, impl: str) -> None:
     """residual (M, N) contiguous; x (M, K) original column order, unit stride in K."""
-    w = _weight(qweight, scales, zm, perm, group_size, zero_mode, x.shape[1])
+    w = op_weight(qweight, scales, zm, perm, group_size, zero_mode, x.shape[1])
     if impl == "torch":
         residual.copy_(int4_add_linear_ref(residual, x, w, bias))
         return
     if perm is not None:
         x = x.index_select(1, perm)
-    which, cfg = _which(impl, x, w)
+    which, cfg = dispatch(impl, x, w)
     if which == "dequant":  # dequantise + cuBLAS, then the add
         y = torch.empty_like(residual)
         int4_linear_dequant_cublas(x, w, bias, y)
@@ -102,26 +88,6 @@ def _(residual, x, qweight, scales, zm, perm, bias, group_size, zero_mode, impl)
 # ----------------------------------------------------------------------------- public API
 
 
-def _check_x(name: str, x, packed) -> int:
-    check_tensor(name, x, dtypes=X_DTYPES)
-    if x.dim() == 0:
-        raise ValueError(f"{name} must have at least 1 dimension (..., K), got a scalar")
-    K = x.shape[-1]
-    _check_packed(packed, K)
-    return K
-
-
-def _impl(impl, backend, device, op: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    be = resolve_backend(backend, device, op)
-    if be == "torch" and impl is not None:
-        raise ValueError(f"impl={impl!r} needs the triton backend, but {op} resolved to the torch backend")
-    if impl == "dequant" and device.type != "cuda":
-        raise RuntimeError(f"{op}: impl='dequant' needs CUDA tensors (cuBLAS), got tensors on {device}")
-    return "torch" if be == "torch" else (impl or "auto")
-
-
 def int4_rms_norm_linear(h, norm_weight, packed: Int4Weight, bias=None, *, eps: float = 1e-6, out=None,
                          backend: Optional[str] = None, impl: Optional[str] = None) -> torch.Tensor:
     """``rms_norm(h, norm_weight, eps) @ dequantize_int4(packed).T + bias`` with the norm inside the int4 GEMM
@@ -131,19 +97,15 @@ def int4_rms_norm_linear(h, norm_weight, packed: Int4Weight, bias=None, *, eps: 
     for a norm without weight; packed: an :class:`Int4Weight` (N, K); bias: (N,) of h's dtype or None. Returns
     (..., N) in h's dtype (or ``out``). impl: as ``int4_linear``.
     """
-    K = _check_x("h", h, packed)
-    if norm_weight is not None:
-        check_tensor("norm_weight", norm_weight, dtypes=(h.dtype,), ndim=1)
-        if norm_weight.shape[0] != K:
-            raise ValueError(f"norm_weight must have shape ({K},) (the last dimension of h), got "
-                             f"{tuple(norm_weight.shape)}")
+    K = check_x("h", h, packed)
+    check_norm_weight(norm_weight, K, h.dtype)
     check_eps(eps)
     N = packed.N
     bias = check_bias(bias, N, (h.dtype,), "the weight")
     check_same_device(h=h, norm_weight=norm_weight, qweight=packed.qweight, scales=packed.scales, bias=bias)
     out_shape = (*h.shape[:-1], N)
     check_out("out", out, out_shape, h.dtype, h.device)
-    impl_s = _impl(impl, backend, h.device, "int4_rms_norm_linear")
+    impl_s = resolve_impl(impl, backend, h.device, "int4_rms_norm_linear")
     out = torch.empty(out_shape, dtype=h.dtype, device=h.device) if out is None else out
     h2 = as_rows("h", h)
     if h2.shape[0] == 0 or N == 0:
@@ -161,16 +123,12 @@ def int4_add_linear_(residual, x, packed: Int4Weight, bias=None, *, backend: Opt
     residual: (..., N) contiguous, x's dtype; x: (..., K) bf16/fp16 (rows may be strided); packed: an
     :class:`Int4Weight` (N, K); bias: (N,) or None. Nothing is written when the arguments are rejected.
     """
-    _check_x("x", x, packed)
+    check_x("x", x, packed)
     N = packed.N
     bias = check_bias(bias, N, (x.dtype,), "the weight")
-    check_tensor("residual", residual, dtypes=(x.dtype,))
-    if tuple(residual.shape) != (*x.shape[:-1], N):
-        raise ValueError(f"residual must have shape {(*x.shape[:-1], N)}, got {tuple(residual.shape)}")
-    if not residual.is_contiguous():
-        raise ValueError(f"residual must be contiguous (it is updated in place), got strides {residual.stride()}")
+    check_residual(residual, (*x.shape[:-1], N), x.dtype)
     check_same_device(x=x, qweight=packed.qweight, scales=packed.scales, bias=bias, residual=residual)
-    impl_s = _impl(impl, backend, x.device, "int4_add_linear_")
+    impl_s = resolve_impl(impl, backend, x.device, "int4_add_linear_")
     x2 = as_rows("x", x)
     if x2.shape[0] == 0 or N == 0:
         return residual

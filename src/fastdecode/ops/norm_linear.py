@@ -110,6 +110,25 @@ def _(residual, x, weight, bias, glu, impl):
     return None
 
 
+def check_norm_weight(norm_weight, K: int, dtype) -> None:
+    """A norm weight (K,) of h's dtype, or None (a norm without weight)."""
+    if norm_weight is None:
+        return
+    check_tensor("norm_weight", norm_weight, dtypes=(dtype,), ndim=1)
+    if norm_weight.shape[0] != K:
+        raise ValueError(f"norm_weight must have shape ({K},) (the last dimension of h), got "
+                         f"{tuple(norm_weight.shape)}")
+
+
+def check_residual(residual, shape: tuple, dtype) -> None:
+    """The residual an ``add_linear_`` updates in place: x's dtype, the output's shape, contiguous."""
+    check_tensor("residual", residual, dtypes=(dtype,))
+    if tuple(residual.shape) != tuple(shape):
+        raise ValueError(f"residual must have shape {tuple(shape)}, got {tuple(residual.shape)}")
+    if not residual.is_contiguous():
+        raise ValueError(f"residual must be contiguous (it is updated in place), got strides {residual.stride()}")
+
+
 def rms_norm_linear(h, norm_weight, weight, bias=None, *, eps: float = 1e-6, out=None,
                     backend: Optional[str] = None, impl: Optional[str] = None) -> torch.Tensor:
     """``rms_norm(h, norm_weight, eps) @ weight.T + bias`` with the norm inside the GEMM (module docstring).
@@ -122,11 +141,7 @@ def rms_norm_linear(h, norm_weight, weight, bias=None, *, eps: float = 1e-6, out
     if h.dim() == 0:
         raise ValueError("h must have at least 1 dimension (..., K), got a scalar")
     K = h.shape[-1]
-    if norm_weight is not None:
-        check_tensor("norm_weight", norm_weight, dtypes=(h.dtype,), ndim=1)
-    if norm_weight is not None and norm_weight.shape[0] != K:
-        raise ValueError(f"norm_weight must have shape ({K},) (the last dimension of h), got "
-                         f"{tuple(norm_weight.shape)}")
+    check_norm_weight(norm_weight, K, h.dtype)
     check_eps(eps)
     N = _check_weight(weight, K, LINEAR_DTYPES, x_name="h")
     if weight.dtype != h.dtype:
@@ -172,11 +187,7 @@ def add_linear_(residual, x, weight, bias=None, *, glu: bool = False, backend: O
     if weight.dtype != x.dtype:
         raise ValueError(f"weight must have the dtype of x ({x.dtype}), got {weight.dtype}")
     bias = check_bias(bias, N, (x.dtype,))
-    check_tensor("residual", residual, dtypes=(x.dtype,))
-    if tuple(residual.shape) != (*x.shape[:-1], N):
-        raise ValueError(f"residual must have shape {(*x.shape[:-1], N)}, got {tuple(residual.shape)}")
-    if not residual.is_contiguous():
-        raise ValueError(f"residual must be contiguous (it is updated in place), got strides {residual.stride()}")
+    check_residual(residual, (*x.shape[:-1], N), x.dtype)
     check_same_device(x=x, weight=weight, bias=bias, residual=residual)
     impl_s = _resolve_impl(impl, backend, x.device, "add_linear_")
     x2 = as_rows("x", x)
