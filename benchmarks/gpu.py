@@ -37,7 +37,7 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``attention`` ``benchmarks/sweep_attention.py``: the decode attention kernel's configs (RoPE + KV write
               inside) against the two kernels it replaces, 8B heads, short and long caches.
 * ``int4-norm`` ``benchmarks/sweep_int4_norm_gemv.py``: the RMSNorm and the residual add inside the int4 GEMMs
-              (``norm_gemm_int4``) against the two kernels each replaces, 8B and SmolLM2 shapes, M = 1 and 4.
+              (``norm_gemm`` of int4 blocks) against the two kernels each replaces, 8B and SmolLM2 shapes, M = 1 and 4.
 
 What it never does: copy files into ``src/`` (tuned tables are written only by
 ``fastdecode tune ... --out``; this script passes every ``--out`` into --out-dir). The device machine
@@ -100,8 +100,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         return [("bench int4", _fd("bench", "int4", "--out", str(out / "int4_linear.json")), 420)]
     if name == "decode":
         # beside every fastdecode-graph row: the PDL ablation and RoPE + KV write in its own kernel (fused_rope off);
-        # bf16: the norms and residual adds as kernels of their own (norm_gemm off); int4: them inside the int4
-        # GEMMs (norm_gemm_int4, opt-in until measured)
+        # bf16 and int4: the norms and residual adds as kernels of their own (norm_gemm off)
         abl = ("fastdecode-graph", "fastdecode-graph-no-pdl", "fastdecode-graph-no-fused_rope")
         steps = {
             "bf16": ("decode bf16", _decode(out, "--batch", "1", "--iters", "30", "--impl", "peer-compile",
@@ -110,7 +109,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
             "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8", "--impl",
                                           "peer-compile", *abl), 420),
             "int4": ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
-                                            "--impl", "peer-compile", *abl, "fastdecode-graph-with-norm_gemm_int4"),
+                                            "--impl", "peer-compile", *abl, "fastdecode-graph-no-norm_gemm"),
                      420),
             # the lm head quantised too (issue 18's "the head"; the peers keep a dense head)
             "fp8-head": ("decode fp8 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
@@ -156,7 +155,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         small = ("--batch", "1", "--iters", "30", "--out", str(out / "decode_small.json"))
         return [("decode embedded", _fd("bench", "decode", "--model", _embedded_gguf(), *small, "--impl",
                                         "fastdecode-graph", "fastdecode-graph-no-pdl",
-                                        "fastdecode-graph-with-norm_gemm_int4"), 240),
+                                        "fastdecode-graph-no-norm_gemm"), 240),
                 ("decode smollm2 bf16", _fd("bench", "decode", "--preset", "smollm2-135m", *small, "--impl",
                                             "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl"), 240)]
     if name == "profile-small":

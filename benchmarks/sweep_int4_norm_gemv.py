@@ -1,6 +1,6 @@
 """Development sweep: the RMSNorm and the residual add inside the int4 GEMMs (``ops.int4_norm_linear``; GPU).
 
-The ``norm_gemm_int4`` switch (off by default until measured) replaces, in each int4 block, the norm kernel + int4
+The ``norm_gemm`` step (``models.norm_gemm``) replaces, in each int4 block, the norm kernel + int4
 GEMM by one ``int4_rms_norm_linear`` (qkv, gate_up) and the int4 GEMM + the fused add-and-norm's add by
 ``int4_add_linear_`` (o, down). Each program of the fused kernel first sums its rows' squares over the whole of K:
 one extra pass over x (L2) before the weights' loop, for one launch less. This times, for the 8B (RTN group 128

@@ -100,8 +100,7 @@ def test_int4_norm_gemm_graph_decode_matches_the_unfused_step():
         for n in (layer.attention_norm, layer.ffn_norm):
             n.weight.copy_(1 + 0.2 * torch.randn_like(n.weight, dtype=torch.float32))
     quantize_model_int4(model)
-    model.set_kernels(norm_gemm_int4=True)  # opt-in until measured
-    assert norm_gemm.applies(model)
+    assert norm_gemm.applies(model)  # on by default for W4A16 blocks
     unfused = copy.deepcopy(model)
     unfused.set_kernels(norm_gemm=False)
     cfg = model.config

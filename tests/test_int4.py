@@ -552,6 +552,7 @@ consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"
               EVEN_K=True, X_SCALE_MODE=0, FAST_CVT=cfg["kind"] == "dot", PREFETCH=cfg.get("PF", False),
               LOP3_ASM=cfg["kind"] == "fma", USE_PDL=False,
               X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048 // cfg["BLOCK_M"],
+              NORM_RM=cfg["BLOCK_M"],
               ACCUMULATE=cfg.get("XN", False), BLOCK_M=cfg["BLOCK_M"],
               BLOCK_N=cfg["BLOCK_N"], BLOCK_K=256, SPLIT=True)
 sig.update({k: "constexpr" for k in consts})
@@ -655,7 +656,7 @@ sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*" + xt, "z_ptr": "*" + zt
        "N": "i32", "K": "i32", "G": "i32",
        "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_part": "i32", "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, SPG=4, EVEN_K=True, ASM=True, USE_PDL=True,
-              L2_PREFETCH=True, X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=128,
+              L2_PREFETCH=True, X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048, NORM_RM=1,
               ACCUMULATE=cfg.get("XN", False), BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True)
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K", "G", "KW",

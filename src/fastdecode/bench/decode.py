@@ -33,9 +33,8 @@ then the norm; TP only), ``-no-int4_gemm`` (the int4 projections dequantised int
 cuBLAS; int4 models only), ``-no-pdl`` (the graph captured without programmatic dependent launch,
 ``fastdecode.kernels.pdl``), ``-no-argmax`` (the next tokens from ``torch.argmax`` rather than
 ``fastdecode.argmax``), ``-no-norm_gemm`` (the RMSNorms and residual adds as kernels of their own rather than
-inside the bf16 GEMMs, ``models.norm_gemm``) and ``fastdecode-eager`` (no CUDA graph);
-``fastdecode-graph-with-<switch>`` turns on a switch that is off by default (``OPT_IN_KERNELS``:
-``norm_gemm_int4``, the same inside the int4 GEMMs).
+inside the bf16 / int4 GEMMs, ``models.norm_gemm``) and ``fastdecode-eager`` (no CUDA graph);
+``fastdecode-graph-with-<switch>`` turns on a switch that is off by default (``OPT_IN_KERNELS``; none now).
 The fastdecode rows take the next tokens with
 ``fastdecode.argmax`` (after the graph, as ``Engine``'s greedy sampler does), the torch rows with ``torch.argmax``.
 
@@ -366,9 +365,8 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         elif impl in ("torch-compile",) + PEER_IMPLS and tp is not None:
             skip = "not with --tp"
         elif impl == "fastdecode-graph-no-norm_gemm" and not norm_gemm_applies:
-            skip = "the default step has no norm_gemm here: bf16 / fp16 projections on one GPU (models.norm_gemm)"
-        elif impl == "fastdecode-graph-with-norm_gemm_int4" and (not has_int4 or tp is not None):
-            skip = "needs int4 weights (--quant int4) on one GPU"
+            skip = ("the default step has no norm_gemm here: bf16 / fp16 or W4A16 projections on one GPU "
+                    "(models.norm_gemm)")
         if skip:
             log(f"{impl}: skipped ({skip})")
             rows.append({"op": "decode", "impl": impl, "shape": shape, "skipped": skip, **env_info()})

@@ -111,17 +111,30 @@ def _norm_rows(ss0, ss1, ss2, ss3, K, eps, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M: tl.constexpr, NB: tl.constexpr):
+def _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M: tl.constexpr, NB: tl.constexpr, RM: tl.constexpr):
     """``rsqrt(mean(x[m, :K]^2) + eps)`` of the token rows ``offs_m`` (rows >= M wrap onto valid ones and are
     never stored) in one pass over whole rows, NB columns a step: the RMSNorm scale for kernels whose programs
-    see only a slice of K (split-K; the int4 kernels' X_NORM) -> [BLOCK_M] fp32."""
-    rows = x_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_xm
-    ss = tl.zeros((BLOCK_M, NB), dtype=tl.float32)
+    see only a slice of K (split-K; the int4 kernels' X_NORM) -> [BLOCK_M] fp32.
+
+    RM (``norm_tile``): the rows the pass loads. RM == BLOCK_M: the program's rows. RM < BLOCK_M (then
+    M <= RM, one program along M): only the M distinct rows, RM at a time, their scales spread onto the BLOCK_M
+    wrapped rows after the pass; a tile padded to 16 tokens at M = 1 would load one row 16 times, NB = 2048 / 16
+    columns a step: 32 dependent L2 round trips at K = 4096 instead of 2."""
+    if RM < BLOCK_M:
+        r = tl.arange(0, RM)
+        rows = x_ptr + (r % M).to(tl.int64)[:, None] * stride_xm
+    else:
+        rows = x_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_xm
+    ss = tl.zeros((RM, NB), dtype=tl.float32)
     for k in range(0, K, NB):
         cols = k + tl.arange(0, NB)
         v = tl.load(rows + cols[None, :], mask=(cols < K)[None, :], other=0.0).to(tl.float32)
         ss += v * v
-    return tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+    rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+    if RM < BLOCK_M:  # row m takes the scale of loaded row m % M (a one-hot sum: no register gather)
+        pick = (offs_m % M)[:, None] == r[None, :]
+        rstd = tl.sum(tl.where(pick, rstd[None, :], 0.0), axis=1)
+    return rstd
 
 
 @triton.jit
@@ -133,9 +146,12 @@ def _affine(x, g_ptr, cols, mask, XDT: tl.constexpr):
     return (x.to(tl.float32) * g).to(XDT)
 
 
-def norm_block(block_m: int) -> int:
-    """X_NORM's pass over whole rows (``_rows_rstd``): the columns a step, 2048 values in flight a program."""
-    return max(16, 2048 // block_m)
+def norm_tile(block_m: int, m: int) -> tuple[int, int]:
+    """X_NORM's pass over whole rows (``_rows_rstd``): (RM, NB), the rows it loads (the program's BLOCK_M, or
+    the M distinct rows rounded up to a power of two when fewer) and the columns a step, 2048 values in flight a
+    program."""
+    rm = min(block_m, triton.next_power_of_2(max(1, m)))
+    return rm, max(16, 2048 // rm)
 
 
 @triton.jit

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdecode.kernels.gemm import _affine, _epilogue, _fma_rows, _rows_rstd, _split_k_partial, norm_block
+from fastdecode.kernels.gemm import _affine, _epilogue, _fma_rows, _rows_rstd, _split_k_partial, norm_tile
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import (
     _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _nibble_f32, _nibble_f32_asm, _slice_params, _uniform,
@@ -72,7 +72,8 @@ def _int4_linear_kernel(
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
     UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
     FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, LOP3_ASM: tl.constexpr, USE_PDL: tl.constexpr,
-    X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, ACCUMULATE: tl.constexpr,
+    X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles). BLOCK_K is a multiple of 256 (whole layout tiles); KW is the
@@ -105,8 +106,8 @@ def _int4_linear_kernel(
     each program first sums its rows' squares over the whole of K (``_rows_rstd``; a split sees only its slice of
     K, so the loop cannot), the loop multiplies ``h * nw`` rounded to x's dtype (NORM_AFFINE; else h: a norm
     without weight) with the weights, and the per-row ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums (or this
-    split's partial: the scale is linear) before the bias (``ops.int4_norm_linear``). NORM_NB: columns a
-    step of that pass. ACCUMULATE: out += the result (the residual add after wo / w2, in place; ``_epilogue``).
+    split's partial: the scale is linear) before the bias (``ops.int4_norm_linear``). NORM_NB, NORM_RM:
+    columns a step and rows of that pass (``kernels.gemm.norm_tile``). ACCUMULATE: out += the result (the residual add after wo / w2, in place; ``_epilogue``).
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
     tl.static_assert(not (X_NORM and X_FP8), "X_NORM takes a 16-bit residual stream, not an FP8 x")
@@ -165,7 +166,7 @@ def _int4_linear_kernel(
         if USE_PDL:  # the first weight words are in flight while the previous kernel finishes
             pdl_wait()
     if X_NORM:  # after the wait: h is the previous kernel's output (with PREFETCH the first words are in flight)
-        rstd = _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M, NORM_NB)
+        rstd = _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M, NORM_NB, NORM_RM)
     for kb in range(kb_start, kb_end):
         k0 = kb * BLOCK_K
         if PREFETCH:
@@ -376,6 +377,8 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     # only the dot path reads FAST_CVT: skip the device checks on the decode (fma) launches
     fast_cvt = (config["kind"] == "dot" and bool(config.get("fast_cvt", True))
                 and fast_cvt_ok(x, spg > 0, x_scale_mode, scales.dtype))
+    # X_NORM only: without it the constants stay those of the tile (one compiled variant, whatever M)
+    norm_rm, norm_nb = norm_tile(bm, M if x_norm else bm)
     kernel = functools.partial(_int4_linear_kernel.warmup, grid=grid) if warmup else _int4_linear_kernel[grid]
     kernel(
         x, qweight, scales, zm if zm is not None else scales, bias if bias is not None else out,
@@ -386,7 +389,8 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         USE_DOT=config["kind"] == "dot", UNIFORM=uniform, SPG=spg, EVEN_K=K % bk == 0,
         X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=bool(config.get("PREFETCH", False)),
         LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl,
-        X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None, NORM_NB=norm_block(bm),
+        X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
+        NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

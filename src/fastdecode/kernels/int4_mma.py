@@ -35,7 +35,7 @@ import triton.language as tl
 
 import torch
 
-from fastdecode.kernels.gemm import _affine, _epilogue, _rows_rstd, _split_k_partial, norm_block
+from fastdecode.kernels.gemm import _affine, _epilogue, _rows_rstd, _split_k_partial, norm_tile
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import _ZERO_MODES, slices_per_group
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
@@ -197,7 +197,8 @@ def _int4_mma_kernel(
     M, N, K, G, KW, stride_xm, stride_om, stride_part, split_k,
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPG: tl.constexpr,
     EVEN_K: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, L2_PREFETCH: tl.constexpr,
-    X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, ACCUMULATE: tl.constexpr,
+    X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles); a K step is one 256-column layout tile (32 words a row). KW is the
@@ -207,7 +208,7 @@ def _int4_mma_kernel(
     rows). L2_PREFETCH (with USE_PDL): before waiting for the previous kernel, each row's first two weight
     tiles of this program are prefetched into L2 (weights are never written by the step's kernels).
 
-    X_NORM, NORM_AFFINE, NORM_NB, ACCUMULATE: the RMSNorm of x and the residual add, as ``kernels.int4``'s kernel
+    X_NORM, NORM_AFFINE, NORM_NB, NORM_RM, ACCUMULATE: the RMSNorm of x and the residual add, as ``kernels.int4``'s kernel
     (its docstring)."""
     W_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
@@ -239,7 +240,7 @@ def _int4_mma_kernel(
                                       dtype=tl.int32, is_pure=False, pack=1)
         pdl_wait()
     if X_NORM:  # whole rows' RMSNorm scale, after the wait (h is the previous kernel's output)
-        rstd = _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M, NORM_NB)
+        rstd = _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M, NORM_NB, NORM_RM)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     x_rows = x_ptr + rm[:, None] * stride_xm + offs_w[None, :]
     for kb in range(kb_start, kb_end):
@@ -303,6 +304,8 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
     N = qweight.shape[0]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     grid = (cdiv(M, bm), split, cdiv(N, bn))
+    # X_NORM only: without it the constants stay those of the tile (one compiled variant, whatever M)
+    norm_rm, norm_nb = norm_tile(bm, M if x_norm else bm)
     kernel = _int4_mma_kernel.warmup if warmup else _int4_mma_kernel[grid]
     extra = {"grid": grid} if warmup else {}
     kernel(
@@ -313,7 +316,8 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
         GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
         SPG=slices_per_group(group_size, K, 256), EVEN_K=K % 256 == 0, ASM=asm, USE_PDL=pdl,
         L2_PREFETCH=bool(config.get("L2_PREFETCH", True)),
-        X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None, NORM_NB=norm_block(bm),
+        X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
+        NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), **launch_kwargs(pdl),
         **extra,

@@ -44,9 +44,8 @@ skinny_gemm=..., fused_allreduce=..., int4_gemm=..., fused_rope=..., norm_gemm=.
 as separate plain-PyTorch ops (an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA, SiLU-and-mul inside a
 bf16 / fp16 ``w2``'s GEMM (``Linear.forward_glu``); off, apart, as always for int4 and FP8
 (``fastdecode.ops.glu_linear`` says why). ``fused_rope``: ``fastdecode.models.decode_attention``. ``norm_gemm``:
-``fastdecode.models.norm_gemm`` (the decode step's norms and residual adds inside the bf16 GEMMs, and with
-``norm_gemm_int4``, off by default until measured on a GPU, the int4 ones; it folds the norm weights into dense
-wqkv / w13 in place at the first decode).
+``fastdecode.models.norm_gemm`` (the decode step's norms and residual adds inside the bf16 / fp16 and W4A16 int4
+GEMMs; it folds the norm weights into dense wqkv / w13 in place at the first decode).
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -87,10 +86,10 @@ from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
 KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm", "fused_rope",
-           "norm_gemm", "norm_gemm_int4")
-# switches off by default (``bench decode``'s ``-with-<switch>`` rows turn them on): norm_gemm_int4 (the norm_gemm
-# step for int4 blocks, models.norm_gemm) until a GPU has measured it
-OPT_IN_KERNELS: tuple[str, ...] = ("norm_gemm_int4",)
+           "norm_gemm")
+# switches off by default (``bench decode``'s ``-with-<switch>`` rows turn them on): a new fusion waits here until a
+# GPU has measured it (norm_gemm for int4 blocks did, sessions 17-18); none now
+OPT_IN_KERNELS: tuple[str, ...] = ()
 
 
 def _lead(x) -> tuple:
@@ -443,8 +442,8 @@ class Transformer(nn.Module):
 
     def set_kernels(self, **flags: bool) -> None:
         """Switch fused kernels on/off (ablation): ``fused_norm``, ``fused_act``, ``fused_down``, ``skinny_gemm``,
-        ``fused_allreduce``, ``int4_gemm``, ``fused_rope``, ``norm_gemm`` (``models.norm_gemm``); ``norm_gemm_int4``
-        (off by default, ``OPT_IN_KERNELS``: the norm_gemm step also for int4 blocks).
+        ``fused_allreduce``, ``int4_gemm``, ``fused_rope``, ``norm_gemm`` (``models.norm_gemm``); those
+        in ``OPT_IN_KERNELS`` start off.
 
         Off means the unfused PyTorch ops (norm, activation), cuBLAS (GEMMs), NCCL/gloo all-reduce then the norm,
         dequantise + cuBLAS (``Int4Linear``), RoPE + KV write in its own kernel. Also re-derives where FP8

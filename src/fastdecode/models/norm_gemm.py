@@ -9,8 +9,7 @@ path). The final norm stays a kernel of its own before the lm head.
 It applies where the switch and ``fused_norm`` are on, where fastdecode's Triton kernels run (backend ``"auto"`` on
 CUDA, or ``"triton"``; not the ``"torch"`` backend, nor the ``"ref"`` baseline), on one GPU (under TP the norm
 owns the all-reduce), not while ``torch.compile`` traces the decode step, and where each of the four projections
-of every block is a plain ``Linear`` (bf16 / fp16 / fp32) or, in a bf16 / fp16 model with the ``norm_gemm_int4``
-switch on (off by default, ``llama.OPT_IN_KERNELS``, until a GPU has run it), a W4A16 ``Int4Linear`` (an
+of every block is a plain ``Linear`` (bf16 / fp16 / fp32) or, in a bf16 / fp16 model, a W4A16 ``Int4Linear`` (an
 ``Fp8Linear`` wants its norm to quantise). The int4 projections take the int4 ops of ``ops.int4_norm_linear``
 (the norm weight stays in their kernels: it cannot be folded into int4 weights), and w2 takes SiLU-and-mul as a
 kernel of its own, as on the unfused path: 6 kernels a block instead of 8.
@@ -52,10 +51,10 @@ def _dense(proj) -> bool:
     return isinstance(proj, Linear)
 
 
-def _supported(proj, dtype, int4: bool) -> bool:
+def _supported(proj, dtype) -> bool:
     from fastdecode.models.int4 import INT4_ACT_DTYPES, Int4Linear
 
-    return _dense(proj) or (int4 and isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES)
+    return _dense(proj) or (isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES)
 
 
 def applies(model) -> bool:
@@ -71,8 +70,7 @@ def applies(model) -> bool:
     if not (model.backend == "triton" or (model.backend == "auto" and on_cuda)):
         return False
     dtype = model.tok_embeddings.weight.dtype
-    int4 = k["norm_gemm_int4"]
-    return all(_supported(p, dtype, int4) for layer in model.layers for p in _projections(layer))
+    return all(_supported(p, dtype) for layer in model.layers for p in _projections(layer))
 
 
 def _pairs(layer):
