@@ -88,19 +88,23 @@ def test_norm_gemm_graph_decode_matches_fp32():
 
 
 def test_int4_norm_gemm_graph_decode_matches_the_unfused_step():
-    """The int4 (W4A16) norm_gemm step (``ops.int4_norm_linear``: the norm inside every int4 kernel kind and split
-    the 8B table picks, the residual adds in their epilogues, norm weights other than ones kept in the kernels)
-    replayed in CUDA graphs with PDL at batch 1 and 3 (bucket 4), against the unfused eager step on the same int4
-    weights, step after step."""
+    """The int4 (W4A16) norm_gemm step (``ops.int4_norm_linear``: the norm inside the FMA kernels and splits the
+    table picks for SmolLM2's shapes at group 32, the residual adds in their epilogues, norm weights other than ones
+    kept in the kernels) replayed in CUDA graphs with PDL at batch 1 and 3 (bucket 4), against the unfused eager
+    step on the same int4 weights, step after step. An 8B int4 model, whose gate_up the table runs on the mma
+    kind, keeps the unfused step (``models.norm_gemm``: fused, it was slower)."""
     from fastdecode.models import norm_gemm
     from fastdecode.models.quantize import quantize_model_int4
 
-    model = _llama8b("triton")
+    assert not norm_gemm.applies(quantize_model_int4(_llama8b("triton", layers=1)))
+    cfg = ModelConfig.from_preset("smollm2-135m").replace(n_layers=LAYERS)
+    model = random_model(cfg, device=DEV, dtype=torch.bfloat16, backend="triton", max_seq_len=512,
+                         seed=int(torch.randint(0, 2**31, ())))
     for layer in model.layers:
         for n in (layer.attention_norm, layer.ffn_norm):
             n.weight.copy_(1 + 0.2 * torch.randn_like(n.weight, dtype=torch.float32))
-    quantize_model_int4(model)
-    assert norm_gemm.applies(model)  # on by default for W4A16 blocks
+    quantize_model_int4(model, group_size=32)
+    assert norm_gemm.applies(model)
     unfused = copy.deepcopy(model)
     unfused.set_kernels(norm_gemm=False)
     cfg = model.config

@@ -28,7 +28,7 @@ a second kernel would cost ~1.5 us of graph-node gap on a 5-10 us GEMM.
 import triton
 import triton.language as tl
 
-from fastdecode.kernels.host import cdiv
+from fastdecode.kernels.host import cdiv, next_pow2
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 # x (activation) and w (weight) scales are applied in the epilogue by constexpr *_SCALE_MODE:
@@ -150,7 +150,7 @@ def norm_tile(block_m: int, m: int) -> tuple[int, int]:
     """X_NORM's pass over whole rows (``_rows_rstd``): (RM, NB), the rows it loads (the program's BLOCK_M, or
     the M distinct rows rounded up to a power of two when fewer) and the columns a step, 2048 values in flight a
     program."""
-    rm = min(block_m, triton.next_power_of_2(max(1, m)))
+    rm = min(block_m, next_pow2(max(1, m)))
     return rm, max(16, 2048 // rm)
 
 

@@ -9,10 +9,20 @@ path). The final norm stays a kernel of its own before the lm head.
 It applies where the switch and ``fused_norm`` are on, where fastdecode's Triton kernels run (backend ``"auto"`` on
 CUDA, or ``"triton"``; not the ``"torch"`` backend, nor the ``"ref"`` baseline), on one GPU (under TP the norm
 owns the all-reduce), not while ``torch.compile`` traces the decode step, and where each of the four projections
-of every block is a plain ``Linear`` (bf16 / fp16 / fp32) or, in a bf16 / fp16 model, a W4A16 ``Int4Linear`` (an
-``Fp8Linear`` wants its norm to quantise). The int4 projections take the int4 ops of ``ops.int4_norm_linear``
-(the norm weight stays in their kernels: it cannot be folded into int4 weights), and w2 takes SiLU-and-mul as a
-kernel of its own, as on the unfused path: 6 kernels a block instead of 8.
+of every block is a plain ``Linear`` (bf16 / fp16 / fp32) or, in a bf16 / fp16 model, a W4A16 ``Int4Linear`` for
+which the int4 table picks the FMA kernel at one token (an ``Fp8Linear`` wants its norm to quantise). The int4
+projections take the int4 ops of ``ops.int4_norm_linear`` (the norm weight stays in their kernels: it cannot be
+folded into int4 weights), and w2 takes SiLU-and-mul as a kernel of its own, as on the unfused path: 6 kernels a
+block instead of 8.
+
+Why FMA only (session 18, H200, c13d239): every program of a fused int4 kernel first sums its rows' squares over
+the whole of K. In the FMA kernel (few tokens a program) that pass paid for itself: SmolLM2 Q4_1 shapes at M = 1
+and 4 and 8B at M = 1 ran faster fused than as the two kernels (``benchmarks/sweep_int4_norm_gemv.py``), and the
+embedded model's graph step went from 648.2 to 605.7 us. The tensor-core kernels (tiles of 16 tokens, many more
+programs) lost: 8B gate_up at M = 1 (mma) 46.18 against 31.51 us, qkv at M = 4 17.90 against 13.50; the 8B int4
+step with every block fused took 3431.1 us against 2619.2 unfused. A model with any int4 projection on another
+kind keeps the unfused path, and ``int4_rms_norm_linear`` itself runs the norm kernel first where its dispatch
+picks a tensor-core kind (larger M).
 
 The norm weights are folded into wqkv / w13 (``fold``): ``W[n, k] <- W[n, k] * g[k]`` (fp32 product, one
 rounding) and ``g <- 1``, in place, so the model's parameters keep computing the same function on every path (the
@@ -53,8 +63,14 @@ def _dense(proj) -> bool:
 
 def _supported(proj, dtype) -> bool:
     from fastdecode.models.int4 import INT4_ACT_DTYPES, Int4Linear
+    from fastdecode.ops.int4 import get_int4_config
 
-    return _dense(proj) or (isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES)
+    if _dense(proj):
+        return True
+    if not (isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES):
+        return False
+    impl, cfg = get_int4_config(1, proj.out_features, proj.in_features, proj.group_size, proj.qweight.device)
+    return impl == "triton" and cfg["kind"] == "fma"  # the kind where the fused norm pays (module docstring)
 
 
 def applies(model) -> bool:

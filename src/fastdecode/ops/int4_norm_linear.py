@@ -7,12 +7,14 @@ dense ones.
 
 Unlike a dense weight, an int4 weight cannot take the norm weight ``g`` (``W * g`` is no longer int4 on the
 same scales), so ``g`` stays in the kernel: the loop multiplies ``h * g``, rounded to h's dtype as the norm kernel
-rounds its output. Every program of the int4 kernels (fma, dot and mma kinds, any split) first sums its rows'
-squares over the whole of K, and the row's ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums at the end
+rounds its output. Every program of the int4 kernels (fma, dot and mma kinds, any split: ``kernels.int4``) can first
+sum its rows' squares over the whole of K, and the row's ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums at the end
 (``kernels.int4``'s X_NORM). So the normed activation is never rounded as a whole, only ``h * g``: logits differ
 from the two-kernel path by about one rounding of the normed rows. The residual add is the fp32 product added to
 the residual in the epilogue, one rounding (ACCUMULATE). Where the dispatcher picks dequantise + cuBLAS (large M,
-or ``impl="dequant"``), the two ops run the norm kernel then the GEMM, or the GEMM then an add.
+or ``impl="dequant"``), the two ops run the norm kernel then the GEMM, or the GEMM then an add. Where it picks a
+tensor-core kind (dot, mma), ``int4_rms_norm_linear`` runs the norm kernel then that GEMM too: there the pass over
+whole rows in every program cost more than the norm kernel (session 18, H200; ``models.norm_gemm``).
 """
 
 from __future__ import annotations
@@ -48,9 +50,16 @@ def _int4_rms_norm_linear_op(h: torch.Tensor, norm_weight: Optional[torch.Tensor
         h = h.index_select(1, perm)
         norm_weight = norm_weight.index_select(0, perm) if norm_weight is not None else None
     which, cfg = dispatch(impl, h, w)
-    if which == "dequant":  # the norm kernel, then dequantise + cuBLAS
+    if which == "dequant" or cfg["kind"] != "fma":
+        # the norm kernel first: before dequantise + cuBLAS, and before the tensor-core kinds, whose many programs
+        # each summing the rows' squares cost more than the norm kernel (session 18, H200: 8B gate_up at M = 1 on
+        # the mma kind 46.18 us fused against 31.51 as two kernels; models.norm_gemm)
         g = norm_weight if norm_weight is not None else _ones(h.shape[1], h.dtype, h.device)
-        int4_linear_dequant_cublas(rms_norm(h, g, eps, backend="triton"), w, bias, out)
+        normed = rms_norm(h, g, eps, backend="triton")
+        if which == "dequant":
+            int4_linear_dequant_cublas(normed, w, bias, out)
+        else:
+            int4_linear_with_config(normed, w, bias, out, cfg)
     else:
         int4_linear_with_config(h, w, bias, out, cfg, norm_weight=norm_weight, eps=eps, x_norm=True)
 
