@@ -223,3 +223,12 @@ def test_conftest_writes_timing_lines(tmp_path):
     assert len(rows) == 6 and {r_["when"] for r_ in rows} == {"setup", "call", "teardown"}
     [bad] = [r_ for r_ in rows if r_["outcome"] == "failed"]
     assert bad["test"].endswith("test_t.py::test_bad") and "assert 1 == 2" in bad["message"]
+
+
+def test_warm_tests_runs_test_files_that_exist(gpu, tmp_path):
+    """``warm-tests`` (the kernels of the compile-heaviest test files into the Triton cache before ``tests``) runs
+    pytest on files of tests/ that exist, within a call."""
+    [(label, argv, timeout)] = gpu.suite_commands("warm-tests", tmp_path, 1)
+    files = [Path(a) for a in argv if a.endswith(".py")]
+    assert len(files) == len(gpu.WARM_TEST_FILES) and all(f.is_file() and f.parent.name == "tests" for f in files)
+    assert argv[1:3] == ["-m", "pytest"] and timeout <= 300
