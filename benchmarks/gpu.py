@@ -42,6 +42,9 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               inside) against the two kernels it replaces, 8B heads, short and long caches.
 * ``int4-norm`` ``benchmarks/sweep_int4_norm_gemv.py``: the RMSNorm and the residual add inside the int4 GEMMs
               (``norm_gemm`` of int4 blocks) against the two kernels each replaces, 8B and SmolLM2 shapes, M = 1 and 4.
+* ``int4-norm-pdl`` ``benchmarks/diag_int4_norm_gemm_pdl.py``: the 8B int4 step with every block on the
+              ``norm_gemm`` path (tensor-core kinds after a norm kernel, then with the norm inside them too),
+              timed beside the unfused step and profiled with and without PDL.
 
 What it never does: copy files into ``src/`` (tuned tables are written only by
 ``fastdecode tune ... --out``; this script passes every ``--out`` into --out-dir). The device machine
@@ -152,6 +155,9 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "int4-norm":
         return [("sweep int4 norm", [PY, str(ROOT / "benchmarks" / "sweep_int4_norm_gemv.py"),
                                      "--out", str(out / "sweep_int4_norm_gemv.json")], 240)]
+    if name == "int4-norm-pdl":
+        return [("diag int4 norm pdl", [PY, str(ROOT / "benchmarks" / "diag_int4_norm_gemm_pdl.py"),
+                                        "--out", str(out / "diag_int4_norm_gemm_pdl.json")], 540)]
     if name == "attention":
         return [("sweep attention", [PY, str(ROOT / "benchmarks" / "sweep_attention.py"),
                                      "--out", str(out / "sweep_attention.json")], 240)]
@@ -188,7 +194,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
 WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attention.py", "test_norm.py",
                    "test_gemm_gpu.py", "test_norm_linear.py", "test_activation_quant.py")
 SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "hf", "serve",
-          "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm")
+          "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
+          "int4-norm-pdl")
 
 
 def _embedded_gguf() -> str:
@@ -395,7 +402,8 @@ def main(argv=None) -> int:
     from fastdecode.ops._common import gpu_key
 
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
-    suites = [s for s in SUITES if s not in ("tp", "tune", "tune-int4", "warm-tests") or (s == "tp" and n_gpu >= 2)] \
+    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl")  # tp: with 2+ GPUs only
+    suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")
     summary, worst = [], 0

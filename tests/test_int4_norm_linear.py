@@ -189,6 +189,33 @@ def test_the_norm_kernel_runs_first_only_off_the_fma_kind(monkeypatch):
     assert calls == [6]
 
 
+def test_the_diagnosis_widens_the_fused_kinds_and_restores_them(monkeypatch):
+    """benchmarks/diag_int4_norm_gemm_pdl.py's ``every-kind`` mode: the norm inside the dot kind too (no norm
+    kernel), every int4 block accepted by norm_gemm, both restored after."""
+    import importlib.util
+    from pathlib import Path
+
+    import fastdecode.ops.int4_norm_linear as ops
+    import fastdecode.ops.norm as norm_ops
+    from fastdecode.models import norm_gemm
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "diag_int4_norm_gemm_pdl.py"
+    spec = importlib.util.spec_from_file_location("diag_int4_norm_gemm_pdl", path)
+    diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diag)
+    calls = []
+    real = norm_ops.rms_norm
+    monkeypatch.setattr(norm_ops, "rms_norm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    w = _packed("sym", 64)
+    h, nw = _h(6)
+    supported = norm_gemm._supported
+    with diag.int4_norm_gemm("every-kind"):
+        assert ops._FUSED_KINDS == ("fma", "dot", "mma") and norm_gemm._supported is not supported
+        assert_close(int4_rms_norm_linear(h, nw, w, eps=EPS, backend="triton"),
+                     int4_rms_norm_linear_ref(h, nw, w, eps=EPS), ulps=2)
+    assert calls == [] and ops._FUSED_KINDS == ("fma",) and norm_gemm._supported is supported
+
+
 def test_errors_leave_the_residual_alone():
     w = _packed("sym", 64)
     h, nw = _h(2)

@@ -33,6 +33,11 @@ from fastdecode.ops.int4_format import Int4Weight, dequantize_int4
 from fastdecode.ops.norm_linear import check_norm_weight, check_residual
 
 
+# the int4 kernel kinds that take the norm inside (the others run the norm kernel first: module docstring); a
+# diagnosis may widen it (benchmarks/diag_int4_norm_gemm_pdl.py)
+_FUSED_KINDS = ("fma",)
+
+
 @define_op("int4_rms_norm_linear", mutates_args=("out",))
 def _int4_rms_norm_linear_op(h: torch.Tensor, norm_weight: Optional[torch.Tensor], qweight: torch.Tensor,
                              scales: torch.Tensor, zm: Optional[torch.Tensor], perm: Optional[torch.Tensor],
@@ -50,7 +55,7 @@ def _int4_rms_norm_linear_op(h: torch.Tensor, norm_weight: Optional[torch.Tensor
         h = h.index_select(1, perm)
         norm_weight = norm_weight.index_select(0, perm) if norm_weight is not None else None
     which, cfg = dispatch(impl, h, w)
-    if which == "dequant" or cfg["kind"] != "fma":
+    if which == "dequant" or cfg["kind"] not in _FUSED_KINDS:
         # the norm kernel first: before dequantise + cuBLAS, and before the tensor-core kinds, whose many programs
         # each summing the rows' squares cost more than the norm kernel (session 18, H200: 8B gate_up at M = 1 on
         # the mma kind 46.18 us fused against 31.51 as two kernels; models.norm_gemm)
