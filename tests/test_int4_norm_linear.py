@@ -274,7 +274,8 @@ def _assert_rows_close(got, ref):
     the sums by rstd after, the unfused one rounds ``rms_norm(h) * g`` once; one rounding (2^-9 relative in bf16)
     apart on every input, spread through two layers. On the H200 (94408b9, session 18) the logits differed by
     0.038 of their rms at most (0.02 failed); the bf16 norm_gemm step is as far from its unfused path (0.037-0.049,
-    tests/test_engine_gpu.py allows 0.1). Rows never written stay zero on both sides. A wrong scale or row moves whole rows: the cosine catches it."""
+    tests/test_engine_gpu.py allows 0.1). Rows never written stay zero on both sides. A wrong scale or row moves
+    whole rows: the cosine catches it."""
     got, ref = got.float(), ref.float()
     live = ref.abs().amax(-1) > 0  # cache rows not written yet: zero on both sides
     assert torch.equal(got[~live], ref[~live])
@@ -286,9 +287,10 @@ def _assert_rows_close(got, ref):
 
 
 def test_int4_model_takes_the_norm_gemm_path():
-    """With ``norm_gemm`` on (the default), an int4 (W4A16) model in 16 bits runs the norm_gemm step through the int4 ops, its norm weights left in place (not folded: int4 weights cannot
-    take them): decode steps give the unfused path's logits and caches within the rounding of the normed rows;
-    fp32 models (which run the int4 reference) keep the unfused path."""
+    """With ``norm_gemm`` on (the default), an int4 (W4A16) model in 16 bits runs the norm_gemm step through the
+    int4 ops, its norm weights left in place (not folded: int4 weights cannot take them): decode steps give the
+    unfused path's logits and caches within the rounding of the normed rows; fp32 models (which run the int4
+    reference) keep the unfused path."""
     from fastdecode.engine.kv_cache import KVCache
     from fastdecode.engine.loader import random_model
     from fastdecode.models import norm_gemm

@@ -107,7 +107,8 @@ def _int4_linear_kernel(
     K, so the loop cannot), the loop multiplies ``h * nw`` rounded to x's dtype (NORM_AFFINE; else h: a norm
     without weight) with the weights, and the per-row ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums (or this
     split's partial: the scale is linear) before the bias (``ops.int4_norm_linear``). NORM_NB, NORM_RM:
-    columns a step and rows of that pass (``kernels.gemm.norm_tile``). ACCUMULATE: out += the result (the residual add after wo / w2, in place; ``_epilogue``).
+    columns a step and rows of that pass (``kernels.gemm.norm_tile``). ACCUMULATE: out += the result (the
+    residual add after wo / w2, in place; ``_epilogue``).
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
     tl.static_assert(not (X_NORM and X_FP8), "X_NORM takes a 16-bit residual stream, not an FP8 x")

@@ -208,8 +208,8 @@ def _int4_mma_kernel(
     rows). L2_PREFETCH (with USE_PDL): before waiting for the previous kernel, each row's first two weight
     tiles of this program are prefetched into L2 (weights are never written by the step's kernels).
 
-    X_NORM, NORM_AFFINE, NORM_NB, NORM_RM, ACCUMULATE: the RMSNorm of x and the residual add, as ``kernels.int4``'s kernel
-    (its docstring)."""
+    X_NORM, NORM_AFFINE, NORM_NB, NORM_RM, ACCUMULATE: the RMSNorm of x and the residual add, as
+    ``kernels.int4``'s kernel (its docstring)."""
     W_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
