@@ -42,6 +42,9 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               inside) against the two kernels it replaces, 8B heads, short and long caches.
 * ``int4-norm`` ``benchmarks/sweep_int4_norm_gemv.py``: the RMSNorm and the residual add inside the int4 GEMMs
               (``norm_gemm`` of int4 blocks) against the two kernels each replaces, 8B and SmolLM2 shapes, M = 1 and 4.
+* ``int4-diag`` ``benchmarks/diag_int4_gemv.py``: the int4 GEMV at decode sizes against its access pattern's ceiling
+              (a kernel that only streams the packed words), the copy rate, mma variants, cuBLAS BF16 and tinygemm;
+              then, where ``ncu`` is installed, one launch of each of a few cases under it (``ncu_int4.txt``).
 * ``int4-norm-pdl`` ``benchmarks/diag_int4_norm_gemm_pdl.py``: the 8B int4 step with every block on the
               ``norm_gemm`` path (tensor-core kinds after a norm kernel, then with the norm inside them too),
               timed beside the unfused step and profiled with and without PDL.
@@ -158,6 +161,18 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "int4-norm-pdl":
         return [("diag int4 norm pdl", [PY, str(ROOT / "benchmarks" / "diag_int4_norm_gemm_pdl.py"),
                                         "--out", str(out / "diag_int4_norm_gemm_pdl.json")], 540)]
+    if name == "int4-diag":
+        diag = str(ROOT / "benchmarks" / "diag_int4_gemv.py")
+        steps = [("diag int4 gemv", [PY, diag, "--out", str(out / "diag_int4_gemv.json")], 360)]
+        ncu = _ncu()
+        if ncu:
+            sections = ("SpeedOfLight", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats",
+                        "MemoryWorkloadAnalysis")
+            steps.append(("ncu int4 gemv", [ncu, "--profile-from-start", "off", "--clock-control", "none",
+                                            "--log-file", str(out / "ncu_int4.txt"),
+                                            *(a for sec in sections for a in ("--section", sec)), PY, diag, "--ncu"],
+                          240))
+        return steps
     if name == "attention":
         return [("sweep attention", [PY, str(ROOT / "benchmarks" / "sweep_attention.py"),
                                      "--out", str(out / "sweep_attention.json")], 240)]
@@ -195,7 +210,16 @@ WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attenti
                    "test_gemm_gpu.py", "test_norm_linear.py", "test_activation_quant.py")
 SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "hf", "serve",
           "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
-          "int4-norm-pdl")
+          "int4-norm-pdl", "int4-diag")
+
+
+def _ncu() -> str | None:
+    """Nsight Compute's command line where the machine has it (on the PATH or under /opt/nvidia), else None."""
+    import glob
+    import shutil
+
+    found = shutil.which("ncu") or sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))
+    return found if isinstance(found, str) else (found[-1] if found else None)
 
 
 def _embedded_gguf() -> str:
@@ -402,7 +426,7 @@ def main(argv=None) -> int:
     from fastdecode.ops._common import gpu_key
 
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
-    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl")  # tp: with 2+ GPUs only
+    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl", "int4-diag")  # tp: with 2+ GPUs only
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")

@@ -625,6 +625,21 @@ def test_mma_kind_groups_and_the_fallback(g):
     assert_close(out, I.int4_linear_ref(x, w))
 
 
+@pytest.mark.parametrize("mask,tiles,split", [(True, 1, 1), (False, 2, 1), (True, 2, 3)])
+def test_mma_kind_masked_padding_tokens_and_two_tiles_a_step(mask, tiles, split):
+    """MASK_X (the tile's padding tokens as masked loads, not copies of row 0) and TILES = 2 (two layout tiles a
+    loop step, splits of whole steps) compute the same outputs; K = 1280 is five tiles: TILES = 2 falls back to
+    one tile a step, K = 1024 runs two."""
+    for K in (1024, 1280):
+        N, M = 70, 3
+        cfg = dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split, MASK_X=mask, TILES=tiles)
+        w = _packed("zero", N, K, 128)
+        x = _x(M, K)
+        out = poison_(torch.empty(M, N, dtype=torch.float16))
+        I.int4_linear_with_config(x, w, None, out, cfg)
+        assert_close(out, I.int4_linear_ref(x, w))
+
+
 def test_tuner_proposes_mma_tiles_for_few_tokens_only():
     from fastdecode.bench.int4 import candidates
 
@@ -657,7 +672,8 @@ sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*" + xt, "z_ptr": "*" + zt
        "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_part": "i32", "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, SPG=4, EVEN_K=True, ASM=True, USE_PDL=True,
               L2_PREFETCH=True, X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048, NORM_RM=1,
-              ACCUMULATE=cfg.get("XN", False), BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True)
+              ACCUMULATE=cfg.get("XN", False), MASK_X=cfg.get("MASK_X", False), TILES=cfg.get("TILES", 1), BLOCK_M=16,
+              BLOCK_N=cfg["BLOCK_N"], SPLIT=True)
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K", "G", "KW",
            "stride_xm", "stride_om"}

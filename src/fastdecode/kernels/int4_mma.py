@@ -198,7 +198,7 @@ def _int4_mma_kernel(
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPG: tl.constexpr,
     EVEN_K: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, L2_PREFETCH: tl.constexpr,
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, MASK_X: tl.constexpr, TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles); a K step is one 256-column layout tile (32 words a row). KW is the
@@ -209,7 +209,11 @@ def _int4_mma_kernel(
     tiles of this program are prefetched into L2 (weights are never written by the step's kernels).
 
     X_NORM, NORM_AFFINE, NORM_NB, NORM_RM, ACCUMULATE: the RMSNorm of x and the residual add, as
-    ``kernels.int4``'s kernel (its docstring)."""
+    ``kernels.int4``'s kernel (its docstring).
+
+    MASK_X: the padding tokens of the tile (rows >= M) are masked loads (zeros, no memory traffic) instead of
+    copies of valid rows: at M = 1 the wrapped tile read x's row 16 times a step. TILES: layout tiles a loop step
+    (1 or 2; KW // 32 must then be a multiple of TILES per split, which ``launch_int4_mma`` checks)."""
     W_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -223,7 +227,7 @@ def _int4_mma_kernel(
     rm = (offs_m % M).to(tl.int64)
     m_valid = offs_m < M
 
-    kb_total = KW // 32
+    kb_total = KW // (32 * TILES)
     kb_per = tl.cdiv(kb_total, split_k)
     kb_start = pid_k * kb_per
     kb_end = tl.minimum(kb_start + kb_per, kb_total)
@@ -232,39 +236,47 @@ def _int4_mma_kernel(
     qw_rows = qw_ptr + rn[:, None] * KW + offs_w[None, :]
     if USE_PDL:
         if L2_PREFETCH:
-            first = qw_ptr + rn * KW + kb_start * 32  # one 128-byte line per row and tile
+            first = qw_ptr + rn * KW + kb_start * 32 * TILES  # one 128-byte line per row and tile
             tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [first],
                                       dtype=tl.int32, is_pure=False, pack=1)
             tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l",
-                                      [first + tl.where(kb_start + 1 < kb_end, 32, 0)],
+                                      [first + tl.where(kb_start + 1 < kb_end, 32 * TILES, 0)],
                                       dtype=tl.int32, is_pure=False, pack=1)
         pdl_wait()
     if X_NORM:  # whole rows' RMSNorm scale, after the wait (h is the previous kernel's output)
         rstd = _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M, NORM_NB, NORM_RM)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    x_rows = x_ptr + rm[:, None] * stride_xm + offs_w[None, :]
+    if MASK_X:
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_w[None, :]
+    else:
+        x_rows = x_ptr + rm[:, None] * stride_xm + offs_w[None, :]
     for kb in range(kb_start, kb_end):
-        k0 = kb * 256
-        qw = tl.load(qw_rows + kb * 32)
-        ws, gs = _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, SPG, ASM, W_DTYPE, BLOCK_N)
-        for p in tl.static_range(8):
-            xp = x_rows + (k0 + 32 * p)
-            if EVEN_K:
-                xt = tl.load(xp)
-            else:
-                xt = tl.load(xp, mask=(k0 + 32 * p + offs_w < K)[None, :], other=0.0)
-            if NORM_AFFINE:  # h * nw rounded to x's dtype
-                cols = k0 + 32 * p + offs_w
-                xt = _affine(xt, nw_ptr, cols[None, :], (cols < K)[None, :], W_DTYPE)
-            if ZERO_MODE == 2:  # the weight is already scaled
-                acc = tl.dot(ws[p], tl.trans(xt), acc)
-            else:  # the exact integers q - zero; the group's scale once per partial
-                if p % SPG == 0:
-                    part = tl.dot(ws[p], tl.trans(xt))
+        for t in tl.static_range(TILES):
+            k0 = (kb * TILES + t) * 256
+            qw = tl.load(qw_rows + (kb * TILES + t) * 32)
+            ws, gs = _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, SPG, ASM, W_DTYPE, BLOCK_N)
+            for p in tl.static_range(8):
+                xp = x_rows + (k0 + 32 * p)
+                if EVEN_K and MASK_X:
+                    xt = tl.load(xp, mask=m_valid[:, None], other=0.0)
+                elif EVEN_K:
+                    xt = tl.load(xp)
+                elif MASK_X:
+                    xt = tl.load(xp, mask=m_valid[:, None] & (k0 + 32 * p + offs_w < K)[None, :], other=0.0)
                 else:
-                    part = tl.dot(ws[p], tl.trans(xt), part)
-                if p % SPG == SPG - 1:
-                    acc += part * gs[p // SPG][:, None]
+                    xt = tl.load(xp, mask=(k0 + 32 * p + offs_w < K)[None, :], other=0.0)
+                if NORM_AFFINE:  # h * nw rounded to x's dtype
+                    cols = k0 + 32 * p + offs_w
+                    xt = _affine(xt, nw_ptr, cols[None, :], (cols < K)[None, :], W_DTYPE)
+                if ZERO_MODE == 2:  # the weight is already scaled
+                    acc = tl.dot(ws[p], tl.trans(xt), acc)
+                else:  # the exact integers q - zero; the group's scale once per partial
+                    if p % SPG == 0:
+                        part = tl.dot(ws[p], tl.trans(xt))
+                    else:
+                        part = tl.dot(ws[p], tl.trans(xt), part)
+                    if p % SPG == SPG - 1:
+                        acc += part * gs[p // SPG][:, None]
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if X_NORM:
         out = out * rstd[:, None]
@@ -303,6 +315,9 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
     M, K = x.shape
     N = qweight.shape[0]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    tiles = int(config.get("TILES", 1))
+    if tiles not in (1, 2) or (qweight.shape[1] // 32) % tiles:
+        tiles = 1  # whole steps only
     grid = (cdiv(M, bm), split, cdiv(N, bn))
     # X_NORM only: without it the constants stay those of the tile (one compiled variant, whatever M)
     norm_rm, norm_nb = norm_tile(bm, M if x_norm else bm)
@@ -318,7 +333,8 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
         L2_PREFETCH=bool(config.get("L2_PREFETCH", True)),
         X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
         NORM_RM=norm_rm, NORM_NB=norm_nb,
-        ACCUMULATE=bool(accumulate), BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
+        ACCUMULATE=bool(accumulate), MASK_X=bool(config.get("MASK_X", False)), TILES=tiles,
+        BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), **launch_kwargs(pdl),
         **extra,
     )

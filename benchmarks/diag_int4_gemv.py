@@ -1,0 +1,208 @@
+"""Where the int4 GEMV's time goes at decode sizes (issue 18), one H200, baselines in the same process.
+
+    python benchmarks/diag_int4_gemv.py --out DIR/diag_int4_gemv.json            # the timing sweep
+    ncu --profile-from-start off ... python benchmarks/diag_int4_gemv.py --ncu   # one launch of each case
+
+Timing rows (graph replays of 20 calls, rotated weights, median of 30; ``harness.time_cuda``), W4A16 group 128
+"sym", bf16, on 8B / 70B-TP2 projection shapes at M = 1, 4, 16:
+
+* ``dispatch``: ``int4_linear`` as the engine calls it (the tuned table);
+* ``mma ...``: the tensor-core kind with an explicit config, the table's and variants of it (``MASK_X``: padding
+  tokens as masked loads; ``TILES``: layout tiles a loop step; stages, rows, warps, splits);
+* ``probe ...``: the same packed words streamed by a kernel that only XORs them (the access pattern's and the
+  grid's ceiling, no conversion, no MMA);
+* ``copy``: ``Tensor.copy_`` of the packed words (bytes read + written; the copy-rate floor);
+* baselines: ``cublas_bf16`` (``torch.mm`` on the dequantised weight) and ``tinygemm`` (``aten._weight_int4pack_mm``,
+  the gpt-fast / torchao kernel).
+
+GB/s count the packed weight + scales + x + out (``bench.int4._Operands.bytes_int4``). Every Triton row is checked
+against the fp32 reference before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from fastdecode.bench.harness import make_row, print_table, time_cuda, write_rows  # noqa: E402
+from fastdecode.bench.int4 import _Operands, _ok  # noqa: E402
+from fastdecode.ops.int4 import get_int4_config  # noqa: E402
+
+SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
+          "70b_tp2.gate_up": (28672, 8192)}
+MS = (1, 4, 16)
+
+
+@triton.jit
+def _probe_kernel(qw_ptr, out_ptr, N, KW, split_k, BLOCK_N: tl.constexpr, BW: tl.constexpr):
+    """XOR of this program's words of BLOCK_N rows, BW words a row a step (the GEMV's loads without its maths)."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = (offs_n % N).to(tl.int64)
+    kb_total = KW // BW
+    kb_per = tl.cdiv(kb_total, split_k)
+    kb_start = pid_k * kb_per
+    kb_end = tl.minimum(kb_start + kb_per, kb_total)
+    ptrs = qw_ptr + rn[:, None] * KW + tl.arange(0, BW)[None, :]
+    acc = tl.zeros((BLOCK_N, BW), dtype=tl.int32)
+    for kb in range(kb_start, kb_end):
+        acc ^= tl.load(ptrs + kb * BW)
+    tl.store(out_ptr + pid_k * N + offs_n, tl.xor_sum(acc, axis=1), mask=offs_n < N)
+
+
+def probe_calls(ops, cfg):
+    bn, bw, split = cfg["BLOCK_N"], cfg["BW"], cfg["SPLIT_K"]
+    fns = []
+    for p in ops.packed:
+        out = torch.empty(split, ops.N, dtype=torch.int32, device="cuda")
+        KW = p.qweight.shape[1]
+        grid = (split, triton.cdiv(ops.N, bn))
+        fns.append(lambda p=p, out=out, KW=KW, grid=grid: _probe_kernel[grid](
+            p.qweight, out, ops.N, KW, split, BLOCK_N=bn, BW=bw, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"]))
+    return fns
+
+
+def copy_calls(ops):
+    dst = torch.empty_like(ops.packed[0].qweight)
+    return [lambda p=p: dst.copy_(p.qweight) for p in ops.packed]
+
+
+def tinygemm_calls(ops, M):
+    from fastdecode.bench.peers import TinygemmLinear
+
+    lin = TinygemmLinear.from_dense(ops.w_bf16[0], group_size=128)
+    lins = [lin] + [TinygemmLinear(lin.packed.detach().clone(), lin.scales_and_zeros.detach().clone(),
+                                   lin.in_features, lin.padded_in_features, lin.out_features, lin.group_size,
+                                   None, lin.dtype) for _ in range(ops.rot - 1)]
+    x = ops.x_all[:M]
+    return [lambda m=m: m(x) for m in lins]
+
+
+def mma_variants(M: int, base: dict) -> list[tuple[str, dict]]:
+    """The table's config and variants of it (name, config)."""
+    out = [("mma table", base)] if base.get("kind") == "mma" else []
+    bm = max(16, 1 << max(M - 1, 0).bit_length())
+    for bn, nw in ((64, 4), (128, 4), (64, 2)):
+        for st in (3,):
+            for mask, tiles in ((False, 1), (True, 1), (True, 2)):
+                for sk in (1, 2, 4, 8):
+                    c = {"kind": "mma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk, "num_warps": nw,
+                         "num_stages": st, "MASK_X": mask, "TILES": tiles}
+                    out.append((f"mma bn{bn} w{nw} s{st} sk{sk}" + (" mask" if mask else "") + (" t2" if tiles > 1
+                                                                                               else ""), c))
+    return out
+
+
+PROBES = [(f"probe bn{bn} bw{bw} s{st} sk{sk}", {"BLOCK_N": bn, "BW": bw, "SPLIT_K": sk, "num_warps": 4,
+                                                  "num_stages": st})
+          for bn, bw in ((64, 32), (128, 32), (16, 128), (32, 128)) for st in (1, 3) for sk in (1, 4)]
+
+
+def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
+    rows = []
+    for sname, (N, K) in shapes.items():
+        ops = _Operands(N, K, 128, max(ms))
+        for M in ms:
+            shape = {"name": sname, "M": M, "N": N, "K": K, "group": 128}
+            nbytes = ops.bytes_int4(M)
+            t = time_cuda(ops.calls(M, "cublas"), graph=True)
+            rows.append(make_row("int4_gemv_diag", "cublas_bf16", shape, t, bytes_moved=ops.bytes_bf16(M)))
+            try:
+                t = time_cuda(tinygemm_calls(ops, M), graph=True)
+                rows.append(make_row("int4_gemv_diag", "tinygemm", shape, t, bytes_moved=nbytes))
+            except Exception as e:  # noqa: BLE001  (a shape tinygemm refuses: the row says why)
+                rows.append(make_row("int4_gemv_diag", "tinygemm", shape, None, error=e))
+            err = _ok(ops, M, "dispatch")
+            t = time_cuda(ops.calls(M, "dispatch"), graph=True)
+            impl, cfg = get_int4_config(M, N, K, 128, torch.device("cuda"))
+            rows.append(make_row("int4_gemv_diag", "dispatch", shape, t, bytes_moved=nbytes, config=cfg,
+                                 **({"error": err} if err else {})))
+            if M == 1:
+                t = time_cuda(copy_calls(ops), graph=True)
+                rows.append(make_row("int4_gemv_diag", "copy", shape, t, bytes_moved=2 * ops.packed[0].qweight.nbytes))
+                for name, pc in PROBES:
+                    t = time_cuda(probe_calls(ops, pc), graph=True)
+                    rows.append(make_row("int4_gemv_diag", name, shape, t, bytes_moved=nbytes, config=pc))
+            best = None
+            for name, c in mma_variants(M, cfg):
+                try:
+                    err = _ok(ops, M, "triton", c)
+                    t = time_cuda(ops.calls(M, "triton", c), graph=True)
+                except Exception as e:  # noqa: BLE001  (out of resources: the row says so)
+                    rows.append(make_row("int4_gemv_diag", name, shape, None, config=c, error=e))
+                    continue
+                r = make_row("int4_gemv_diag", name, shape, t, bytes_moved=nbytes, config=c,
+                             **({"error": err} if err else {}))
+                rows.append(r)
+                if not err and (best is None or t.median_us < best["median_us"]):
+                    best = r
+            if best is not None:
+                rows.append(dict(best, impl="mma best of sweep", variant=best["impl"]))
+            print_table([r for r in rows if r["shape"] == shape and not r["impl"].startswith(("mma bn", "probe"))]
+                        + sorted([r for r in rows if r["shape"] == shape and r["impl"].startswith("probe")
+                                  and r["median_us"]], key=lambda r: r["median_us"])[:2],
+                        ("impl", "median_us", "tbps", "variant"))
+        del ops
+        torch.cuda.empty_cache()
+        if out_path:
+            write_rows(rows, out_path)
+    return rows
+
+
+def ncu_cases():
+    """One launch of each case between cudaProfilerStart / Stop (run under ``ncu --profile-from-start off``)."""
+    cases = [("8b.qkv", 1, None), ("8b.gate_up", 1, None), ("8b.gate_up", 16, None), ("8b.down", 1, None),
+             ("8b.gate_up", 1, {"kind": "mma", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1,
+                                "num_warps": 4, "num_stages": 3, "MASK_X": True, "TILES": 1}),
+             ("8b.gate_up", 1, {"kind": "mma", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1,
+                                "num_warps": 2, "num_stages": 3, "MASK_X": True, "TILES": 1})]
+    cudart = torch.cuda.cudart()
+    for sname, M, cfg in cases:
+        N, K = SHAPES[sname]
+        ops = _Operands(N, K, 128, M)
+        fn = ops.calls(M, "dispatch" if cfg is None else "triton", cfg)[0]
+        for _ in range(3):
+            fn()
+        probe = probe_calls(ops, {"BLOCK_N": 64, "BW": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3})[0]
+        probe()
+        torch.cuda.synchronize()
+        cudart.cudaProfilerStart()
+        fn()
+        if cfg is None and M == 1:
+            probe()
+        torch.cuda.synchronize()
+        cudart.cudaProfilerStop()
+        print(f"ncu case {sname} M={M} {cfg or get_int4_config(M, N, K, 128, torch.device('cuda'))}", flush=True)
+        del ops
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--ncu", action="store_true", help="one launch of each ncu case, profiler start / stop around it")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--ms", default=",".join(map(str, MS)))
+    a = p.parse_args(argv)
+    with torch.no_grad():
+        if a.ncu:
+            ncu_cases()
+            return 0
+        shapes = {s: SHAPES[s] for s in a.shapes.split(",")}
+        sweep(Path(a.out) if a.out else None, shapes, tuple(int(m) for m in a.ms.split(",")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
