@@ -22,7 +22,6 @@ against the fp32 reference before it is timed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
