@@ -672,8 +672,8 @@ sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*" + xt, "z_ptr": "*" + zt
        "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_part": "i32", "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, SPG=4, EVEN_K=True, ASM=True, USE_PDL=True,
               L2_PREFETCH=True, X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048, NORM_RM=1,
-              ACCUMULATE=cfg.get("XN", False), MASK_X=cfg.get("MASK_X", False), TILES=cfg.get("TILES", 1), BLOCK_M=16,
-              BLOCK_N=cfg["BLOCK_N"], SPLIT=True)
+              ACCUMULATE=cfg.get("XN", False), MASK_X=cfg.get("MASK_X", False), TILES=cfg.get("TILES", 1),
+              CVT1=cfg.get("CVT1", False), BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True)
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K", "G", "KW",
            "stride_xm", "stride_om"}
@@ -685,8 +685,11 @@ sys.stdout.write(cc.asm["ptx"])
 
 
 @pytest.mark.parametrize("cfg", [dict(BLOCK_N=128, ZM=1, x="bf16"), dict(BLOCK_N=64, ZM=0, x="fp16"),
-                                 dict(BLOCK_N=64, ZM=2, x="bf16"), dict(BLOCK_N=64, ZM=1, x="bf16", XN=True)],
-                         ids=["bn128_zero_bf16", "bn64_sym_fp16", "min", "bn64_zero_norm"])
+                                 dict(BLOCK_N=64, ZM=2, x="bf16"), dict(BLOCK_N=64, ZM=1, x="bf16", XN=True),
+                                 dict(BLOCK_N=64, ZM=1, x="bf16", CVT1=True, MASK_X=True),
+                                 dict(BLOCK_N=128, ZM=0, x="fp16", CVT1=True)],
+                         ids=["bn128_zero_bf16", "bn64_sym_fp16", "min", "bn64_zero_norm", "cvt1_zero_bf16",
+                              "cvt1_sym_fp16"])
 def test_sm90_mma_kind_keeps_the_weight_in_registers(cfg):
     """Speed guard, compiled ahead of time for sm_90: the mma loop feeds wgmma its weight operand from registers
     (``wgmma ... {a0, a1, a2, a3}, desc_b``, no 16-bit weight tile in shared memory), converts two values per

@@ -342,15 +342,17 @@ def test_dot_fast_conversion_equals_portable(fmt, g, x_dtype, compiled):
 # partial 64- / 128-row tile) and an odd K (4160: 16.25 layout tiles, 65 groups of 64)
 MMA_FMTS = [("sym", 128, 1024, 4096), ("zero", 32, 1024, 4096), ("zero", 64, 200, 4160), ("min", 64, 1024, 4096),
             ("sym", 4096, 512, 4096), ("zero", 128, 4096, 14336)]
-MMA_CFGS = [(64, 4, 1, 2), (128, 4, 4, 3), (256, 8, 16, 2)]  # (BLOCK_N, num_warps, SPLIT_K, num_stages)
-# (x dtype, token counts, configs): every config in bf16; fp16 changes only the conversion's constants (one
-# config). Each (mode, dtype, BLOCK_M, config) is a compile of its own (~0.9 s on the H200's host).
-MMA_CASES = [(torch.bfloat16, [1, 16, 40], MMA_CFGS), (torch.float16, [1, 40], MMA_CFGS[1:2])]
+# (BLOCK_N, num_warps, SPLIT_K, num_stages[, extra keys]); the last: one shift converted at a time and the padding
+# tokens masked (CVT1, MASK_X: what the tuner proposes), on mma.sync (2 warps)
+MMA_CFGS = [(64, 4, 1, 2), (128, 4, 4, 3), (256, 8, 16, 2), (32, 2, 2, 3, {"CVT1": True, "MASK_X": True})]
+# (x dtype, token counts, configs): every config in bf16; fp16 changes only the conversion's constants (two
+# configs). Each (mode, dtype, BLOCK_M, config) is a compile of its own (~0.9 s on the H200's host).
+MMA_CASES = [(torch.bfloat16, [1, 16, 40], MMA_CFGS), (torch.float16, [1, 40], MMA_CFGS[1:2] + MMA_CFGS[3:])]
 
 
-def _mma_cfg(M, bn, nw, sk, st, **kw):
+def _mma_cfg(M, bn, nw, sk, st, extra=None):
     return {"kind": "mma", "BLOCK_M": 16 if M <= 16 else 64, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
-            "num_warps": nw, "num_stages": st, **kw}
+            "num_warps": nw, "num_stages": st, **(extra or {})}
 
 
 @gpu

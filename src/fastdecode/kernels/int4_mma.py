@@ -78,6 +78,40 @@ _ASM_ZERO_BF16: tl.constexpr = tl.constexpr(_asm("zero", "bf16x2"))
 _ASM_ZERO_F16: tl.constexpr = tl.constexpr(_asm("zero", "f16x2"))
 _ASM_MIN_BF16: tl.constexpr = tl.constexpr(_asm("min", "bf16x2"))
 _ASM_MIN_F16: tl.constexpr = tl.constexpr(_asm("min", "f16x2"))
+
+def _asm1(hi: bool, ty: str) -> str:
+    """One shift of ``_asm("zero", ty)`` from the prmt-ed halves ($1: low halves, shifts 0-3; $2: high halves,
+    shifts 4-7; $3: the -(MAGIC + zero) pair; $4: the shift, 4 * (p % 4)): the same instructions, so the eight
+    shifts' operands need not be live at once."""
+    magic, one = {"bf16x2": ("0x43004300", "0x3f803f80"), "f16x2": ("0x64006400", "0x3c003c00")}[ty]
+    return ("{\n.reg .b32 u, t, one;\n" + f"mov.b32 one, {one};\nshr.u32 u, {'$2' if hi else '$1'}, $4;\n"
+            f"lop3.b32 t, u, 0x000f000f, {magic}, 0xea;\nfma.rn.{ty} $0, t, one, $3;\n}}\n")
+
+
+_HALVES: tl.constexpr = tl.constexpr("prmt.b32 $0, $2, $3, 0x5410;\nprmt.b32 $1, $2, $3, 0x7632;")
+_A1_LO_BF16: tl.constexpr = tl.constexpr(_asm1(False, "bf16x2"))
+_A1_HI_BF16: tl.constexpr = tl.constexpr(_asm1(True, "bf16x2"))
+_A1_LO_F16: tl.constexpr = tl.constexpr(_asm1(False, "f16x2"))
+_A1_HI_F16: tl.constexpr = tl.constexpr(_asm1(True, "f16x2"))
+
+
+@triton.jit
+def _shift_asm(h, zp, p: tl.constexpr, W_DTYPE: tl.constexpr):
+    """Shift p of the prmt-ed halves ``h`` (``_HALVES``) minus ``zp`` (MAGIC + zero, W_DTYPE), as ``_asm1``."""
+    if W_DTYPE == tl.bfloat16:
+        lo: tl.constexpr = _A1_LO_BF16
+        hi: tl.constexpr = _A1_HI_BF16
+    else:
+        lo: tl.constexpr = _A1_LO_F16
+        hi: tl.constexpr = _A1_HI_F16
+    sh = tl.full(h.shape, 4 * (p % 4), tl.int32)
+    if p < 4:
+        w = tl.inline_asm_elementwise(lo, "=r,r,r,r,r,r", [h, zp, sh], dtype=zp.dtype, is_pure=True, pack=2)
+    else:
+        w = tl.inline_asm_elementwise(hi, "=r,r,r,r,r,r", [h, zp, sh], dtype=zp.dtype, is_pure=True, pack=2)
+    return w
+
+
 _CONS_ZERO: tl.constexpr = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 _CONS_MIN: tl.constexpr = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 18))
 _BF16X8: tl.constexpr = tl.constexpr((tl.bfloat16,) * 8)
@@ -113,6 +147,55 @@ def _tile_params(s_ptr, z_ptr, rn, G, k0, j: tl.constexpr, GROUP: tl.constexpr, 
     else:
         z = tl.load(z_ptr + offs).to(tl.float32)
     return s, z
+
+
+@triton.jit
+def _tile_scales(s_ptr, rn, G, k0, GROUP: tl.constexpr, SPG: tl.constexpr):
+    """fp32 scales ``[BLOCK_N]`` of the tile's groups (8 // SPG of them; the rest repeat the first)."""
+    NG: tl.constexpr = 8 // SPG
+    s0, _ = _tile_params(s_ptr, s_ptr, rn, G, k0, 0, GROUP, 0)
+    s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
+    if NG > 1:
+        s1, _ = _tile_params(s_ptr, s_ptr, rn, G, k0, 1, GROUP, 0)
+    if NG > 2:
+        s2, _ = _tile_params(s_ptr, s_ptr, rn, G, k0, 2, GROUP, 0)
+        s3, _ = _tile_params(s_ptr, s_ptr, rn, G, k0, 3, GROUP, 0)
+    if NG > 4:
+        s4, _ = _tile_params(s_ptr, s_ptr, rn, G, k0, 4, GROUP, 0)
+        s5, _ = _tile_params(s_ptr, s_ptr, rn, G, k0, 5, GROUP, 0)
+        s6, _ = _tile_params(s_ptr, s_ptr, rn, G, k0, 6, GROUP, 0)
+        s7, _ = _tile_params(s_ptr, s_ptr, rn, G, k0, 7, GROUP, 0)
+    return (s0, s1, s2, s3, s4, s5, s6, s7)
+
+
+@triton.jit
+def _tile_zeros(z_ptr, rn, G, k0, GROUP: tl.constexpr, SPG: tl.constexpr, ZERO_MODE: tl.constexpr,
+                W_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``-(MAGIC + zero)`` of the tile's groups as ``[BLOCK_N, 32]`` W_DTYPE operands of ``_shift_asm`` ("sym": 8)."""
+    if W_DTYPE == tl.bfloat16:
+        MAGIC: tl.constexpr = 128.0
+    else:
+        MAGIC: tl.constexpr = 1024.0
+    NG: tl.constexpr = 8 // SPG
+    if ZERO_MODE == 0:
+        z0 = _wide(tl.zeros((BLOCK_N,), dtype=tl.float32) - (MAGIC + 8.0), BLOCK_N, W_DTYPE)
+        return (z0, z0, z0, z0, z0, z0, z0, z0)
+    _, z0 = _tile_params(z_ptr, z_ptr, rn, G, k0, 0, GROUP, 1)
+    z1, z2, z3, z4, z5, z6, z7 = z0, z0, z0, z0, z0, z0, z0
+    if NG > 1:
+        _, z1 = _tile_params(z_ptr, z_ptr, rn, G, k0, 1, GROUP, 1)
+    if NG > 2:
+        _, z2 = _tile_params(z_ptr, z_ptr, rn, G, k0, 2, GROUP, 1)
+        _, z3 = _tile_params(z_ptr, z_ptr, rn, G, k0, 3, GROUP, 1)
+    if NG > 4:
+        _, z4 = _tile_params(z_ptr, z_ptr, rn, G, k0, 4, GROUP, 1)
+        _, z5 = _tile_params(z_ptr, z_ptr, rn, G, k0, 5, GROUP, 1)
+        _, z6 = _tile_params(z_ptr, z_ptr, rn, G, k0, 6, GROUP, 1)
+        _, z7 = _tile_params(z_ptr, z_ptr, rn, G, k0, 7, GROUP, 1)
+    return (_wide(-(MAGIC + z0), BLOCK_N, W_DTYPE), _wide(-(MAGIC + z1), BLOCK_N, W_DTYPE),
+            _wide(-(MAGIC + z2), BLOCK_N, W_DTYPE), _wide(-(MAGIC + z3), BLOCK_N, W_DTYPE),
+            _wide(-(MAGIC + z4), BLOCK_N, W_DTYPE), _wide(-(MAGIC + z5), BLOCK_N, W_DTYPE),
+            _wide(-(MAGIC + z6), BLOCK_N, W_DTYPE), _wide(-(MAGIC + z7), BLOCK_N, W_DTYPE))
 
 
 @triton.jit
@@ -198,7 +281,7 @@ def _int4_mma_kernel(
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPG: tl.constexpr,
     EVEN_K: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, L2_PREFETCH: tl.constexpr,
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
-    ACCUMULATE: tl.constexpr, MASK_X: tl.constexpr, TILES: tl.constexpr,
+    ACCUMULATE: tl.constexpr, MASK_X: tl.constexpr, TILES: tl.constexpr, CVT1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles); a K step is one 256-column layout tile (32 words a row). KW is the
@@ -254,8 +337,17 @@ def _int4_mma_kernel(
         for t in tl.static_range(TILES):
             k0 = (kb * TILES + t) * 256
             qw = tl.load(qw_rows + (kb * TILES + t) * 32)
-            ws, gs = _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, SPG, ASM, W_DTYPE, BLOCK_N)
+            if CVT1:  # one shift converted at a time (sym / zero, inline PTX): fewer operand registers live
+                h = tl.inline_asm_elementwise(_HALVES, "=r,=r,r,r", [qw], dtype=tl.int32, is_pure=True, pack=2)
+                gs = _tile_scales(s_ptr, rn, G, k0, GROUP, SPG)
+                zg = _tile_zeros(z_ptr, rn, G, k0, GROUP, SPG, ZERO_MODE, W_DTYPE, BLOCK_N)
+            else:
+                ws, gs = _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, SPG, ASM, W_DTYPE, BLOCK_N)
             for p in tl.static_range(8):
+                if CVT1:
+                    wp = _shift_asm(h, zg[p // SPG], p, W_DTYPE)
+                else:
+                    wp = ws[p]
                 xp = x_rows + (k0 + 32 * p)
                 if EVEN_K and MASK_X:
                     xt = tl.load(xp, mask=m_valid[:, None], other=0.0)
@@ -269,12 +361,12 @@ def _int4_mma_kernel(
                     cols = k0 + 32 * p + offs_w
                     xt = _affine(xt, nw_ptr, cols[None, :], (cols < K)[None, :], W_DTYPE)
                 if ZERO_MODE == 2:  # the weight is already scaled
-                    acc = tl.dot(ws[p], tl.trans(xt), acc)
+                    acc = tl.dot(wp, tl.trans(xt), acc)
                 else:  # the exact integers q - zero; the group's scale once per partial
                     if p % SPG == 0:
-                        part = tl.dot(ws[p], tl.trans(xt))
+                        part = tl.dot(wp, tl.trans(xt))
                     else:
-                        part = tl.dot(ws[p], tl.trans(xt), part)
+                        part = tl.dot(wp, tl.trans(xt), part)
                     if p % SPG == SPG - 1:
                         acc += part * gs[p // SPG][:, None]
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
@@ -334,6 +426,7 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
         X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
         NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), MASK_X=bool(config.get("MASK_X", False)), TILES=tiles,
+        CVT1=bool(config.get("CVT1", False)) and asm and zero_mode != "min",
         BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), **launch_kwargs(pdl),
         **extra,
