@@ -88,10 +88,18 @@ def tinygemm_calls(ops, M):
     return [lambda m=m: m(x) for m in lins]
 
 
-def mma_variants(M: int, base: dict) -> list[tuple[str, dict]]:
-    """The table's config and variants of it (name, config)."""
+def mma_variants(M: int, base: dict, few: bool = False) -> list[tuple[str, dict]]:
+    """The table's config and variants of it (name, config). ``few``: the 64-row 4-warp tile at splits 1 and 8
+    only, as session 18's table ran it (no MASK_X, no CVT1) and as session 19's (both)."""
     out = [("mma table", base)] if base.get("kind") == "mma" else []
     bm = max(16, 1 << max(M - 1, 0).bit_length())
+    if few:
+        for sk in (1, 8):
+            for mask, cvt1 in ((False, False), (True, True)):
+                c = {"kind": "mma", "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": sk, "num_warps": 4,
+                     "num_stages": 3, "MASK_X": mask, "CVT1": cvt1}
+                out.append((f"mma bn64 w4 s3 sk{sk}" + (" mask cvt1" if cvt1 else ""), c))
+        return out
     for bn, nw in ((64, 4), (128, 4), (64, 2)):
         for st in (3,):
             for mask, tiles in ((False, 1), (True, 1), (True, 2)):
@@ -108,7 +116,7 @@ PROBES = [(f"probe bn{bn} bw{bw} s{st} sk{sk}", {"BLOCK_N": bn, "BW": bw, "SPLIT
           for bn, bw in ((64, 32), (128, 32), (16, 128), (32, 128)) for st in (1, 3) for sk in (1, 4)]
 
 
-def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
+def sweep(out_path: Path | None, shapes, ms, few: bool = False) -> list[dict]:
     rows = []
     for sname, (N, K) in shapes.items():
         ops = _Operands(N, K, 128, max(ms))
@@ -130,11 +138,11 @@ def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
             if M == 1:
                 t = time_cuda(copy_calls(ops), graph=True)
                 rows.append(make_row("int4_gemv_diag", "copy", shape, t, bytes_moved=2 * ops.packed[0].qweight.nbytes))
-                for name, pc in PROBES:
+                for name, pc in (PROBES[:2] if few else PROBES):
                     t = time_cuda(probe_calls(ops, pc), graph=True)
                     rows.append(make_row("int4_gemv_diag", name, shape, t, bytes_moved=nbytes, config=pc))
             best = None
-            for name, c in mma_variants(M, cfg):
+            for name, c in mma_variants(M, cfg, few):
                 try:
                     err = _ok(ops, M, "triton", c)
                     t = time_cuda(ops.calls(M, "triton", c), graph=True)
@@ -193,13 +201,14 @@ def main(argv=None) -> int:
     p.add_argument("--ncu", action="store_true", help="one launch of each ncu case, profiler start / stop around it")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--ms", default=",".join(map(str, MS)))
+    p.add_argument("--few", action="store_true", help="two probes and a few mma variants only (mma_variants)")
     a = p.parse_args(argv)
     with torch.no_grad():
         if a.ncu:
             ncu_cases()
             return 0
         shapes = {s: SHAPES[s] for s in a.shapes.split(",")}
-        sweep(Path(a.out) if a.out else None, shapes, tuple(int(m) for m in a.ms.split(",")))
+        sweep(Path(a.out) if a.out else None, shapes, tuple(int(m) for m in a.ms.split(",")), a.few)
     return 0
 
 

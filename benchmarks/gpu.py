@@ -89,8 +89,10 @@ def _decode(out: Path, *args: str) -> list[str]:
 def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "int4"), tune_dtypes=("bf16", "fp8"),
                    gpu="nvidia_h200", tune_int4_ms=None, tune_int4_fp8=True,
                    tune_int4_small_m_dot=False, tune_shapes=None,
-                   tune_int4_groups=None, tune_int4_kinds=None) -> list[tuple[str, list[str], int]]:
-    """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests)."""
+                   tune_int4_groups=None, tune_int4_kinds=None, diag_args=(), ncu=True
+                   ) -> list[tuple[str, list[str], int]]:
+    """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests). ``diag_args``:
+    extra arguments of ``int4-diag``'s sweep (``--few``, ``--shapes``, ``--ms``); ``ncu``: its ncu step too."""
     shapes = ["--shapes", tune_shapes] if tune_shapes else []
     if name == "tune":
         return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes, *shapes,
@@ -139,7 +141,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                      *([] if q == "bf16" else ["--quant", q]),
                                      "--impl", "fastdecode-graph-no-pdl", "fastdecode-graph",
                                      "--out", str(out / "profile_decode.json")), 180)
-                for q in ("bf16", "fp8", "int4")]
+                for q in ("bf16", "fp8", "int4") if q in formats]
     if name == "hf":
         return [("bench hf", _fd("bench", "hf", "--preset", "llama-3.1-8b", "--iters", "5", "--warmup", "1",
                                  "--out", str(out / "hf.json")), 420)]
@@ -163,8 +165,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                         "--out", str(out / "diag_int4_norm_gemm_pdl.json")], 540)]
     if name == "int4-diag":
         diag = str(ROOT / "benchmarks" / "diag_int4_gemv.py")
-        steps = [("diag int4 gemv", [PY, diag, "--out", str(out / "diag_int4_gemv.json")], 360)]
-        ncu = _ncu()
+        steps = [("diag int4 gemv", [PY, diag, "--out", str(out / "diag_int4_gemv.json"), *diag_args], 360)]
+        ncu = _ncu() if ncu else None
         if ncu:
             sections = ("SpeedOfLight", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats",
                         "MemoryWorkloadAnalysis")
@@ -393,7 +395,11 @@ def main(argv=None) -> int:
                    help="tests: pytest-xdist workers, for diagnosis only (the record says so); default one process")
     p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4"],
                    choices=["bf16", "fp8", "int4", "fp8-head", "int4-head"],
-                   help="decode: the weight formats to run (-head: the lm head quantised as well)")
+                   help="decode, profile: the weight formats to run (-head, decode only: the lm head quantised too)")
+    p.add_argument("--diag-few", action="store_true", help="int4-diag: two probes and a few mma variants only")
+    p.add_argument("--diag-shapes", default=None, help="int4-diag: comma-separated shape names (default all)")
+    p.add_argument("--diag-ms", default=None, help="int4-diag: comma-separated token counts (default 1,4,16)")
+    p.add_argument("--no-ncu", action="store_true", help="int4-diag: without its ncu step")
     p.add_argument("--tune-int4-ms", default=None, help="tune-int4: comma-separated token counts (default all)")
     p.add_argument("--tune-int4-no-fp8", action="store_true", help="tune-int4: W4A16 only (the W4A8 section is kept)")
     p.add_argument("--tune-int4-small-m-dot", action="store_true", help="tune-int4: dot tiles below M = 8 too")
@@ -450,8 +456,11 @@ def main(argv=None) -> int:
                 if table.is_file() and not (cfg_dir / table.name).exists():
                     shutil.copy(table, cfg_dir)
         int4_ms = [int(m) for m in a.tune_int4_ms.split(",")] if a.tune_int4_ms else None
+        diag_args = (["--few"] if a.diag_few else []) + (["--shapes", a.diag_shapes] if a.diag_shapes else []) \
+            + (["--ms", a.diag_ms] if a.diag_ms else [])
         steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms, not a.tune_int4_no_fp8,
-                               a.tune_int4_small_m_dot, a.tune_shapes, a.tune_int4_groups, a.tune_int4_kinds)
+                               a.tune_int4_small_m_dot, a.tune_shapes, a.tune_int4_groups, a.tune_int4_kinds,
+                               diag_args, not a.no_ncu)
         if not steps:
             summary.append((s, f"not run: needs 2+ GPUs, this machine has {n_gpu}", 0))
         for label, cmd, timeout in steps:

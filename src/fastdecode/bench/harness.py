@@ -47,6 +47,8 @@ def env_info() -> dict:
     info = {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "git_sha": sha}
     if os.environ.get("FASTDECODE_CONFIG_DIR"):  # the run read tuned tables from outside the commit
         info["config_dir"] = os.environ["FASTDECODE_CONFIG_DIR"]
+    if os.environ.get("FASTDECODE_PDL", "1") in ("", "0"):  # programmatic dependent launch switched off
+        info["pdl"] = False
     return info
 
 
