@@ -4,7 +4,8 @@
     ncu --profile-from-start off ... python benchmarks/diag_int4_gemv.py --ncu   # one launch of each case
 
 Timing rows (graph replays of 20 calls, rotated weights, median of 30; ``harness.time_cuda``), W4A16 group 128
-"sym", bf16, on 8B / 70B-TP2 projection shapes at M = 1, 4, 16:
+in the engine's zero mode (``bench.int4.ZERO_MODE``, ``--zero-mode``), bf16, on 8B / 70B-TP2 projection shapes
+at M = 1, 4, 16:
 
 * ``dispatch``: ``int4_linear`` as the engine calls it (the tuned table);
 * ``mma ...``: the tensor-core kind with an explicit config, the table's and variants of it (``MASK_X``: padding
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from fastdecode.bench.harness import make_row, print_table, time_cuda, write_rows  # noqa: E402
-from fastdecode.bench.int4 import _Operands, _ok  # noqa: E402
+from fastdecode.bench.int4 import ZERO_MODE, ZERO_MODES, _Operands, _ok  # noqa: E402
 from fastdecode.ops.int4 import get_int4_config  # noqa: E402
 
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -116,10 +117,10 @@ PROBES = [(f"probe bn{bn} bw{bw} s{st} sk{sk}", {"BLOCK_N": bn, "BW": bw, "SPLIT
           for bn, bw in ((64, 32), (128, 32), (16, 128), (32, 128)) for st in (1, 3) for sk in (1, 4)]
 
 
-def sweep(out_path: Path | None, shapes, ms, few: bool = False) -> list[dict]:
+def sweep(out_path: Path | None, shapes, ms, few: bool = False, zero_mode: str = ZERO_MODE) -> list[dict]:
     rows = []
     for sname, (N, K) in shapes.items():
-        ops = _Operands(N, K, 128, max(ms))
+        ops = _Operands(N, K, 128, max(ms), zero_mode)
         for M in ms:
             shape = {"name": sname, "M": M, "N": N, "K": K, "group": 128}
             nbytes = ops.bytes_int4(M)
@@ -162,6 +163,8 @@ def sweep(out_path: Path | None, shapes, ms, few: bool = False) -> list[dict]:
                         ("impl", "median_us", "tbps", "variant"))
         del ops
         torch.cuda.empty_cache()
+        for r in rows:
+            r.setdefault("zero_mode", zero_mode)
         if out_path:
             write_rows(rows, out_path)
     return rows
@@ -202,13 +205,14 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--ms", default=",".join(map(str, MS)))
     p.add_argument("--few", action="store_true", help="two probes and a few mma variants only (mma_variants)")
+    p.add_argument("--zero-mode", default=ZERO_MODE, choices=ZERO_MODES, help="the weights' zero mode")
     a = p.parse_args(argv)
     with torch.no_grad():
         if a.ncu:
             ncu_cases()
             return 0
         shapes = {s: SHAPES[s] for s in a.shapes.split(",")}
-        sweep(Path(a.out) if a.out else None, shapes, tuple(int(m) for m in a.ms.split(",")), a.few)
+        sweep(Path(a.out) if a.out else None, shapes, tuple(int(m) for m in a.ms.split(",")), a.few, a.zero_mode)
     return 0
 
 

@@ -737,3 +737,18 @@ def test_precompile_does_nothing_under_the_interpreter():
         pytest.skip("the interpreter's case; the GPU's is tests/test_int4_gpu.py")
     called = []
     assert precompile(called.append, [{"a": 1}, {"a": 2}]) == 0 and called == []
+
+
+def test_the_int4_tuner_times_the_engines_zero_mode():
+    """The tuner, ``bench int4`` and ``diag_int4_gemv`` quantise their weights as the engine's RTN does: the table
+    is keyed by shape and group alone, and session 20 found configs tuned on "sym" weights slower in the 8B step,
+    whose weights carry zero points (benchmarks/NOTES.md)."""
+    from fastdecode.bench import int4 as bi
+    from fastdecode.models.llama import Linear
+    from fastdecode.models.quantize import int4_linear_from
+
+    lin = Linear(256, 64, bias=False)
+    assert int4_linear_from(lin).zero_mode == bi.ZERO_MODE
+    assert bi.ZERO_MODE in bi.ZERO_MODES
+    with pytest.raises(ValueError, match="zero_mode"):
+        bi._Operands(64, 256, 128, 1, zero_mode="min")

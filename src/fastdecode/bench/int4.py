@@ -4,9 +4,9 @@
   dequant + cuBLAS path per (N, K, group, M) and writes the dispatcher table
   ``fastdecode/configs/int4_linear_<gpu>.json`` (sections ``int4_linear`` and ``int4_linear_fp8``).
 * ``run(out_path, quick=False)`` times, on the eight Llama projections (8B and 70B-TP2), group 128
-  symmetric: ``int4_linear`` through the dispatcher, ``int4_linear_fp8`` (per-token scales) and
-  cuBLAS BF16 (``torch.mm``) on the unquantised (dequantised) weight; writes JSON rows and summary
-  rows against the issue's targets (speed-up geomeans per M, worst shape up to M=4096, W4A8 vs W4A16).
+  with the engine's zero mode (``ZERO_MODE``): ``int4_linear`` through the dispatcher, ``int4_linear_fp8``
+  (per-token scales) and cuBLAS BF16 (``torch.mm``) on the unquantised (dequantised) weight; writes JSON rows and
+  summary rows against the issue's targets (speed-up geomeans per M, worst shape up to M=4096, W4A8 vs W4A16).
 
 GPU only. Method (harness.py): CUDA-graph replay of back-to-back calls, weights rotated over
 enough copies to read ~3x the L2 per round, median of 30 replays. Bytes counted for the int4 kernel:
@@ -28,6 +28,7 @@ from fastdecode.bench.harness import (
 )
 from fastdecode.bench.gemm import SHAPES  # the eight Llama projections (N x K), as the GEMM benchmark's
 from fastdecode.kernels.compile import precompile
+from fastdecode.quant.formats import INT4_SYMMETRIC
 
 MS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 QUICK_MS = (1, 4, 16, 64, 256)
@@ -43,19 +44,26 @@ TINYGEMM_MAX_M = 16  # tinygemm (the gpt-fast / torchao decode kernel) is timed 
 W4A8_OVER_W4A16 = 1.3  # at M >= 256
 FP8 = torch.float8_e4m3fn
 log = logging.getLogger("fastdecode")
+# the weights are quantised as the engine quantises them (``quant.formats.INT4_SYMMETRIC``: zero points, "zero")
+# unless told otherwise: until session 20 the tuner and this benchmark timed "sym" weights while the engine ran
+# "zero" ones, and configs that won on "sym" lost in the 8B int4 step (benchmarks/NOTES.md, session 20)
+ZERO_MODE = "sym" if INT4_SYMMETRIC else "zero"
+ZERO_MODES = ("zero", "sym")
 
 
 class _Operands:
     """Rotated packed weights, their bf16 dequantisations (cuBLAS baseline), x and out, for one shape."""
 
-    def __init__(self, N: int, K: int, group: int, max_m: int):
+    def __init__(self, N: int, K: int, group: int, max_m: int, zero_mode: str = ZERO_MODE):
         from fastdecode.quant.int4 import dequantize_int4, quantize_int4
 
+        if zero_mode not in ZERO_MODES:
+            raise ValueError(f"zero_mode must be one of {ZERO_MODES}, got {zero_mode!r}")
         dev = torch.device("cuda")
-        self.N, self.K, self.group = N, K, group
+        self.N, self.K, self.group, self.zero_mode = N, K, group, zero_mode
         g = torch.Generator(device=dev).manual_seed(0)
         w0 = torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
-        p0 = quantize_int4(w0, group, symmetric=True)
+        p0 = quantize_int4(w0, group, symmetric=zero_mode == "sym")
         self.int4_bytes = p0.nbytes()
         self.rot = rotation_count(self.int4_bytes)
         self.rot_bf16 = rotation_count(N * K * 2)
@@ -276,7 +284,7 @@ def fastest(cands, check, time, what: str, warm=None) -> Optional[tuple[float, d
 
 def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, groups=(GROUP,), fp8: bool = True,
          max_candidates: Optional[int] = None, quick: bool = False, merge: bool = False,
-         small_m_dot: bool = False, kinds: Sequence[str] = KINDS) -> dict:
+         small_m_dot: bool = False, kinds: Sequence[str] = KINDS, zero_mode: str = ZERO_MODE) -> dict:
     """Time candidates per (N, K, group, M) and write the dispatcher table (returns it).
 
     Candidates over this GPU's shared memory (by ``ops.int4.smem_bytes``) are not tried; one that still
@@ -284,7 +292,8 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
     from the table already at ``out_path`` (same GPU) and replace only the (shape, M) entries tuned here,
     e.g. a run over ``ms=(1, 2, 4, 8)``; the table's ``env`` then names this run. ``kinds``: only candidates of
     these kinds, plus the (shape, M) entry already in the table (timed again in this run, so that the entry
-    kept is the faster of the two side by side)."""
+    kept is the faster of the two side by side). ``zero_mode``: of the weights timed (default the engine's; the
+    table is keyed by shape and group only, so it holds the configs of that mode; ``tuned_zero_mode``)."""
     from fastdecode.ops.int4 import clear_config_cache, config_path, smem_limit, table_key
 
     shapes = dict(SHAPES) if shapes is None else shapes
@@ -293,10 +302,11 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
     path = Path(out_path) if out_path else config_path(name)
     table = start_table(path, name, torch.cuda.get_device_properties(0).multi_processor_count, merge,
                         ("int4_linear", "int4_linear_fp8"))
+    table["tuned_zero_mode"] = zero_mode
     limit = smem_limit(torch.device("cuda"))
     path.parent.mkdir(parents=True, exist_ok=True)
     for (sname, (N, K)), g in itertools.product(shapes.items(), groups):
-        ops = _Operands(N, K, g, max(ms))
+        ops = _Operands(N, K, g, max(ms), zero_mode)
         for op, is_fp8 in (("int4_linear", False), ("int4_linear_fp8", True)):
             if is_fp8 and not fp8:
                 continue
@@ -332,16 +342,19 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
 # ----------------------------------------------------------------------------- benchmark
 
 
-def run(out_path=None, quick: bool = False, *, shapes=None, ms: Optional[Sequence[int]] = None) -> list[dict]:
-    """Benchmark rows + summary rows against the issue's targets; written to ``out_path`` if given."""
+def run(out_path=None, quick: bool = False, *, shapes=None, ms: Optional[Sequence[int]] = None,
+        zero_mode: str = ZERO_MODE) -> list[dict]:
+    """Benchmark rows + summary rows against the issue's targets; written to ``out_path`` if given. Every row
+    names the weights' ``zero_mode``."""
     shapes = dict(SHAPES) if shapes is None else shapes
     ms = tuple(ms or (QUICK_MS if quick else MS))
     rows = []
     for sname, (N, K) in shapes.items():
-        ops = _Operands(N, K, GROUP, max(ms))
+        ops = _Operands(N, K, GROUP, max(ms), zero_mode)
         for M in ms:
             shape = {"name": sname, "M": M, "N": N, "K": K, "group": GROUP}
             flops = 2 * M * N * K
+            first = len(rows)
             tb = _time(ops.calls(M, "cublas"), M)
             rows.append(make_row("int4_linear", "cublas_bf16", shape, tb, bytes_moved=ops.bytes_bf16(M), flops=flops))
             tt = None
@@ -359,10 +372,12 @@ def run(out_path=None, quick: bool = False, *, shapes=None, ms: Optional[Sequenc
                 if err:
                     r["error"] = err
                 rows.append(r)
+            for r in rows[first:]:
+                r["zero_mode"] = zero_mode
             print_table(rows[-4 if tt else -3:], ("op", "impl", "shape", "median_us", "tbps", "speedup_vs_cublas"))
         del ops
         torch.cuda.empty_cache()
-    rows += summarize(rows)
+    rows += [dict(r, zero_mode=zero_mode) for r in summarize(rows)]
     if out_path:
         write_rows(rows, out_path)
     return rows
@@ -432,6 +447,8 @@ def main(argv=None) -> int:
                         "is timed again beside them)")
     p.add_argument("--groups", default=str(GROUP), help=f"tune: comma-separated group sizes (default {GROUP}; "
                                                         "GGUF Q4_0 / Q4_1 use 32)")
+    p.add_argument("--zero-mode", default=ZERO_MODE, choices=ZERO_MODES,
+                   help=f"the weights' zero mode (default {ZERO_MODE}, the engine's RTN quantisation)")
     a = p.parse_args(argv)
     if a.what == "tune":
         from fastdecode.bench.gemm import parse_shapes
@@ -439,9 +456,10 @@ def main(argv=None) -> int:
         ms = tuple(int(m) for m in a.ms.split(",")) if a.ms else None
         groups = tuple(int(g) for g in a.groups.split(","))
         tune(a.out, shapes=parse_shapes(a.shapes) if a.shapes else None, groups=groups, ms=ms, quick=a.quick,
-             merge=a.merge, fp8=not a.no_fp8, small_m_dot=a.small_m_dot, kinds=tuple(a.kinds.split(",")))
+             merge=a.merge, fp8=not a.no_fp8, small_m_dot=a.small_m_dot, kinds=tuple(a.kinds.split(",")),
+             zero_mode=a.zero_mode)
     else:
-        run(a.out or "benchmarks/results/int4_linear.json", quick=a.quick)
+        run(a.out or "benchmarks/results/int4_linear.json", quick=a.quick, zero_mode=a.zero_mode)
     return 0
 
 
