@@ -60,7 +60,7 @@ class _Operands:
         if zero_mode not in ZERO_MODES:
             raise ValueError(f"zero_mode must be one of {ZERO_MODES}, got {zero_mode!r}")
         dev = torch.device("cuda")
-        self.N, self.K, self.group, self.zero_mode = N, K, group, zero_mode
+        self.N, self.K, self.group = N, K, group
         g = torch.Generator(device=dev).manual_seed(0)
         w0 = torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
         p0 = quantize_int4(w0, group, symmetric=zero_mode == "sym")
@@ -354,7 +354,6 @@ def run(out_path=None, quick: bool = False, *, shapes=None, ms: Optional[Sequenc
         for M in ms:
             shape = {"name": sname, "M": M, "N": N, "K": K, "group": GROUP}
             flops = 2 * M * N * K
-            first = len(rows)
             tb = _time(ops.calls(M, "cublas"), M)
             rows.append(make_row("int4_linear", "cublas_bf16", shape, tb, bytes_moved=ops.bytes_bf16(M), flops=flops))
             tt = None
@@ -372,12 +371,12 @@ def run(out_path=None, quick: bool = False, *, shapes=None, ms: Optional[Sequenc
                 if err:
                     r["error"] = err
                 rows.append(r)
-            for r in rows[first:]:
-                r["zero_mode"] = zero_mode
             print_table(rows[-4 if tt else -3:], ("op", "impl", "shape", "median_us", "tbps", "speedup_vs_cublas"))
         del ops
         torch.cuda.empty_cache()
-    rows += [dict(r, zero_mode=zero_mode) for r in summarize(rows)]
+    rows += summarize(rows)
+    for r in rows:
+        r["zero_mode"] = zero_mode
     if out_path:
         write_rows(rows, out_path)
     return rows
