@@ -7,7 +7,13 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``tests``   the whole test suite, CPU and GPU tests together in ONE pytest process (the README's
               test command), written as ``gpu_tests.json``: counts, failures, skip reasons, GPU, world
               size, versions, git sha. Commit it from a run on the final commit of every change that
-              touches kernels, ops, models or the engine.
+              touches kernels, ops, models or the engine. ``--part K/N``: the suite no longer fits one
+              call (10 min), so it runs as N calls on one warm machine, each one pytest process over a
+              contiguous slice of the test files (their order unchanged, balanced by the committed record's
+              seconds per file); the last part writes ``gpu_tests.json`` from the N part records:
+
+                  gpu.py tests --part 1/2 --out-dir $OUT     # call A
+                  gpu.py tests --part 2/2 --out-dir $OUT     # call B, same machine: gpu_tests.json
 * ``warm-tests`` the compile-heaviest GPU test files (``WARM_TEST_FILES``), for their kernels only: a call
               before ``tests`` on the same warm machine leaves them in the environment's Triton cache, and the
               whole suite then fits a call (575 s of 590 with a cold cache in session 18). Its outcome is not a
@@ -332,16 +338,25 @@ def read_times(path: Path, top: int = 40) -> dict:
 
 
 def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int, per_test_timeout: int = 240,
-              workers: int = 0) -> dict:
+              workers: int = 0, part: tuple[int, int] | None = None, parts_dir: Path | None = None) -> dict:
     """The README's test command (``python -m pytest``) in one process; ``gpu_tests.json``.
 
     ``workers`` > 0 is for diagnosis only (pytest-xdist, a file per worker): the record says so, and the
-    issue's bar (the whole suite in one process) is met only by a run without it."""
+    issue's bar (the whole suite in one process) is met only by a run without it.
+
+    ``part`` = (k, n): only the k-th of ``split_test_files``' n contiguous slices of the test files, in one
+    process, recorded as ``gpu_tests_part{k}of{n}.json`` (in ``out`` and ``parts_dir``, which outlives the
+    call's $OUT on the device). When the records of all n parts are in ``parts_dir`` for this commit and
+    this split, ``gpu_tests.json`` is written too: ``combine_parts``' sums, with every part's record in it."""
     cache = Path(env.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     cached = sum(1 for p in cache.rglob("*") if p.is_file()) if cache.is_dir() else 0
+    split = split_test_files(test_files(), recorded_file_seconds(), part[1]) if part else None
+    tag = f"_part{part[0]}of{part[1]}" if part else ""
+    if part and parts_dir is not None:
+        (parts_dir / f"gpu_tests{tag}.json").unlink(missing_ok=True)  # never combine a stale record of this part
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        times = out / "gpu_test_times.jsonl"
+        times = out / f"gpu_test_times{tag}.jsonl"
         times.unlink(missing_ok=True)
         env = dict(env, FASTDECODE_TEST_TIMES=str(times))
         # -v: one line per test as it ends, so a run killed at its limit still shows where it was and what
@@ -352,7 +367,9 @@ def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int, per
             argv += ["--timeout", str(per_test_timeout)]
         if workers:
             argv += ["-n", str(workers), "--dist", "loadfile"]
-        rc, dt, text = log.run("tests", argv, timeout, env)
+        if split:
+            argv += [str(ROOT / f) for f in split[part[0] - 1]]
+        rc, dt, text = log.run("tests" + (f" part {part[0]}/{part[1]}" if part else ""), argv, timeout, env)
         result = parse_junit(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 1, "skipped": 0,
                                                             "failures": [{"test": "<pytest>", "kind": "error",
                                                                           "message": f"no report (rc={rc})"}],
@@ -372,13 +389,101 @@ def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int, per
     for f in result["failures"]:
         if detail.get(_junit_name(f["test"])):
             f["detail"] = detail[_junit_name(f["test"])]
-    record = {"suite": "tests", "command": "python -m pytest" + (f" -n {workers} (diagnosis)" if workers else ""),
+    record = {"suite": "tests", "command": "python -m pytest" + (f" -n {workers} (diagnosis)" if workers else "")
+              + (f" <part {part[0]} of {part[1]}: its files>" if part else ""),
               "exit_code": rc, "summary": lines[-1] if lines else "", "duration_s": round(dt, 1), **result,
               "workers": workers or 1, "triton_cache_files_at_start": cached,
               **{k: v for k, v in timing.items() if k != "failure_text"},
               **env_record(sha)}
-    (out / "gpu_tests.json").write_text(json.dumps(record, indent=1) + "\n")
+    if part:
+        record.update(part=f"{part[0]}/{part[1]}", split=split, files=split[part[0] - 1])
+    text = json.dumps(record, indent=1) + "\n"
+    (out / f"gpu_tests{tag}.json").write_text(text)
+    if part and parts_dir is not None:
+        parts_dir.mkdir(parents=True, exist_ok=True)
+        (parts_dir / f"gpu_tests{tag}.json").write_text(text)
+        whole, why = combine_parts(parts_dir, part[1], sha, split)
+        if whole is not None:
+            (out / "gpu_tests.json").write_text(json.dumps(whole, indent=1) + "\n")
+        record["combined"] = why
     return record
+
+
+# The process-state guard sorts last so that it sees every module its process imported: each part runs it.
+PROCESS_STATE_FILE = "tests/test_zz_process_state.py"
+
+
+def test_files() -> list[str]:
+    """The test files pytest collects (tests/test_*.py), in its order, relative to the repository."""
+    return sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py"))
+
+
+def recorded_file_seconds(path: Path = ROOT / "benchmarks" / "results" / "gpu_tests.json") -> dict:
+    """Seconds per test file of the committed whole-suite record (``file_seconds``; {} without one)."""
+    try:
+        return dict(json.loads(path.read_text()).get("file_seconds") or {})
+    except (OSError, ValueError):
+        return {}
+
+
+def split_test_files(files: list[str], seconds: dict, n: int) -> list[list[str]]:
+    """``files`` in n contiguous slices of about equal recorded time (a file without a record counts the median
+    of those with one), so that each slice runs its files in the order of the one-process suite and only the
+    process boundaries are new; ``PROCESS_STATE_FILE`` ends every slice."""
+    core = [f for f in files if f != PROCESS_STATE_FILE]
+    if n < 1 or len(core) < n:
+        raise ValueError(f"cannot split {len(core)} test files into {n} parts")
+    known = sorted(v for f, v in seconds.items() if f in core)
+    default = known[len(known) // 2] if known else 1.0
+    w = [max(float(seconds.get(f, default)), 0.01) for f in core]
+    total, acc, parts, cur = sum(w), 0.0, [], []
+    for i, (f, sec) in enumerate(zip(core, w)):
+        left = len(core) - i  # files not placed yet, this one included
+        need = n - len(parts) - 1  # slices still to open after the current one
+        if cur and need > 0 and (acc + sec / 2 > total * (len(parts) + 1) / n or left == need):
+            parts.append(cur)
+            cur = []
+        cur.append(f)
+        acc += sec
+    parts.append(cur)
+    tail = [PROCESS_STATE_FILE] if PROCESS_STATE_FILE in files else []
+    return [p + tail for p in parts]
+
+
+def combine_parts(parts_dir: Path, n: int, sha: str | None, split: list[list[str]]) -> tuple[dict | None, str]:
+    """The whole suite's record from the n part records in ``parts_dir`` (None and the reason while one is missing,
+    or names another commit or another split): counts, failures and skip reasons summed, every part's record
+    kept under ``parts``. Nothing in it is written by hand: each part is one pytest process's record."""
+    recs = []
+    for k in range(1, n + 1):
+        f = parts_dir / f"gpu_tests_part{k}of{n}.json"
+        if not f.is_file():
+            return None, f"part {k}/{n} not run yet"
+        r = json.loads(f.read_text())
+        if r.get("git_sha") != sha or r.get("split") != split:
+            return None, f"part {k}/{n} ran on {r.get('git_sha')} or another split"
+        recs.append(r)
+    skips = Counter()
+    for r in recs:
+        skips.update(r["skip_reasons"])
+    per_file = Counter()
+    for r in recs:
+        per_file.update(r.get("file_seconds") or {})
+    whole = {"suite": "tests", "command": f"python -m pytest, its files in {n} processes "
+                                          f"(gpu.py tests --part k/{n}, one call each)",
+             "exit_code": next((r["exit_code"] for r in recs if r["exit_code"]), 0),
+             "summary": " | ".join(f"part {r['part']}: {r['summary']}" for r in recs),
+             "duration_s": round(sum(r["duration_s"] for r in recs), 1),
+             **{k: sum(r[k] for r in recs) for k in ("passed", "failed", "errors", "skipped")},
+             "failures": [f for r in recs for f in r["failures"]],
+             "skip_reasons": dict(sorted(skips.items(), key=lambda kv: -kv[1])),
+             "workers": 1, "triton_cache_files_at_start": recs[0]["triton_cache_files_at_start"],
+             "tests_timed": sum(r.get("tests_timed", 0) for r in recs),
+             "slowest": sorted((t for r in recs for t in r.get("slowest", [])), key=lambda t: -t[1])[:40],
+             "file_seconds": {f: round(sec, 1) for f, sec in per_file.most_common()},
+             **{k: recs[-1][k] for k in ("gpu", "gpus", "world_size", "torch", "triton", "python", "git_sha", "date")},
+             "parts": recs}
+    return whole, f"all {n} parts combined into gpu_tests.json"
 
 
 def main(argv=None) -> int:
@@ -391,6 +496,12 @@ def main(argv=None) -> int:
     p.add_argument("--tests-timeout", type=int, default=585,
                    help="seconds the pytest run may take (the device kills a command at 600 s; 585 leaves time "
                         "for the record)")
+    p.add_argument("--part", default=None, metavar="K/N",
+                   help="tests: only the K-th of N contiguous slices of the test files (one call each on one machine); "
+                        "the last part to finish writes gpu_tests.json from all N records in --parts-dir")
+    p.add_argument("--parts-dir", default=str(Path(tempfile.gettempdir()) / "fastdecode_gpu_test_parts"),
+                   help="tests --part: where the part records wait for each other (outside $OUT, which each call "
+                        "empties; default %(default)s)")
     p.add_argument("--workers", type=int, default=0,
                    help="tests: pytest-xdist workers, for diagnosis only (the record says so); default one process")
     p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4"],
@@ -412,6 +523,15 @@ def main(argv=None) -> int:
                    help="tune-int4: comma-separated kernel kinds (fma, mma, dot; default all): the table's entry is "
                         "timed again beside them")
     a = p.parse_args(argv)
+    part = None
+    if a.part:
+        try:
+            part = tuple(int(x) for x in a.part.split("/"))
+            assert len(part) == 2 and 1 <= part[0] <= part[1]
+        except (ValueError, AssertionError):
+            p.error(f"--part wants K/N with 1 <= K <= N, got {a.part!r}")
+        if a.workers:
+            p.error("--part runs one process per part: no --workers with it")
 
     sha = a.git_sha
     if not sha:
@@ -439,9 +559,12 @@ def main(argv=None) -> int:
     summary, worst = [], 0
     for s in suites:
         if s == "tests":
-            r = run_tests(log, out, env, sha, a.tests_timeout, workers=a.workers)
+            r = run_tests(log, out, env, sha, a.tests_timeout, workers=a.workers, part=part,
+                          parts_dir=Path(a.parts_dir) if part else None)
             bad = r["failed"] + r["errors"]
-            summary.append((s, r["summary"], r["duration_s"]))
+            summary.append((s + (f" {r['part']}" if part else ""), r["summary"], r["duration_s"]))
+            if part:
+                summary.append(("  parts", r["combined"], 0))
             for f in r["failures"]:
                 summary.append(("  FAILED", f["test"], f["message"][:120]))
             worst = max(worst, 1 if bad or r["exit_code"] else 0)

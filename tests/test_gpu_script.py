@@ -232,3 +232,63 @@ def test_warm_tests_runs_test_files_that_exist(gpu, tmp_path):
     files = [Path(a) for a in argv if a.endswith(".py")]
     assert len(files) == len(gpu.WARM_TEST_FILES) and all(f.is_file() and f.parent.name == "tests" for f in files)
     assert argv[1:3] == ["-m", "pytest"] and timeout <= 300
+
+
+def test_split_test_files_keeps_the_order_and_balances_the_recorded_time(gpu):
+    """``tests --part k/n`` slices: contiguous, in pytest's order, every file once (the process-state guard at
+    the end of each slice), about equal recorded seconds, an unrecorded file at the median."""
+    files = [f"tests/test_{c}.py" for c in "abcdefgh"] + [gpu.PROCESS_STATE_FILE]
+    secs = {"tests/test_a.py": 10, "tests/test_b.py": 10, "tests/test_c.py": 40, "tests/test_d.py": 10,
+            "tests/test_e.py": 10, "tests/test_f.py": 10, "tests/test_g.py": 10}  # h: the median, 10
+    parts = gpu.split_test_files(files, secs, 2)
+    assert [p[-1] for p in parts] == [gpu.PROCESS_STATE_FILE] * 2
+    assert sum((p[:-1] for p in parts), []) == files[:-1]  # contiguous, nothing lost or repeated
+    assert [sum(secs.get(f, 10) for f in p[:-1]) for p in parts] == [60, 50]
+    three = gpu.split_test_files(files, {}, 3)  # no record: equal weights
+    assert [len(p) - 1 for p in three] == [3, 2, 3] and sum((p[:-1] for p in three), []) == files[:-1]
+    assert all(len(p) > 1 for p in gpu.split_test_files(files, {"tests/test_a.py": 1000}, 4))  # no empty slice
+    with pytest.raises(ValueError):
+        gpu.split_test_files(files[:2], secs, 3)
+    real = gpu.split_test_files(gpu.test_files(), gpu.recorded_file_seconds(), 2)
+    assert sorted(set(sum(real, []))) == gpu.test_files()
+
+
+def test_the_parts_of_the_suite_combine_into_one_record(gpu, tmp_path, monkeypatch):
+    """Each ``--part`` is one pytest process over its slice; the last writes ``gpu_tests.json`` from all the part
+    records of its commit and split (summed counts, every part kept), and not before every part has run."""
+    runs = []
+
+    def fake_run(self, label, argv, timeout, env):
+        runs.append((label, [a for a in argv if a.endswith(".py")]))
+        k = len(runs)
+        Path(argv[argv.index("--junitxml") + 1]).write_text(JUNIT)
+        return (1 if k == 1 else 0), 10.0 * k, f"....\nsummary {k}\n"
+
+    monkeypatch.setattr(gpu.Log, "run", fake_run)
+    log, parts = gpu.Log(tmp_path / "gpu_log.txt"), tmp_path / "parts"
+    out1, out2 = tmp_path / "o1", tmp_path / "o2"
+    out1.mkdir(), out2.mkdir()
+    r1 = gpu.run_tests(log, out1, {}, "abc123", 60, part=(1, 2), parts_dir=parts)
+    assert not (out1 / "gpu_tests.json").exists() and r1["combined"] == "part 2/2 not run yet"
+    assert json.loads((out1 / "gpu_tests_part1of2.json").read_text())["part"] == "1/2"
+    # a part 2 record of another commit is not combined
+    stale = dict(json.loads((parts / "gpu_tests_part1of2.json").read_text()), git_sha="old", part="2/2")
+    (parts / "gpu_tests_part2of2.json").write_text(json.dumps(stale))
+    r2 = gpu.run_tests(log, out2, {}, "abc123", 60, part=(2, 2), parts_dir=parts)
+    assert r2["combined"] == "all 2 parts combined into gpu_tests.json"
+    whole = json.loads((out2 / "gpu_tests.json").read_text())
+    assert [f for _, fs in runs for f in fs if not f.endswith(gpu.PROCESS_STATE_FILE.split("/")[1])] == \
+        [str(gpu.ROOT / f) for f in gpu.test_files() if f != gpu.PROCESS_STATE_FILE]
+    assert (whole["passed"], whole["failed"], whole["errors"], whole["skipped"]) == (4, 2, 2, 2)
+    assert whole["exit_code"] == 1 and whole["duration_s"] == 30.0 and whole["git_sha"] == "abc123"
+    assert [p["part"] for p in whole["parts"]] == ["1/2", "2/2"] and len(whole["failures"]) == 4
+    assert whole["summary"] == "part 1/2: summary 1 | part 2/2: summary 2"
+
+
+def test_part_arguments_are_checked(gpu, capsys):
+    for bad in ("3/2", "0/2", "x", "1/2/3"):
+        with pytest.raises(SystemExit):
+            gpu.main(["tests", "--part", bad])
+        assert "--part wants K/N" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu.main(["tests", "--part", "1/2", "--workers", "2"])
