@@ -43,6 +43,33 @@ def assert_close(actual, expected, dtype=None, ulps=1):
     torch.testing.assert_close(actual.float(), expected.float(), **{k: v * ulps for k, v in tol.items()})
 
 
+def assert_product_close(actual, expected, a, w, *, roundings=3, sigmas=6.0, dtype=None):
+    """``actual`` and ``expected`` are two recipes of ``a @ w.T`` (a ``[..., K]``, w ``[N, K]``: the exact values,
+    fp32) that round their inputs differently, each rounded once to ``dtype`` (default expected's) at the end.
+
+    An input rounding moves a term ``a_k * w_k`` by a relative error of at most eps / 2 (eps: the ulp at 1),
+    so its standard deviation is at most eps / sqrt(12); ``roundings`` independent ones (an operand rounded in
+    one recipe and not in the other counts one) give each output a standard deviation of at most
+    ``sqrt(roundings) * eps / sqrt(12) * sqrt(sum_k (a_k w_k)^2)``. Allowed: ``sigmas`` of that plus one ulp of
+    |expected| (the two final roundings). A bound relative to |expected| alone fails where a sum of large terms
+    cancels: ``test_int4_norm_linear`` failed on the H200 at 0.0215 from 0.31 (session 20), and a simulation of
+    its recipes over 400 seeds exceeded the old 2-ulp bound in 1.25 % of the calls and used at most 0.52 of this
+    one."""
+    dtype = dtype or expected.dtype
+    eps = torch.finfo(dtype).eps
+    a, w = a.float().reshape(-1, a.shape[-1]), w.float()
+    scale = torch.sqrt(a.pow(2) @ w.pow(2).t()).reshape(expected.shape)
+    e = expected.float()
+    tol = sigmas * (roundings ** 0.5) * eps / 12 ** 0.5 * scale + eps * e.abs() + 1e-30
+    d = (actual.float() - e).abs()
+    bad = ~(d <= tol)  # NaN fails too
+    r = (d / tol).nan_to_num(float("inf")).flatten()
+    i = int(r.argmax())
+    assert not bad.any(), (f"{int(bad.sum())} of {d.numel()} elements beyond the product bound: worst at flat "
+                           f"index {i}, |diff| {d.flatten()[i].item():.4g} = {r[i].item():.3g} x the bound "
+                           f"{tol.flatten()[i].item():.4g} (expected {e.flatten()[i].item():.4g})")
+
+
 def assert_fp8_close(q, q_ref, scale=None, scale_ref=None, *, max_mismatch=0.05):
     """FP8 outputs agree within one e4m3 step, elementwise, after dequantisation.
 

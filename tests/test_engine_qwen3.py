@@ -224,4 +224,8 @@ def test_qwen3_cuda_graph_decode():
     ref.prefill(ids, c32)
     m.prefill(ids, c16)
     nxt, pos = torch.tensor([7], device="cuda"), torch.tensor([ids.shape[1]], device="cuda")
-    assert rel_rms(m.decode(nxt, pos, c16), ref.decode(nxt, pos, c32)) < 2e-2
+    # bf16 against fp32: the bar sits above the rounding's own spread. The same step on the CPU's torch backend
+    # in bf16 gave rel rms 0.0139 median, 0.0238 max over 1000 seeds (2.3 % of them above the old 2e-2, the
+    # failure of session 20's GPU suite); q_norm's weight 10 % off gives 0.086 median, left out 0.55.
+    err = rel_rms(m.decode(nxt, pos, c16), ref.decode(nxt, pos, c32))
+    assert err < 4e-2, (float(err), seed)
