@@ -111,6 +111,42 @@ def test_prefill_rows_equals_each_row_alone(model):
         assert torch.isnan(cache.k[:, slot]).all()
 
 
+def _host_syncs(fn):
+    """The aten calls of ``fn()`` that wait for the device when its tensors live on a GPU: a scalar read
+    (``.item()``, ``int(t)``), ``nonzero``, and indexing with a boolean mask (a ``nonzero`` inside)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            idx = args[1] if name in ("index", "index_put", "index_put_") and len(args) > 1 else ()
+            if name in ("_local_scalar_dense", "item", "nonzero", "is_nonzero") or any(
+                    torch.is_tensor(t) and t.dtype == torch.bool for t in (idx or ()) if t is not None):
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        fn()
+    return seen
+
+
+def test_prefill_rows_layers_run_without_a_host_sync():
+    """The pass's index tensors are made once on the host (``models.prefill._RowsPlan``): the layers add no call
+    that would wait for a GPU (boolean indexing and ``int(t.max())`` did, five a layer), so a deeper model
+    makes no more of them than a shallow one, and the setup's own are on host tensors."""
+    counts = {}
+    for n_layers in (1, 3):
+        cfg = ModelConfig.from_preset("tiny").replace(n_layers=n_layers)
+        m = random_model(cfg, device="cpu", dtype=torch.float32, backend="torch", std=0.1, seed=3, max_seq_len=32)
+        cache = KVCache(cfg, 4, 32, dtype=torch.float32)
+        tokens = torch.randint(0, 256, (3, 5))
+        counts[n_layers] = _host_syncs(lambda: prefill_rows(m, tokens, [0, 4, 2], [5, 2, 3], [2, 0, 3], cache))
+    assert counts[1] == counts[3], counts
+    assert "index" not in counts[3] and "index_put" not in counts[3] and "index_put_" not in counts[3], counts
+
+
 def test_prefill_rows_arguments(model):
     cache = KVCache(model.config, 3, 16, dtype=torch.float32)
     ids = torch.zeros(2, 4, dtype=torch.long)

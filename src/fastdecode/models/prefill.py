@@ -30,25 +30,45 @@ import torch.nn.functional as F
 from fastdecode.models.llama import Attention, Transformer, _lead
 
 
+class _RowsPlan:
+    """Index tensors of one ``prefill_rows`` pass, made once on the host and shared by every layer, so that the
+    layers run without a host sync: boolean indexing of a device tensor (its ``nonzero``) and ``int(t.max())``
+    each wait for the GPU, and five of them a layer left the pass's launches unpipelined (every layer waited for the
+    one before it, then the host queued its ops one by one).
+
+    ``tok_r, tok_j``: row and column of every real token in the chunk; ``cache_row, cache_pos``: where its K / V go;
+    ``end``: one past the last position any row reads; ``live`` [R, 1, end, 1]: the cached keys of each row's own
+    sequence (the rest zeroed); ``mask`` [R, 1, C, end]: query j of row r sees positions <= its own."""
+
+    def __init__(self, starts: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, C: int, rope_len: int, dev):
+        j = torch.arange(C)
+        valid = j[None, :] < lens[:, None]  # host tensors: their nonzero costs no sync
+        tok_r, tok_j = valid.nonzero(as_tuple=True)
+        pos = (starts[:, None] + j[None, :]).clamp(max=rope_len - 1)  # padding: any row of the RoPE table
+        self.end = int((starts + lens).max())
+        t = torch.arange(self.end)
+        self.pos = pos.to(dev)
+        self.tok_r, self.tok_j = tok_r.to(dev), tok_j.to(dev)
+        self.cache_row, self.cache_pos = slots[tok_r].to(dev), pos[tok_r, tok_j].to(dev)
+        self.slots = slots.to(dev)
+        self.live = (t[None, :] < (starts + lens)[:, None])[:, None, :, None].to(dev)
+        self.mask = (t[None, None, :] <= pos[:, :, None])[:, None].to(dev)
+
+
 def attention_rows(attn: Attention, x, cs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slots: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, row_end: torch.Tensor, backend: str):
-    """x: [R, C, dim] (or an FP8 pair); row r's token j at position ``pos[r, j]`` of cache row ``slots[r]``, real
-    where ``valid[r, j]``; ``row_end[r]``: one past its last real position; cs: the RoPE rows of ``pos``. Writes
-    the real tokens' k / v, then each query attends to the cached positions <= its own in its row. -> [R, C, dim]."""
+                   plan: _RowsPlan, backend: str):
+    """x: [R, C, dim] (or an FP8 pair); row r's token j at position ``plan.pos[r, j]`` of cache row
+    ``plan.slots[r]``; cs: the RoPE rows of those positions. Writes the real tokens' k / v, then each query attends
+    to the cached positions <= its own in its row. -> [R, C, dim]. No host sync (``_RowsPlan``)."""
     R, C = _lead(x)
     q, k, v = attn._qkv(x, cs, backend)
-    rows = slots[:, None].expand(R, C)[valid]
-    k_cache[rows, :, pos[valid]] = k[valid]  # [N real tokens, Hkv, D]
-    v_cache[rows, :, pos[valid]] = v[valid]
-    end = int(row_end.max())
-    t = torch.arange(end, device=pos.device)
+    k_cache[plan.cache_row, :, plan.cache_pos] = k[plan.tok_r, plan.tok_j]  # [N real tokens, Hkv, D]
+    v_cache[plan.cache_row, :, plan.cache_pos] = v[plan.tok_r, plan.tok_j]
     # the rows' keys up to the longest row's end (copies); past a row's own end the cache holds another request's
     # leftovers (even NaN): zeroed, as masked keys are still multiplied (NaN * 0 is NaN)
-    live = (t[None, :] < row_end[:, None])[:, None, :, None]  # [R, 1, end, 1]
-    keys = torch.where(live, k_cache[slots, :, :end], 0)
-    values = torch.where(live, v_cache[slots, :, :end], 0)
-    mask = t[None, None, :] <= pos[:, :, None]  # [R, C, end]
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=attn.scale,
+    keys = torch.where(plan.live, k_cache[plan.slots, :, :plan.end], 0)
+    values = torch.where(plan.live, v_cache[plan.slots, :, :plan.end], 0)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=plan.mask, scale=attn.scale,
                                        enable_gqa=attn.n_heads != attn.n_kv_heads)
     return attn.wo(o.transpose(1, 2).reshape(R, C, -1), backend)
 
@@ -82,7 +102,7 @@ def prefill_rows(model: Transformer, tokens: torch.Tensor, starts, lens, slots, 
     logits [R, V] at each row's last real token."""
     R, C = tokens.shape
     dev = tokens.device
-    starts, lens, slots = (torch.as_tensor(v, dtype=torch.long).reshape(-1) for v in (starts, lens, slots))
+    starts, lens, slots = (torch.as_tensor(v, dtype=torch.long).reshape(-1).cpu() for v in (starts, lens, slots))
     if not len(starts) == len(lens) == len(slots) == R:
         raise ValueError(f"starts, lens and slots need one entry per row of tokens ({R}), got {len(starts)}, "
                          f"{len(lens)}, {len(slots)}")
@@ -101,14 +121,10 @@ def prefill_rows(model: Transformer, tokens: torch.Tensor, starts, lens, slots, 
 def _rows_pass(model: Transformer, tokens: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
                slots: torch.Tensor, cache) -> tuple:
     """The layers over checked rows (``prefill_rows``' arguments as CPU int64 tensors) -> ``_blocks``' (h, head)."""
-    dev = tokens.device
-    j = torch.arange(tokens.shape[1])
-    valid = (j[None, :] < lens[:, None]).to(dev)
-    pos = (starts[:, None] + j[None, :]).clamp(max=model.rope_len - 1).to(dev)  # padding: any row of the table
-    slots, row_end = slots.to(dev), (starts + lens).to(dev)
-    cs = model.rope[pos]  # [R, C, D/2, 2]
+    plan = _RowsPlan(starts, lens, slots, tokens.shape[1], model.rope_len, tokens.device)
+    cs = model.rope[plan.pos]  # [R, C, D/2, 2]
     return _blocks(model, tokens, lambda i, attn, x: attention_rows(
-        attn, x, cs, cache.k[i], cache.v[i], slots, pos, valid, row_end, model.backend))
+        attn, x, cs, cache.k[i], cache.v[i], plan, model.backend))
 
 
 @torch.no_grad()
