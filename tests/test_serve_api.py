@@ -259,3 +259,43 @@ def test_a_failing_step_is_a_500_not_a_hang(server, monkeypatch):
     assert _wait_idle(server)
     r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "t1", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_pre_rendered_chunk_lines_are_the_chunks_json():
+    """``protocol.ChunkLines`` (the streamed lines, rendered once per stream) writes what ``json.dumps`` of
+    ``protocol.chunk`` writes, for awkward text too (quotes, backslashes, control characters, non-ASCII)."""
+    from fastdecode.serve import protocol
+    from fastdecode.serve.app import _sse
+
+    texts = [None, "", " t5", '"quoted"\n\ttab', "ünïcødé 😀", "\\back\\", "\x00\x1f ctrl", "\u2028\u2029"]
+    for kind in ("chat", "completion"):
+        lines = protocol.ChunkLines(kind, 'cmpl-"id"', "mo\\del", 1700000000)
+        for text in texts:
+            for reason in (None, "stop", "length"):
+                for i in (0, 7):
+                    assert lines.line(i, text, reason) == _sse(protocol.chunk(
+                        kind, 'cmpl-"id"', "mo\\del", 1700000000, i, text, reason)), (kind, text, reason, i)
+
+
+def test_many_streams_at_once_get_every_token_in_order(server, model, tok):
+    """Events of one step reach the event loop together (``app._Handoff``): 8 streams of 4 slots, each
+    with its own prompt, every one equal to the prompt generated alone, none lost, none reordered."""
+    import asyncio
+
+    prompts = [_words(n) for n in (2, 3, 5, 7, 4, 6, 1, 8)]
+
+    async def one(client, p):
+        text = []
+        body = {"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += [c["text"] for c in json.loads(line[6:])["choices"]]
+        return "".join(text)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    got = asyncio.run(main())
+    assert got == [alone(model, tok, p, 12).text for p in prompts]

@@ -16,6 +16,8 @@ Unknown fields are ignored (clients send vendor extensions).
 
 from __future__ import annotations
 
+import json
+import json.encoder
 import math
 import time
 import uuid
@@ -296,6 +298,30 @@ def chunk(kind: str, rid: str, model: str, created: int, index: int, text: Optio
         c = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+
+
+# a str as compact JSON, as ``json.dumps(s, ensure_ascii=False)`` writes it (C-accelerated)
+_json_str = json.encoder.encode_basestring
+
+
+class ChunkLines:
+    """The server-sent-event lines of one stream's chunks, ``"data: " + json(chunk(...))``, compact, with the
+    fields that do not change (id, object, created, model) rendered once: a token's line then costs one string
+    escape instead of a dict and a ``json.dumps`` (the event loop writes one per token per stream)."""
+
+    def __init__(self, kind: str, rid: str, model: str, created: int):
+        self.kind = kind
+        head = json.dumps({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                           "created": created, "model": model}, separators=(",", ":"), ensure_ascii=False)
+        self._head = "data: " + head[:-1] + ',"choices":[{"index":'
+
+    def line(self, index: int, text: Optional[str], finish_reason: Optional[str] = None) -> str:
+        fr = "null" if finish_reason is None else _json_str(finish_reason)
+        if self.kind == "chat":
+            body = '"delta":{}' if text is None else '"delta":{"content":' + _json_str(text) + "}"
+        else:
+            body = '"text":' + _json_str(text or "")
+        return f'{self._head}{int(index)},{body},"logprobs":null,"finish_reason":{fr}}}]}}\n\n'
 
 
 def usage_chunk(kind: str, rid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict:
