@@ -16,6 +16,7 @@ import torch
 import fastdecode.kernels.int4 as KI
 import fastdecode.kernels.int4_mma as KM
 import fastdecode.ops.int4 as I
+from fastdecode.ops.int4_format import dequantize_int4
 from fastdecode.ops.int4_norm_linear import (
     int4_add_linear_, int4_add_linear_ref, int4_rms_norm_linear, int4_rms_norm_linear_ref,
 )
@@ -83,8 +84,6 @@ def _add_call(name):
 def _assert_norm_ref(actual, h, nw, w, b=None):
     """``actual`` against ``int4_rms_norm_linear_ref``: another recipe of the same product (the normed rows or
     ``h * g`` rounded, the weight rounded to h's dtype or not), within ``assert_product_close``'s bound."""
-    from fastdecode.ops.int4_format import dequantize_int4
-
     v = h.float().reshape(-1, K)
     a = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS) * (nw.float() if nw is not None else 1.0)
     expected = int4_rms_norm_linear_ref(h, nw, w, b, eps=EPS)
@@ -93,8 +92,6 @@ def _assert_norm_ref(actual, h, nw, w, b=None):
 
 def _assert_add_ref(actual, r0, x, w):
     """``actual`` against ``int4_add_linear_ref`` (``r0 + x @ W.T``), as ``_assert_norm_ref``."""
-    from fastdecode.ops.int4_format import dequantize_int4
-
     expected = int4_add_linear_ref(r0, x, w)
     assert_product_close(actual.reshape(-1, N), expected.reshape(-1, N), x.float().reshape(-1, K),
                          dequantize_int4(w, torch.float32))
@@ -113,8 +110,6 @@ def _compiled():
 def _weight(name, w):
     """The weight each kind multiplies: the fma kind the exact dequantised values (fp32), the tensor-core kinds
     (dot, mma) those converted to x's dtype, as ``int4_linear_ref`` rounds them."""
-    from fastdecode.ops.int4_format import dequantize_int4
-
     return dequantize_int4(w, torch.float32 if CASES[name][0]["kind"] == "fma" else XDT).float()
 
 
@@ -127,8 +122,6 @@ def test_rms_norm_inside_every_kind_and_split(name, affine):
     (``assert_product_close``): the mma kind multiplies the exact ``q - zero`` and scales the sums, where the recipe
     rounds the weight, and a 2-ulp bound on |y| failed where the sum cancels (0.0024 at |y| = 0.093, fp16, session
     21's CPU run; 2.4e-3 for the fma kind before)."""
-    from fastdecode.ops.int4_format import dequantize_int4
-
     h, nw, w, b, out = _norm_call(name, affine)
     v = h.float()
     a = (v * nw.float()).to(h.dtype) if nw is not None else h
@@ -142,8 +135,6 @@ def test_rms_norm_inside_every_kind_and_split(name, affine):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_residual_add_in_the_epilogue_every_kind_and_split(name):
-    from fastdecode.ops.int4_format import dequantize_int4
-
     x, w, r0, r = _add_call(name)
     assert_product_close(r, (r0.float() + x.float() @ _weight(name, w).t()).to(XDT), x.float(),
                          dequantize_int4(w, torch.float32))

@@ -17,7 +17,6 @@ Unknown fields are ignored (clients send vendor extensions).
 from __future__ import annotations
 
 import json
-import json.encoder
 import math
 import time
 import uuid
@@ -293,15 +292,17 @@ def chunk(kind: str, rid: str, model: str, created: int, index: int, text: Optio
         if text is not None:
             delta["content"] = text
         c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
     else:
         c = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+    return {"id": rid, "object": _chunk_object(kind), "created": created, "model": model, "choices": [c]}
+
+
+def _chunk_object(kind: str) -> str:
+    return "chat.completion.chunk" if kind == "chat" else "text_completion"
 
 
 # a str as compact JSON, as ``json.dumps(s, ensure_ascii=False)`` writes it (C-accelerated)
-_json_str = json.encoder.encode_basestring
+_json_str = json.encoder.encode_basestring  # json imports its encoder module
 
 
 class ChunkLines:
@@ -311,8 +312,8 @@ class ChunkLines:
 
     def __init__(self, kind: str, rid: str, model: str, created: int):
         self.kind = kind
-        head = json.dumps({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                           "created": created, "model": model}, separators=(",", ":"), ensure_ascii=False)
+        head = json.dumps({"id": rid, "object": _chunk_object(kind), "created": created, "model": model},
+                          separators=(",", ":"), ensure_ascii=False)
         self._head = "data: " + head[:-1] + ',"choices":[{"index":'
 
     def line(self, index: int, text: Optional[str], finish_reason: Optional[str] = None) -> str:
@@ -326,8 +327,8 @@ class ChunkLines:
 
 def usage_chunk(kind: str, rid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int) -> dict:
     """The last streamed event with ``stream_options.include_usage``: no choices, the usage."""
-    return {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": created, "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+    return {"id": rid, "object": _chunk_object(kind), "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def models_list(names: tuple[str, ...], created: int) -> dict:
