@@ -51,6 +51,9 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``int4-diag`` ``benchmarks/diag_int4_gemv.py``: the int4 GEMV at decode sizes against its access pattern's ceiling
               (a kernel that only streams the packed words), the copy rate, mma variants, cuBLAS BF16 and tinygemm;
               then, where ``ncu`` is installed, one launch of each of a few cases under it (``ncu_int4.txt``).
+* ``int4-a8`` ``benchmarks/sweep_int4_a8.py``: W4A8 with int8 activations (``ops.int4_a8``, the dp4a GEMV and the
+              activation's quantisation) against the W4A16 table, the stream-only probe, cuBLAS BF16 and tinygemm,
+              8B shapes and head, M = 1, 2, 4, with a config sweep of the GEMV.
 * ``int4-norm-pdl`` ``benchmarks/diag_int4_norm_gemm_pdl.py``: the 8B int4 step with every block on the
               ``norm_gemm`` path (tensor-core kinds after a norm kernel, then with the norm inside them too),
               timed beside the unfused step and profiled with and without PDL.
@@ -129,14 +132,17 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
             # quantised: the peer of the same format (the ref-backend torch-compile row would dequantise)
             "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8", "--impl",
                                           "peer-compile", *abl), 420),
+            # int4_a8 (opt-in): W4A8 with int8 activations at decode
             "int4": ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
-                                            "--impl", "peer-compile", *abl, "fastdecode-graph-no-norm_gemm"),
+                                            "--impl", "peer-compile", *abl, "fastdecode-graph-no-norm_gemm",
+                                            "fastdecode-graph-with-int4_a8"),
                      420),
             # the lm head quantised too (issue 18's "the head"; the peers keep a dense head)
             "fp8-head": ("decode fp8 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
                                                     "--quant-head", "fp8", "--impl", "fastdecode-graph"), 300),
             "int4-head": ("decode int4 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
-                                                      "--quant-head", "int4", "--impl", "fastdecode-graph"), 300),
+                                                      "--quant-head", "int4", "--impl", "fastdecode-graph",
+                                                      "fastdecode-graph-with-int4_a8"), 300),
         }
         return [steps[f] for f in formats]
     if name == "profile":
@@ -166,6 +172,9 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "int4-norm":
         return [("sweep int4 norm", [PY, str(ROOT / "benchmarks" / "sweep_int4_norm_gemv.py"),
                                      "--out", str(out / "sweep_int4_norm_gemv.json")], 240)]
+    if name == "int4-a8":
+        return [("sweep int4 a8", [PY, str(ROOT / "benchmarks" / "sweep_int4_a8.py"),
+                                   "--out", str(out / "sweep_int4_a8.json")], 420)]
     if name == "int4-norm-pdl":
         return [("diag int4 norm pdl", [PY, str(ROOT / "benchmarks" / "diag_int4_norm_gemm_pdl.py"),
                                         "--out", str(out / "diag_int4_norm_gemm_pdl.json")], 540)]
@@ -218,7 +227,7 @@ WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attenti
                    "test_gemm_gpu.py", "test_norm_linear.py", "test_activation_quant.py")
 SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "hf", "serve",
           "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
-          "int4-norm-pdl", "int4-diag")
+          "int4-norm-pdl", "int4-diag", "int4-a8")
 
 
 def _ncu() -> str | None:
@@ -552,7 +561,8 @@ def main(argv=None) -> int:
     from fastdecode.ops._common import gpu_key
 
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
-    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl", "int4-diag")  # tp: with 2+ GPUs only
+    # tp: with 2+ GPUs only
+    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl", "int4-diag", "int4-a8")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")

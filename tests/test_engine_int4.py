@@ -97,6 +97,39 @@ def test_int4_triton_interpreter_equals_torch_backend_fp16():
     assert all(lin.impl is None for _, _, lin in _projections(q))
 
 
+def test_int4_a8_switch_runs_decode_rows_w4a8_and_prefill_w4a16():
+    """``int4_a8`` (opt-in): projections of up to 4 token rows quantise their activation to int8 (the a8 reference
+    on the torch backend), longer prefills keep W4A16; weights whose groups are not multiples of 128 stay W4A16."""
+    from fastdecode.ops.int4 import int4_linear
+    from fastdecode.ops.int4_a8 import int4_linear_a8_ref
+
+    cfg = CFG.replace(dim=128, intermediate_size=256)  # group 128 divides every K
+    q = quantize_model_int4(random_model(cfg, device="cpu", dtype=torch.bfloat16, backend="torch", max_seq_len=64,
+                                         std=0.08, seed=int(torch.randint(0, 1000, ()))))
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    nxt, pos = torch.randint(0, cfg.vocab_size, (2,)), torch.tensor([9, 9])
+    logits16, cache = prefill(q, ids)
+    step16 = q.decode(nxt, pos, cache)
+    assert not any(lin.act_int8 for _, _, lin in _projections(q))  # off by default
+    q.set_kernels(int4_a8=True)
+    assert all(lin.act_int8 for _, _, lin in _projections(q)) and "w4a8" in repr(q.layers[0].attention.wqkv)
+    logits8, cache = prefill(q, ids)
+    assert torch.equal(logits8, logits16)  # 18 token rows: W4A16
+    step8 = q.decode(nxt, pos, cache)
+    assert 0 < rel_rms(step8, step16) < 0.05  # the activations' int8 rounding, far below int4's own
+    lin = q.layers[1].feed_forward.w2
+    x = torch.randn(2, 1, lin.in_features).bfloat16()
+    torch.testing.assert_close(lin(x, "torch"), int4_linear_a8_ref(x, lin.packed), atol=0, rtol=0)
+    q.set_kernels(int4_gemm=False)  # the dequant + cuBLAS ablation has no W4A8
+    assert not any(lin.act_int8 for _, _, lin in _projections(q))
+    from fastdecode.quant.int4 import quantize_int4
+
+    g64 = Int4Linear.from_weight(quantize_int4(torch.randn(32, 256), 64, symmetric=False))  # groups of 64 < K
+    g64.act_int8 = True
+    x = torch.randn(1, 256).bfloat16()
+    assert torch.equal(g64(x, "torch"), int4_linear(x, g64.packed, backend="torch")) and "w4a16" in repr(g64)
+
+
 def test_quantize_int4_on_meta_and_errors():
     real = quantize_model_int4(random_model(CFG, device="cpu", dtype=torch.bfloat16, max_seq_len=64))
     with torch.device("meta"):
@@ -380,6 +413,36 @@ def test_int4_llama8b_shapes_triton_graph_equals_torch_gpu():
         assert cos.min().item() > 0.999, k
     m.backend = "triton"
     m.set_kernels(int4_gemm=True)
+    cache = KVCache(m.config, 2, 128, dtype=torch.bfloat16, device="cuda")
+    m.prefill(ids, cache)
+    g = DecodeGraphRunner(m, cache, buckets=[2])
+    g.capture()
+    m.prefill(ids, cache)  # capture warm-up wrote position 0
+    torch.testing.assert_close(g.run(nxt, pos), out["triton", True], atol=1e-2, rtol=0)
+
+
+@pytest.mark.gpu
+def test_int4_a8_llama8b_shapes_graph_equals_eager_and_reference_gpu():
+    """GPU: the int4_a8 switch on 2 layers of Llama-3.1-8B shapes: the decode step on the W4A8 kernels (eager and
+    replayed) against the torch backend's a8 reference and against the W4A16 step."""
+    from fastdecode.engine.cuda_graph import DecodeGraphRunner
+
+    cfg = ModelConfig.from_preset("llama-3.1-8b").replace(n_layers=2)
+    m = quantize_model_int4(random_model(cfg, device="cuda", dtype=torch.bfloat16, max_seq_len=128,
+                                         seed=int(torch.randint(0, 1000, ()))))
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), device="cuda")
+    nxt = torch.randint(0, cfg.vocab_size, (2,), device="cuda")
+    pos = torch.tensor([9, 9], device="cuda")
+    out = {}
+    for be, a8 in (("triton", False), ("torch", True), ("triton", True)):
+        m.backend = be
+        m.set_kernels(int4_a8=a8)
+        cache = KVCache(m.config, 2, 128, dtype=torch.bfloat16, device="cuda")
+        m.prefill(ids, cache)
+        out[be, a8] = m.decode(nxt, pos, cache)
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(out["triton", True], out["torch", True], dim=-1).min().item() > 0.9999
+    assert cos(out["triton", True], out["triton", False], dim=-1).min().item() > 0.999
     cache = KVCache(m.config, 2, 128, dtype=torch.bfloat16, device="cuda")
     m.prefill(ids, cache)
     g = DecodeGraphRunner(m, cache, buckets=[2])

@@ -132,11 +132,16 @@ def test_tune_shapes_and_groups_reach_both_tuners(gpu, tmp_path, monkeypatch):
 
 
 def test_decode_with_a_quantised_head(gpu, tmp_path):
-    """The -head formats: the same decode with ``--quant-head`` of the format (our rows only)."""
+    """The -head formats: the same decode with ``--quant-head`` of the format (our rows only; int4 with and without
+    the opt-in int8 activations)."""
     [(label, argv, _)] = gpu.suite_commands("decode", tmp_path, 1, formats=("int4-head",))
     assert label == "decode int4 head"
     assert argv[argv.index("--quant") + 1] == "int4" and argv[argv.index("--quant-head") + 1] == "int4"
-    assert argv[argv.index("--impl") + 1:] == ["fastdecode-graph"]
+    assert argv[argv.index("--impl") + 1:] == ["fastdecode-graph", "fastdecode-graph-with-int4_a8"]
+    [(_, argv, _)] = gpu.suite_commands("decode", tmp_path, 1, formats=("int4",))
+    assert "fastdecode-graph-with-int4_a8" in argv and "peer-compile" in argv
+    [(label, argv, _)] = gpu.suite_commands("int4-a8", tmp_path, 1)
+    assert label == "sweep int4 a8" and argv[1].endswith("sweep_int4_a8.py")
 
 
 def test_decode_small_runs_the_embedded_model_and_its_bf16_shapes(gpu, tmp_path):

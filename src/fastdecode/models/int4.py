@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fastdecode.ops.int4 import int4_linear, int4_linear_ref
+from fastdecode.ops.int4_a8 import MAX_M as A8_MAX_M, int4_linear_a8, int4_linear_a8_ref, supports as a8_supports
 from fastdecode.ops.int4_format import LAYOUT, Int4Weight, packed_cols
 
 INT4_ACT_DTYPES = (torch.bfloat16, torch.float16)  # what the int4 kernels take; fp32 runs the reference
@@ -29,6 +30,8 @@ class Int4Linear(nn.Module):
     bf16/fp16 (never an FP8 pair: the norms before an int4 projection keep their float output); fp32
     activations (the CPU engine) run ``int4_linear_ref``. ``impl``: None (the int4 dispatcher: our kernels,
     or dequantise + cuBLAS at large M) or "dequant" (ablation ``int4_gemm`` off: dequantise + cuBLAS always).
+    ``act_int8`` (the model's ``int4_a8`` switch): up to ``ops.int4_a8.MAX_M`` token rows run W4A8, the activation
+    quantised to int8 per group of 128 columns (``int4_linear_a8``), where the weight's groups allow it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int,
@@ -53,6 +56,7 @@ class Int4Linear(nn.Module):
         self.perm = param((in_features,), torch.int64) if act_order else None
         self.bias = param((out_features,), dtype) if bias else None
         self.impl: Optional[str] = None
+        self.act_int8 = False
 
     @classmethod
     def from_weight(cls, w: Int4Weight, bias: Optional[torch.Tensor] = None, *, device=None,
@@ -82,6 +86,10 @@ class Int4Linear(nn.Module):
             raise ValueError("Int4Linear is W4A16: it takes a bf16/fp16 (or fp32) activation, got an (fp8, scale) "
                              "pair; the norm / activation before an int4 projection must not emit FP8")
         w = self.packed
+        if self.act_int8 and x.dtype in INT4_ACT_DTYPES and x.numel() <= A8_MAX_M * x.shape[-1] and a8_supports(w):
+            if backend == "ref":
+                return int4_linear_a8_ref(x, w, self.bias)
+            return int4_linear_a8(x, w, self.bias, backend=backend)
         if backend == "ref" or x.dtype not in INT4_ACT_DTYPES:
             return int4_linear_ref(x, w, self.bias)
         # impl applies to the Triton backend on CUDA (the torch backend has one path; no cuBLAS on the CPU)
@@ -96,5 +104,6 @@ class Int4Linear(nn.Module):
         return self.out_features * self.in_features // 2 + extra
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
-                f"{self.packed.format} w4a16")
+        act = "w4a8-int8 (decode)" if self.act_int8 and a8_supports(self.packed) else "w4a16"
+        bias = self.bias is not None
+        return f"in={self.in_features}, out={self.out_features}, bias={bias}, {self.packed.format} {act}"

@@ -40,12 +40,16 @@ all-reduce (``RMSNorm.comm``), fused with the residual add and the norm; ``model
 and the lm head vocab-parallel.
 
 Kernel switches for the ablation: ``model.set_kernels(fused_norm=..., fused_act=..., fused_down=...,
-skinny_gemm=..., fused_allreduce=..., int4_gemm=..., fused_rope=..., norm_gemm=...)``; a switched-off fusion runs
+skinny_gemm=..., fused_allreduce=..., int4_gemm=..., fused_rope=..., norm_gemm=..., int4_a8=...)``; a switched-off
+fusion runs
 as separate plain-PyTorch ops (an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA, SiLU-and-mul inside a
 bf16 / fp16 ``w2``'s GEMM (``Linear.forward_glu``); off, apart, as always for int4 and FP8
 (``fastdecode.ops.glu_linear`` says why). ``fused_rope``: ``fastdecode.models.decode_attention``. ``norm_gemm``:
 ``fastdecode.models.norm_gemm`` (the decode step's norms and residual adds inside the bf16 / fp16 and W4A16 int4
-GEMMs; it folds the norm weights into dense wqkv / w13 in place at the first decode).
+GEMMs; it folds the norm weights into dense wqkv / w13 in place at the first decode). ``int4_a8`` (off by default):
+``Int4Linear`` projections of up to 4 token rows quantise their activation to int8 per group of 128 columns and
+run the W4A8 ``dp4a`` GEMV (``fastdecode.ops.int4_a8``; where the weight's groups allow it), so decode changes its
+numbers by the activation's rounding.
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -86,10 +90,11 @@ from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
 KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm", "fused_rope",
-           "norm_gemm")
-# switches off by default (``bench decode``'s ``-with-<switch>`` rows turn them on): a new fusion waits here until a
-# GPU has measured it (norm_gemm for int4 blocks did, sessions 17-18); none now
-OPT_IN_KERNELS: tuple[str, ...] = ()
+           "norm_gemm", "int4_a8")
+# switches off by default (``bench decode``'s ``-with-<switch>`` rows turn them on): a new kernel waits here until a
+# GPU has measured it (norm_gemm for int4 blocks did, sessions 17-18); int4_a8 also changes the numbers (int8
+# activations), so it would stay a choice even when it wins
+OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8",)
 
 
 def _lead(x) -> tuple:
@@ -473,6 +478,7 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, Int4Linear):
                 m.impl = None if k["int4_gemm"] else "dequant"
+                m.act_int8 = k["int4_a8"] and k["int4_gemm"]
 
     def weight_bytes(self) -> int:
         """Bytes of all parameters (tied embeddings counted once): what one decode step must read

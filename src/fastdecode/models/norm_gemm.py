@@ -67,8 +67,8 @@ def _supported(proj, dtype) -> bool:
 
     if _dense(proj):
         return True
-    if not (isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES):
-        return False
+    if not (isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES) or proj.act_int8:
+        return False  # W4A8 (int4_a8) quantises its activation: the W4A16 norm ops do not apply
     impl, cfg = get_int4_config(1, proj.out_features, proj.in_features, proj.group_size, proj.qweight.device)
     return impl == "triton" and cfg["kind"] == "fma"  # the kind where the fused norm pays (module docstring)
 

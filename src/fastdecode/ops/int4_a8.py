@@ -1,0 +1,225 @@
+"""W4A8 int4 linear with int8 activations, for decode (a few tokens): two kernels on ``dp4a``.
+
+    quantize_act_int8:  q = round(x / s), s = amax(|x| over a group of 128 columns) / 127 per row and group
+    int4_linear_a8:     out = (q * s) @ dequantize_int4(w, float32).T + bias   (exact int32 sums, fp32 scaling,
+                        one rounding to x.dtype)
+
+Why: at one token the W4A16 kernels (``ops.int4``) are bound by instruction issue, not by memory; with int8
+activations a ``dp4a`` multiplies and sums four weight values exactly, and a 32-bit word of 8 nibbles costs ~15
+instructions instead of ~36 (``kernels.int4_a8``, benchmarks/NOTES.md session 22). The price is the activation's
+rounding to int8 per group of 128 columns: each value moves by at most half a step, ``s / 2 = amax / 254``, so
+the output moves by ~0.5-1 % of its scale on random data (the int4 weight's own rounding is ~10x larger; the
+decode step's cost is what ``fastdecode eval-accuracy`` measures). The result is deterministic (integer sums).
+
+The weight is any :class:`Int4Weight` whose groups are unions of the activation's groups: group size a multiple
+of 128 or one group per row (``supports``); act-order weights gather x's columns first. Up to ``MAX_M`` tokens
+(the kernel keeps one accumulator per token row; more tokens go to ``int4_linear``, where the tensor cores pay).
+The quantised activation (``quantize_act_int8``) is a tuple ``(q, scales, sums)``: int8 ``(M, Kp)`` in the
+kernel's byte order (``kernels.int4_a8``; Kp is K rounded up to 256), fp32 scales ``(M, Kp // 128)`` (a
+dequantisation scale: ``x ~= q * s``) and the int32 sums of each group's q.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fastdecode.ops._common import (
+    as_rows, cdiv, check_out, check_same_device, next_pow2, pdl_enabled, resolve_backend, warn_once,
+)
+from fastdecode.ops._registry import define_op
+from fastdecode.ops._tuned import DEFAULT_NUM_SMS, device_info, split_k_locks, split_k_partials
+from fastdecode.ops.gemm import check_bias
+from fastdecode.ops.int4 import _zm, check_x
+from fastdecode.ops.int4_format import Int4Weight, dequantize_int4, packed_cols
+
+ACT_GROUP = 128  # activation columns per int8 scale (half a 256-column layout tile)
+MAX_M = 4  # token rows a program keeps accumulators for
+_P = (0, 2, 1, 3)  # byte b of a word holds the group's column 32 * _P[b] + j (kernels.int4_a8)
+
+
+def supports(w: Int4Weight) -> bool:
+    """Whether the a8 kernel computes ``w``: its groups are unions of 128-column activation groups."""
+    return w.group_size % ACT_GROUP == 0 or w.group_size == w.K
+
+
+def heuristic_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS) -> dict:
+    """BLOCK_N rows of 16-byte word loads (64 rows: 16 words a thread at 4 warps), split-K until about 4
+    programs run per SM, never fewer than 4 layout tiles a split."""
+    bm = next_pow2(min(max(M, 1), MAX_M))
+    bn = 64 if bm == 1 else 32
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    steps = packed_cols(K) // 32
+    split = int(max(1, min(cdiv(4 * num_sms, tiles), steps // 4, 16)))
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4}
+
+
+def get_a8_config(M: int, N: int, K: int, device=None) -> dict:
+    """The launch config of ``int4_linear_a8`` for an (M, N, K) call (the heuristic; nothing is timed)."""
+    return heuristic_config(M, N, K, device_info(torch.device(device) if device is not None else None)[1])
+
+
+# ----------------------------------------------------------------------------- registered ops
+
+
+@define_op("int4_act_quant", mutates_args=("q", "scales", "sums"))
+def _act_quant_op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor, impl: str) -> None:
+    """x (M, K) 16-bit (unit inner stride); q int8 (M, Kp); scales fp32 / sums int32 (M, Kp // 128)."""
+    if impl == "torch":
+        rq, rs, rsum = quantize_act_int8_ref(x)
+        q.copy_(rq)
+        scales.copy_(rs)
+        sums.copy_(rsum)
+        return
+    from fastdecode.kernels.int4_a8 import launch_act_quant
+
+    launch_act_quant(x, q, scales, sums, pdl=pdl_enabled(x))
+
+
+@_act_quant_op.register_fake
+def _(x, q, scales, sums, impl):
+    return None
+
+
+def a8_with_config(q, scales_x, sums_x, w: Int4Weight, bias, out, config: dict, warmup: bool = False,
+                   accumulate: bool = False) -> None:
+    """Run the GEMV with an explicit config (the benchmark's and the tuner's entry point; no checks, no dispatch)."""
+    from fastdecode.kernels.int4 import lop3_asm_ok
+    from fastdecode.kernels.int4_a8 import launch_int4_a8, split_k_of
+
+    M, N = q.shape[0], w.N
+    split = split_k_of(w.qweight.shape[1], config)
+    part = locks = None
+    if split > 1:
+        locks = split_k_locks(q.device, cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]))
+        if locks is None:
+            warn_once("fastdecode: int4_linear_a8 split-K counters were not allocated before CUDA-graph capture; "
+                      "this capture runs without split-K (call int4_linear_a8 once before capturing)")
+            config = {**config, "SPLIT_K": 1}
+        else:
+            part = split_k_partials(q.device, split * M * N)
+    launch_int4_a8(q, scales_x, sums_x, w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, bias, out, part,
+                   locks, config, asm=lop3_asm_ok(q), pdl=pdl_enabled(q), accumulate=accumulate, warmup=warmup)
+
+
+@define_op("int4_linear_a8", mutates_args=("out",))
+def _int4_a8_op(q: torch.Tensor, scales_x: torch.Tensor, sums_x: torch.Tensor, qweight: torch.Tensor,
+                scales: torch.Tensor, zm: Optional[torch.Tensor], bias: Optional[torch.Tensor], out: torch.Tensor,
+                group_size: int, zero_mode: str, K: int, impl: str) -> None:
+    """The quantised activation (``quantize_act_int8``) times the weight's tensors (kernel layout); out (M, N)."""
+    w = Int4Weight(qweight, scales, zm if zero_mode == "zero" else None, zm if zero_mode == "min" else None,
+                   group_size, zero_mode, None, K)
+    if impl == "torch":
+        out.copy_(_a8_matmul_ref(q, scales_x, w, bias, out.dtype))
+        return
+    a8_with_config(q, scales_x, sums_x, w, bias, out, get_a8_config(q.shape[0], w.N, K, q.device))
+
+
+@_int4_a8_op.register_fake
+def _(q, scales_x, sums_x, qweight, scales, zm, bias, out, group_size, zero_mode, K, impl):
+    return None
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def quantize_act_int8(x, *, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantise a 16-bit activation (..., K) to int8 per row and group of 128 columns, for ``int4_linear_a8``.
+
+    Returns ``(q, scales, sums)``: q int8 (M, Kp) in the kernel's byte order (the module docstring; padding
+    columns are 0), scales fp32 (M, Kp // 128) with ``x ~= q * scale`` (``amax / 127``; a group holding a NaN gets
+    a NaN scale), sums int32 (M, Kp // 128) of each group's q. M is the product of x's leading dimensions."""
+    from fastdecode.ops._common import check_tensor
+
+    check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16))
+    x2 = as_rows("x", x)
+    M, K = x2.shape
+    Kp = packed_cols(K) * 8
+    q = torch.empty(M, Kp, dtype=torch.int8, device=x.device)
+    scales = torch.empty(M, Kp // ACT_GROUP, dtype=torch.float32, device=x.device)
+    sums = torch.empty(M, Kp // ACT_GROUP, dtype=torch.int32, device=x.device)
+    if M:
+        _act_quant_op(x2, q, scales, sums, resolve_backend(backend, x.device, "quantize_act_int8"))
+    return q, scales, sums
+
+
+def int4_linear_a8(x, packed: Int4Weight, bias=None, *, out=None, backend: Optional[str] = None) -> torch.Tensor:
+    """W4A8: ``out = dequantize_act_int8(quantize_act_int8(x)) @ dequantize_int4(packed, float32).T + bias``.
+
+    x: (..., K) bf16/fp16 with at most ``MAX_M`` rows; packed: an :class:`Int4Weight` (N, K) with ``supports``;
+    bias (N,) of x.dtype or None. Returns (..., N) in x.dtype (or ``out``). Two kernels: the activation's
+    quantisation, then the int4 x int8 GEMV (exact int32 sums per word and group, fp32 scaling, one rounding).
+    """
+    K = check_x("x", x, packed)
+    if not supports(packed):
+        raise ValueError(f"int4_linear_a8 needs int4 groups that are multiples of {ACT_GROUP} columns (or one group "
+                         f"per row), got group_size={packed.group_size} for K={K}; use int4_linear")
+    N = packed.N
+    bias = check_bias(bias, N, (x.dtype,), "the weight")
+    check_same_device(x=x, qweight=packed.qweight, scales=packed.scales, bias=bias)
+    out_shape = (*x.shape[:-1], N)
+    check_out("out", out, out_shape, x.dtype, x.device)
+    x2 = as_rows("x", x)
+    if x2.shape[0] > MAX_M:
+        raise ValueError(f"int4_linear_a8 takes at most {MAX_M} token rows (decode), got {x2.shape[0]}; "
+                         f"use int4_linear for more")
+    be = resolve_backend(backend, x.device, "int4_linear_a8")
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device) if out is None else out
+    if x2.shape[0] == 0 or N == 0:
+        return out
+    if packed.perm is not None:  # act-order: the kernel's column order
+        x2 = x2.index_select(1, packed.perm)
+    q, scales_x, sums_x = quantize_act_int8(x2, backend=be)
+    _int4_a8_op(q, scales_x, sums_x, packed.qweight, packed.scales, _zm(packed), bias, out.view(-1, N),
+                packed.group_size, packed.zero_mode, K, be)
+    return out
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def quantize_act_int8_ref(x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of :func:`quantize_act_int8` on 2-D x (M, K): fp32 maths, ``torch.round`` (half to even)."""
+    M, K = x.shape
+    Kp = packed_cols(K) * 8
+    xp = torch.zeros(M, Kp, dtype=torch.float32, device=x.device)
+    xp[:, :K] = x.float()
+    g = xp.view(M, Kp // ACT_GROUP, ACT_GROUP)
+    nan = torch.isnan(g).any(-1)
+    s = (g.abs().nan_to_num(nan=0.0).amax(-1) / 127.0).clamp(min=1e-30)
+    v = g / s.unsqueeze(-1)
+    q = torch.round(v).clamp(-127, 127).nan_to_num(nan=0.0)
+    sums = q.sum(-1).to(torch.int32)
+    s = torch.where(nan, torch.full_like(s, float("nan")), s)
+    # natural (group, p, j) -> kernel byte order (group, j, b) with byte b holding p = _P[b]
+    qk = q.view(M, Kp // ACT_GROUP, 4, 32)[:, :, list(_P), :].transpose(2, 3).reshape(M, Kp)
+    return qk.to(torch.int8), s, sums
+
+
+def dequantize_act_int8(q, scales, K: int) -> torch.Tensor:
+    """fp32 (M, K) in the natural column order from ``quantize_act_int8``'s q and scales."""
+    M, Kp = q.shape
+    nat = q.view(M, Kp // ACT_GROUP, 32, 4)[..., list(_P)].transpose(2, 3).reshape(M, Kp // ACT_GROUP, ACT_GROUP)
+    return (nat.float() * scales.unsqueeze(-1)).reshape(M, Kp)[:, :K]
+
+
+def _a8_matmul_ref(q, scales_x, w: Int4Weight, bias, out_dtype) -> torch.Tensor:
+    y = dequantize_act_int8(q, scales_x, w.K) @ dequantize_int4(w, torch.float32, kernel_order=True).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def int4_linear_a8_ref(x, packed: Int4Weight, bias=None) -> torch.Tensor:
+    """Reference of :func:`int4_linear_a8`: the reference quantisation of x, dequantised, times the fp32
+    dequantised weight; one rounding to x.dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if packed.perm is not None:
+        x2 = x2.index_select(1, packed.perm)
+    q, s, _ = quantize_act_int8_ref(x2)
+    return _a8_matmul_ref(q, s, packed, bias, x.dtype).reshape(*x.shape[:-1], packed.N)
+
+
+__all__ = ["ACT_GROUP", "MAX_M", "dequantize_act_int8", "get_a8_config", "int4_linear_a8", "int4_linear_a8_ref",
+           "quantize_act_int8", "quantize_act_int8_ref", "supports"]

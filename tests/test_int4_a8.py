@@ -1,0 +1,243 @@
+"""W4A8 with int8 activations (fastdecode.ops.int4_a8): the activation's quantisation and the int4 x int8 GEMV.
+
+CPU: the Triton interpreter runs the kernels' portable integer maths (the ``dp4a`` / ``prmt`` inline PTX is
+compiled CUDA only; ``test_sm90_loop_is_dp4a_with_no_shared_memory`` reads the sm_90 code of the PTX path).
+GPU (``gpu`` marks): the PTX path on real Llama sizes, CUDA-graph capture and torch.compile.
+"""
+
+import json
+
+import pytest
+import torch
+
+import fastdecode.ops.int4_a8 as A
+from fastdecode.ops.int4 import int4_linear_ref
+from fastdecode.ops.int4_format import dequantize_int4, packed_cols
+from fastdecode.quant import int4 as Q
+import helpers
+from helpers import k_loop, poison_, sm90_ptx, strided_rows
+
+gpu = pytest.mark.gpu
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weight(N, K, g, fmt, dtype=torch.float16, act_order=False):
+    w = torch.randn(N, K, device=DEV) / K**0.5
+    if fmt == "min":  # GGUF Q4_1 style: float minimums
+        G = K // g
+        q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=DEV)
+        s = (torch.rand(N, G, device=DEV) * 0.02 + 0.005).to(dtype)
+        return Q.prepack(q, s, group_size=g, mins=(torch.randn(N, G, device=DEV) * 0.05).to(dtype))
+    packed = Q.quantize_int4(w, g, symmetric=fmt == "sym", scale_dtype=dtype)
+    if act_order:
+        packed.perm = torch.randperm(K, device=DEV)
+    return packed
+
+
+def _quant_bound(x, packed):
+    """|a8 - w4a16| <= sum_k |w_k| * s_g / 2: each activation moves by at most half its group's step (s = amax / 127),
+    plus an fp32 / output rounding margin."""
+    x2 = x.float().reshape(-1, x.shape[-1])
+    K = x2.shape[1]
+    xp = torch.zeros(x2.shape[0], packed_cols(K) * 8, device=x.device)
+    xk = x2.index_select(1, packed.perm) if packed.perm is not None else x2
+    xp[:, :K] = xk
+    step = xp.view(x2.shape[0], -1, A.ACT_GROUP).abs().amax(-1) / 127.0
+    half = step.repeat_interleave(A.ACT_GROUP, dim=1)[:, :K] / 2  # (M, K) in kernel column order
+    w = dequantize_int4(packed, torch.float32, kernel_order=True).abs()
+    return half @ w.t()
+
+
+def _check_quantised(x2, q, s, sums):
+    """Against the reference: scales equal, q within one step where the division rounded apart (``x / s`` is an
+    approximate division in compiled Triton), sums those of q; and the dequantised values within half a step."""
+    rq, rs, rsums = A.quantize_act_int8_ref(x2)
+    torch.testing.assert_close(s, rs, rtol=1e-6, atol=0)
+    d = (q.int() - rq.int()).abs()
+    assert int(d.max()) <= 1 and float((d > 0).float().mean()) <= 0.01, "int8 values off the reference"
+    nat = A.dequantize_act_int8(q, torch.ones_like(s), q.shape[1])  # the integers, natural order, padding included
+    assert torch.equal(sums, nat.view(q.shape[0], -1, A.ACT_GROUP).sum(-1).round().int()), "sums are not those of q"
+    err = (A.dequantize_act_int8(q, s, x2.shape[1]) - x2.float()).abs()
+    step = s.repeat_interleave(A.ACT_GROUP, dim=1)[:, :x2.shape[1]]
+    assert bool((err <= step * 0.5 * (1 + 1e-5) + 1e-30).all()), "a value moved by more than half a step"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M,K", [(1, 4096), (3, 200), (2, 1000)])
+def test_act_quant_matches_the_reference(M, K, dtype):
+    x = (torch.randn(M, K, device=DEV) * torch.rand(M, 1, device=DEV) * 4).to(dtype)
+    q, s, sums = A.quantize_act_int8(x, backend="triton")
+    assert q.shape == (M, packed_cols(K) * 8) and s.shape == sums.shape == (M, packed_cols(K) * 8 // 128)
+    _check_quantised(x, q, s, sums)
+    Kp = q.shape[1]
+    if Kp > K:  # the layout's padding columns are zeros of the last groups
+        nat = A.dequantize_act_int8(q, torch.ones_like(s), Kp)
+        assert bool((nat[:, K:] == 0).all())
+
+
+def test_act_quant_strided_rows_leading_dims_and_torch_backend():
+    x = strided_rows(3, 640, torch.float16, DEV)
+    q, s, sums = A.quantize_act_int8(x, backend="triton")
+    _check_quantised(x, q, s, sums)
+    q3, s3, sums3 = A.quantize_act_int8(x.reshape(3, 1, 640).expand(3, 1, 640), backend="torch")
+    assert torch.equal(s3, s) and torch.equal(sums3, A.quantize_act_int8_ref(x)[2])
+
+
+def test_act_quant_nan_zero_and_inf_groups():
+    """A group holding a NaN gets a NaN scale (its values 0), so the GEMV's output is NaN, as the FP8 outputs' NaN
+    rule (kernels.quant); an all-zero group quantises to zeros with a tiny positive scale."""
+    x = torch.randn(2, 512, device=DEV).half()
+    x[0, 5] = float("nan")  # group 0 of row 0
+    x[1, 128:256] = 0  # group 1 of row 1
+    q, s, sums = A.quantize_act_int8(x, backend="triton")
+    assert torch.isnan(s[0, 0]) and not torch.isnan(s[0, 1:]).any() and not torch.isnan(s[1]).any()
+    g1 = A.dequantize_act_int8(q, torch.ones_like(s), 512)[1, 128:256]
+    assert bool((g1 == 0).all()) and int(sums[1, 1]) == 0 and 0 < float(s[1, 1]) < 1e-20
+    w = _weight(40, 512, 128, "zero")
+    y = A.int4_linear_a8(x, w, backend="triton")
+    assert torch.isnan(y[0]).all() and not torch.isnan(y[1]).any()
+
+
+CASES = [  # (M, N, K, group, zero mode, act_order, bias, config)
+    (1, 70, 640, 128, "zero", False, False, dict(BLOCK_M=1, BLOCK_N=64, SPLIT_K=1)),
+    (1, 33, 1024, 128, "sym", False, True, dict(BLOCK_M=1, BLOCK_N=16, SPLIT_K=3)),
+    (2, 40, 768, 256, "min", False, False, dict(BLOCK_M=2, BLOCK_N=32, SPLIT_K=2)),
+    (3, 50, 512, 512, "zero", True, True, dict(BLOCK_M=4, BLOCK_N=32, SPLIT_K=1)),
+    (4, 20, 1280, 128, "zero", False, False, dict(BLOCK_M=4, BLOCK_N=16, SPLIT_K=5)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=[f"m{c[0]}_{c[4]}_g{c[3]}" + ("_perm" if c[5] else "") for c in CASES])
+def test_gemv_matches_the_reference_and_the_quantisation_bound(case, dtype):
+    M, N, K, g, fmt, act_order, with_bias, cfg = case
+    w = _weight(N, K, g, fmt, dtype, act_order)
+    x = torch.randn(M, K, device=DEV).to(dtype)
+    bias = torch.randn(N, device=DEV).to(dtype) if with_bias else None
+    # the op (dispatcher's config) against its reference: the same quantised activation, fp32 sums
+    y = A.int4_linear_a8(x, w, bias, backend="triton")
+    ref = A.int4_linear_a8_ref(x, w, bias)
+    helpers.assert_close(y, ref, ulps=2)
+    # the activation's rounding moves the W4A16 result by at most half a step per value
+    w16 = int4_linear_ref(x.float(), w, None if bias is None else bias.float())
+    assert bool(((y.float() - w16).abs() <= _quant_bound(x, w) * 1.001 + 2e-2 * w16.abs() + 1e-3).all())
+    # an explicit config (splits, several token rows a program) into a poisoned out
+    xk = x.index_select(1, w.perm) if w.perm is not None else x
+    q, s, sums = A.quantize_act_int8(xk, backend="triton")
+    out = poison_(torch.empty(M, N, device=DEV, dtype=dtype))
+    A.a8_with_config(q, s, sums, w, bias, out, {**cfg, "num_warps": 4})
+    helpers.assert_close(out, ref, ulps=2)
+
+
+def test_gemv_accumulate_adds_into_out():
+    w = _weight(64, 512, 128, "zero")
+    x = torch.randn(2, 512, device=DEV).half()
+    q, s, sums = A.quantize_act_int8(x, backend="triton")
+    base = torch.randn(2, 64, device=DEV).half()
+    out = base.clone()
+    A.a8_with_config(q, s, sums, w, None, out, dict(BLOCK_M=2, BLOCK_N=32, SPLIT_K=2), accumulate=True)
+    helpers.assert_close(out, (base.float() + A.int4_linear_a8_ref(x, w).float()).half(), ulps=2)
+
+
+def test_torch_backend_is_the_reference_and_leading_dims():
+    w = _weight(30, 256, 128, "sym")
+    x = torch.randn(2, 1, 256, device=DEV).half()
+    y = A.int4_linear_a8(x, w, backend="torch")
+    assert y.shape == (2, 1, 30)
+    assert torch.equal(y, A.int4_linear_a8_ref(x, w))
+
+
+def test_refusals_name_the_argument():
+    w32 = _weight(16, 256, 32, "zero")
+    x = torch.randn(1, 256, device=DEV).half()
+    with pytest.raises(ValueError, match="multiples of 128"):
+        A.int4_linear_a8(x, w32)
+    w = _weight(16, 256, 128, "zero")
+    with pytest.raises(ValueError, match="at most 4 token rows"):
+        A.int4_linear_a8(torch.randn(5, 256, device=DEV).half(), w)
+    with pytest.raises(ValueError, match="x must have dtype"):
+        A.int4_linear_a8(x.float(), w)
+    with pytest.raises(ValueError, match="x must have dtype"):
+        A.quantize_act_int8(x.float())
+    with pytest.raises(ValueError, match="out must be"):
+        A.int4_linear_a8(x, w, out=torch.empty(1, 15, device=DEV).half())
+    assert A.supports(w) and not A.supports(w32) and A.supports(_weight(8, 640, 640, "sym"))
+
+
+def test_heuristic_config_fills_the_gpu():
+    c = A.heuristic_config(1, 6144, 4096)
+    assert c["BLOCK_M"] == 1 and c["BLOCK_N"] == 64
+    assert c["SPLIT_K"] == 4  # 96 row tiles: 4 splits (~3 programs an SM), never fewer than 4 layout tiles a split
+    c = A.heuristic_config(3, 4096, 14336)
+    assert c["BLOCK_M"] == 4 and c["BLOCK_N"] == 32 and c["SPLIT_K"] == 5  # 128 tiles x 5 <= 4 an SM
+    assert A.heuristic_config(1, 28672, 4096)["SPLIT_K"] == 2  # 448 tiles
+
+
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastdecode.kernels.int4_a8 import _int4_a8_kernel
+
+cfg = json.loads(sys.argv[1])
+sig = {"xw_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8",
+       "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
+       "G": "i32", "KW": "i32", "stride_xw": "i32", "stride_xs": "i32", "stride_om": "i32", "stride_part": "i32",
+       "split_k": "i32"}
+consts = dict(GROUP=128, ZERO_MODE=1, HAS_BIAS=False, ASM=True, USE_PDL=True, ACCUMULATE=False,
+              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=True)
+sig.update({k: "constexpr" for k in consts})
+aligned = {"xw_ptr", "xs_ptr", "xsum_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr",
+           "N", "G", "KW", "stride_xw", "stride_xs", "stride_om"}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in aligned}
+cc = triton.compile(ASTSource(_int4_a8_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": 4, "num_stages": 1})
+sys.stdout.write(cc.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("bm,bn", [(1, 64), (4, 32)])
+def test_sm90_loop_is_dp4a_with_no_shared_memory(bm, bn):
+    """Speed guard, compiled ahead of time for sm_90 (no GPU needed): the K loop converts each word with one shift,
+    two ANDs and two PRMTs, multiplies with two dp4a per token row, and never goes through shared memory (a layout
+    conversion there put bar.sync into an earlier draft's loop)."""
+    body = k_loop(sm90_ptx(_COMPILE, json.dumps({"BLOCK_M": bm, "BLOCK_N": bn})))
+    words = bn * 32 // 128  # words a thread per step (4 warps)
+    assert body.count("dp4a.u32.s32") == 2 * words * bm
+    assert body.count("prmt.b32") == 2 * words
+    assert "bar.sync" not in body and "st.shared" not in body and "ld.shared" not in body
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (28672, 4096), (200, 4160)])
+def test_gpu_real_sizes_bf16(N, K, M):
+    w = _weight(N, K, 128 if K % 128 == 0 else K, "zero", torch.bfloat16)
+    x = torch.randn(M, K, device=DEV).bfloat16()
+    y = A.int4_linear_a8(x, w)
+    ref = A.int4_linear_a8_ref(x, w)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2 * ref.float().abs().max().item())
+    w16 = int4_linear_ref(x.float(), w)
+    assert bool(((y.float() - w16).abs() <= _quant_bound(x, w) * 1.001 + 2e-2 * w16.abs() + 1e-3).all())
+    q, s, sums = A.quantize_act_int8(x)
+    _check_quantised(x, q, s, sums)
+
+
+@gpu
+def test_gpu_graph_capture_and_compile():
+    w = _weight(4096, 4096, 128, "zero", torch.bfloat16)
+    x = torch.randn(1, 4096, device=DEV).bfloat16()
+    ref = A.int4_linear_a8(x, w)  # also allocates the split-K counters before the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = A.int4_linear_a8(x, w)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(y.float(), A.int4_linear_a8(x, w).float(), rtol=0, atol=0)  # integer sums: exact
+    assert not torch.equal(y, ref)
+    f = torch.compile(lambda t: A.int4_linear_a8(t, w), fullgraph=True)
+    torch.testing.assert_close(f(x).float(), y.float(), rtol=0, atol=0)
