@@ -33,6 +33,8 @@ def test_kernel_classes_of_the_h200_names():
     assert kernel_class("_rope_decode_attention_kernel") == "attention"  # RoPE + KV write + attention in one
     assert kernel_class("_int4_dequant_kernel") == "other"  # the -no-int4_gemm ablation's weight dequantisation
     assert kernel_class("_allreduce_add_rms_norm_kernel") == "allreduce"
+    # W4A8 (int4_a8): the dp4a GEMV, and the activation's quantisation where no producer emits int8
+    assert kernel_class("_int4_a8_kernel") == "gemm" and kernel_class("_act_quant_kernel") == "activation"
 
 
 @pytest.mark.parametrize("n_layers", [1, 3])

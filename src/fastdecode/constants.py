@@ -14,3 +14,6 @@ SCALE_VECTOR = 2  # x: one per row (M,), w: one per output channel (N,)
 OUT_NATIVE = 0  # out has a float dtype; y is rounded once
 OUT_FP8_STATIC = 1  # out = fp8(clamp(y / scale)), scale given (one fp32 element)
 OUT_FP8_DYNAMIC = 2  # per-row scale = max(amax(|y|) / 448, min_scale), written to scale[row]
+OUT_INT8_GROUPS = 3  # int8 per row and group of 128 columns (ops.int4_a8): out, scale[row, g], sums[row, g]
+#: Lower bound of an int8 activation group's scale (an all-zero group: q = 0 whatever the scale).
+INT8_MIN_SCALE = 1e-30

@@ -35,7 +35,7 @@ COPY_BW = 4.24e12  # bytes/s: device-to-device copy measured on the H200 (docs/b
 GEMM_ORDER = ("qkv", "o", "gate_up", "down")
 FAMILIES = GEMM_ORDER + ("head", "gemm", "attention", "norms", "activation", "allreduce", "sampling", "other")
 # kernel-name patterns, first match wins (the GEMM test runs first: the fused SiLU-and-mul + down GEMM is a GEMM)
-_GEMM = re.compile(r"linear|gemm|gemv|_mma_|nvjet|cutlass|xmma|scaled_mm|int4pack|tinygemm", re.I)
+_GEMM = re.compile(r"linear|gemm|gemv|_mma_|int4_a8|nvjet|cutlass|xmma|scaled_mm|int4pack|tinygemm", re.I)
 _NAMED = (("other", re.compile(r"dequant", re.I)),  # the int4 fallback's weight dequantisation, not an activation
           ("allreduce", re.compile(r"all_?reduce|nccl", re.I)),
           ("attention", re.compile(r"attention|rope|kv_write|flash|sdpa", re.I)),

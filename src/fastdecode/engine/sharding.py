@@ -170,7 +170,8 @@ def apply_tp_structure(model, rank: int, world: int) -> None:
         if isinstance(m, Int4Linear):  # packed weights: fused parts sharded on their own, then fused again
             w, sizes, rule = m.packed, _parts(name, cfg), shard_rule(name + ".weight")
             parts = split_n(w, sizes) if rule == "col" and sizes else [w]
-            new = Int4Linear.from_weight(concat_n([shard_int4(p, rule, rank, world) for p in parts]), m.bias)
+            new = Int4Linear.from_weight(concat_n([shard_int4(p, rule, rank, world) for p in parts]), m.bias,
+                                         dtype=m.out_dtype)
             new.impl = m.impl
             parent, attr = name.rsplit(".", 1)
             setattr(model.get_submodule(parent), attr, new)  # its bias is sharded with the parameters below

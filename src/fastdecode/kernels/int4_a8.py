@@ -33,14 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
+from fastdecode.constants import INT8_MIN_SCALE
 from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 ACT_GROUP = 128  # activation columns per int8 scale: half a 256-column layout tile
-INT8_MAX = 127.0
-# the smallest scale of a group (an all-zero group: q = 0 whatever the scale); fp32 keeps 1 / MIN_SCALE finite
-INT8_MIN_SCALE = 1e-30
 ZERO_MODES = {"sym": 0, "zero": 1, "min": 2}
 
 # the nibbles of a word as the bytes of two words, one activation group each ($0: shifts 0, 2, 1, 3; $1: 4, 6, 5, 7)
@@ -57,32 +55,47 @@ _DP4A_ASM: tl.constexpr = tl.constexpr("dp4a.u32.s32 $0, $1, $2, 0;")
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, sum_ptr, K, NG, stride_xm, stride_qm, stride_sm,
-                      GPP: tl.constexpr, MIN_SCALE: tl.constexpr, USE_PDL: tl.constexpr):
-    """Grid (rows, cdiv(NG, GPP)): GPP groups of 128 columns of one row a program; writes their int8 values in
-    the kernel byte order (module docstring), scales and sums. NaN rule of the FP8 outputs (``kernels.quant``):
-    a group holding a NaN gets a NaN scale (its values 0), so the GEMV's output is NaN."""
-    if USE_PDL:  # programmatic dependent launch: kernels.pdl
-        pdl_wait()
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * GPP + tl.arange(0, GPP)
-    c = tl.arange(0, 128)
-    cols = g[:, None] * 128 + c[None, :]  # [GPP, 128], natural column order
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    nans = tl.sum((x != x).to(tl.int32), axis=1)
+def _store_act_int8(y, rows64, row_mask, g0, q_ptr, s_ptr, sum_ptr, stride_q, stride_s, NG,
+                    MIN_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Quantise ``y`` ([BLOCK_M, BLOCK_H] fp32: rows ``rows64``, the columns of groups g0 .. g0 + BLOCK_H // 128 in
+    their natural order, 0 past the row's K) per group of 128 columns and store the int8 values in the kernel byte
+    order (module docstring), the fp32 scales and the int32 sums of groups < NG. The NaN rule of the FP8 outputs
+    (``kernels.quant``): a group holding a NaN gets a NaN scale (its values 0), so the GEMV's output is NaN. Called
+    by every kernel that writes an int8 activation (``_act_quant_kernel``, the RMSNorm and SiLU-and-mul kernels)."""
+    NGB: tl.constexpr = BLOCK_H // 128
+    y3 = tl.reshape(y, (BLOCK_M, NGB, 128))
+    amax = tl.max(tl.abs(y3), axis=2)
+    nans = tl.sum((y3 != y3).to(tl.int32), axis=2)
     s = tl.maximum(amax / 127.0, MIN_SCALE)
-    v = x / s[:, None]
+    v = y3 / s[:, :, None]
     # round half to even (|v| <= 127): fp32 addition of 1.5 * 2**23 rounds v to an integer, as torch.round does
     q = tl.minimum(tl.maximum((v + 12582912.0) - 12582912.0, -127.0), 127.0)
     q = tl.where(v != v, 0.0, q).to(tl.int32)  # NaN (or inf / inf): 0, the group's scale says NaN
-    g_ok = g < NG
+    g = g0 + tl.arange(0, NGB)
+    c = tl.arange(0, 128)
     # column 32 p + j of a group -> byte 4 j + P[p], P = (0, 2, 1, 3): the dp4a partner of the weight's nibbles
     p = c // 32
     pos = (c % 32) * 4 + (p % 2) * 2 + p // 2
-    tl.store(q_ptr + row * stride_qm + g[:, None] * 128 + pos[None, :], q.to(tl.int8), mask=g_ok[:, None])
-    tl.store(s_ptr + row * stride_sm + g, tl.where(nans > 0, float("nan"), s), mask=g_ok)
-    tl.store(sum_ptr + row * stride_sm + g, tl.sum(q, axis=1), mask=g_ok)
+    gmask = row_mask[:, None] & (g < NG)[None, :]
+    qaddr = rows64[:, None, None] * stride_q + g[None, :, None] * 128 + pos[None, None, :]
+    tl.store(q_ptr + qaddr, q.to(tl.int8), mask=gmask[:, :, None])
+    saddr = rows64[:, None] * stride_s + g[None, :]
+    tl.store(s_ptr + saddr, tl.where(nans > 0, float("nan"), s), mask=gmask)
+    tl.store(sum_ptr + saddr, tl.sum(q, axis=2), mask=gmask)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, sum_ptr, K, NG, stride_xm, stride_qm, stride_sm,
+                      GPP: tl.constexpr, MIN_SCALE: tl.constexpr, USE_PDL: tl.constexpr):
+    """Grid (rows, cdiv(NG, GPP)): GPP groups of 128 columns of one row a program (``_store_act_int8``)."""
+    if USE_PDL:  # programmatic dependent launch: kernels.pdl
+        pdl_wait()
+    row = tl.program_id(0).to(tl.int64) + tl.zeros((1,), dtype=tl.int64)
+    g0 = tl.program_id(1) * GPP
+    cols = g0 * 128 + tl.arange(0, GPP * 128)
+    x = tl.load(x_ptr + row[:, None] * stride_xm + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+    _store_act_int8(x.to(tl.float32), row, row >= 0, g0, q_ptr, s_ptr, sum_ptr, stride_qm, stride_sm, NG,
+                    MIN_SCALE, 1, GPP * 128)
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""RMSNorm kernels: plain, fused with a residual add, with bf16/fp16/fp32 or FP8 e4m3 output.
+"""RMSNorm kernels: plain, fused with a residual add, with bf16/fp16/fp32, FP8 e4m3 or grouped int8 output.
 
 No policy and no checks here: ``fastdecode.ops.norm`` validates and picks the config.
 """
@@ -6,8 +6,9 @@ No policy and no checks here: ``fastdecode.ops.norm`` validates and picks the co
 import triton
 import triton.language as tl
 
-from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
+from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE, INT8_MIN_SCALE
 from fastdecode.kernels.host import cdiv
+from fastdecode.kernels.int4_a8 import _store_act_int8
 from fastdecode.kernels.quant import _dynamic_scale, _nan_flags, _store_fp8  # the NaN rule of FP8 outputs
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
@@ -31,15 +32,18 @@ def _finish_row(y, out_ptrs, mask, scale_ptr, rows, row_mask,
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr,
-    M, H, stride_x, stride_r, stride_o, eps,
+    x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, sum_ptr,
+    M, H, stride_x, stride_r, stride_o, stride_s, NG, eps,
     HAS_RESIDUAL: tl.constexpr, OUT_MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, NUM_CHUNKS: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Each program normalises BLOCK_M rows.
 
-    NUM_CHUNKS == 1: the row lives in registers, one pass over memory.
+    NUM_CHUNKS == 1: the row lives in registers, one pass over memory. OUT_MODE 3 (``OUT_INT8_GROUPS``, this path
+    only, BLOCK_H >= the row's 256-rounded width): the output rounded to x's dtype (as the native output), then
+    int8 per group of 128 columns for the W4A8 GEMV (``kernels.int4_a8._store_act_int8``; out: the int8 rows,
+    scale_ptr / sum_ptr: (M, NG) scales and sums, row stride stride_s).
     NUM_CHUNKS > 1 (very wide rows): pass 1 sums squares (and writes the residual), the last pass
     re-reads the row from L2 to write the output; FP8 dynamic adds a pass for the row maximum.
     """
@@ -67,8 +71,12 @@ def _rms_norm_kernel(
         rstd = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         y = v * rstd[:, None] * w[None, :]
-        out_ptrs = out_ptr + rows64[:, None] * stride_o + cols[None, :]
-        _finish_row(y, out_ptrs, mask, scale_ptr, rows, row_mask, OUT_MODE, FP8_MAX, MIN_SCALE)
+        if OUT_MODE == 3:
+            _store_act_int8(y.to(x_ptr.dtype.element_ty).to(tl.float32), rows64, row_mask, 0, out_ptr, scale_ptr,
+                            sum_ptr, stride_o, stride_s, NG, INT8_MIN_SCALE, BLOCK_M, BLOCK_H)
+        else:
+            out_ptrs = out_ptr + rows64[:, None] * stride_o + cols[None, :]
+            _finish_row(y, out_ptrs, mask, scale_ptr, rows, row_mask, OUT_MODE, FP8_MAX, MIN_SCALE)
     else:
         # pass 1: residual add, sum of squares
         acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
@@ -127,8 +135,9 @@ def _rms_norm_kernel(
                 _store_fp8(out_ptrs, q, mask, FP8_MAX)
 
 
-def launch_rms_norm(x, residual, weight, out, scale, eps, out_mode, config, pdl: bool = False):
-    """Launch on 2-D row views. ``config``: dict(BLOCK_M, BLOCK_H, num_warps)."""
+def launch_rms_norm(x, residual, weight, out, scale, eps, out_mode, config, pdl: bool = False, sums=None):
+    """Launch on 2-D row views. ``config``: dict(BLOCK_M, BLOCK_H, num_warps). Int8 output (out_mode 3): out the
+    int8 (M, Kp) rows, ``scale`` / ``sums`` (M, Kp // 128), one chunk (BLOCK_H >= Kp; the op checks)."""
     M, H = x.shape
     block_m, block_h = config["BLOCK_M"], config["BLOCK_H"]
     num_chunks = cdiv(H, block_h)
@@ -136,7 +145,9 @@ def launch_rms_norm(x, residual, weight, out, scale, eps, out_mode, config, pdl:
     grid = (cdiv(M, block_m),)
     _rms_norm_kernel[grid](
         x, residual if has_res else x, weight, out, scale if scale is not None else weight,
-        M, H, x.stride(0), residual.stride(0) if has_res else 0, out.stride(0), eps,
+        sums if sums is not None else weight,
+        M, H, x.stride(0), residual.stride(0) if has_res else 0, out.stride(0),
+        sums.stride(0) if sums is not None else 0, sums.shape[1] if sums is not None else 0, eps,
         HAS_RESIDUAL=has_res, OUT_MODE=out_mode,
         BLOCK_M=block_m, BLOCK_H=block_h, NUM_CHUNKS=num_chunks,
         FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, USE_PDL=pdl,

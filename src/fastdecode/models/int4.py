@@ -55,6 +55,7 @@ class Int4Linear(nn.Module):
         self.mins = param((out_features, G), scale_dtype) if zero_mode == "min" else None
         self.perm = param((in_features,), torch.int64) if act_order else None
         self.bias = param((out_features,), dtype) if bias else None
+        self.out_dtype = dtype  # the model's activation dtype: the output of an int8 activation (int4_a8)
         self.impl: Optional[str] = None
         self.act_int8 = False
 
@@ -82,10 +83,14 @@ class Int4Linear(nn.Module):
                           self.perm, self.in_features, self.layout)
 
     def forward(self, x, backend: str = "ref") -> torch.Tensor:
+        w = self.packed
+        if isinstance(x, tuple) and len(x) == 3 and self.act_int8:  # an int8 activation (int4_a8: an int8 producer)
+            if backend == "ref":
+                return int4_linear_a8_ref(x, w, self.bias, self.out_dtype)
+            return int4_linear_a8(x, w, self.bias, out_dtype=self.out_dtype, backend=backend)
         if isinstance(x, tuple):
             raise ValueError("Int4Linear is W4A16: it takes a bf16/fp16 (or fp32) activation, got an (fp8, scale) "
                              "pair; the norm / activation before an int4 projection must not emit FP8")
-        w = self.packed
         if self.act_int8 and x.dtype in INT4_ACT_DTYPES and x.numel() <= A8_MAX_M * x.shape[-1] and a8_supports(w):
             if backend == "ref":
                 return int4_linear_a8_ref(x, w, self.bias)

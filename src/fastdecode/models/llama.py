@@ -78,6 +78,10 @@ from fastdecode.models.qk_norm import norm_heads, norm_qk_rows
 from fastdecode.models.step_bytes import step_read_bytes, unique_param_bytes  # noqa: F401  (re-exported)
 from fastdecode.models.rope import apply_rope, rope_cache, rope_inv_freq  # noqa: F401  (rope_inv_freq: re-exported)
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
+from fastdecode.ops.int4_a8 import (
+    MAX_M as A8_MAX_M, fused_add_rms_norm_int8, fused_add_rms_norm_int8_ref, rms_norm_int8, rms_norm_int8_ref,
+    silu_and_mul_int8, silu_and_mul_int8_ref, supports as a8_supports,
+)
 from fastdecode.ops.allreduce import all_reduce, all_reduce_add_rms_norm
 from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref
 from fastdecode.ops.glu_linear import silu_and_mul_linear
@@ -177,23 +181,33 @@ class Fp8Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; ``fp8_out``: return ``(fp8, per-token scale)`` for an ``Fp8Linear``; ``comm``: a
-    ``CommWorkspace`` when the input of ``add_forward`` is a tensor-parallel partial sum (all-reduced first,
-    fused with the add and the norm unless ``fuse_comm`` is off); ``fused=False``: plain-PyTorch ops
-    (ablation), and no FP8 output (the next ``Fp8Linear`` then quantises in a separate kernel)."""
+    """RMSNorm; ``fp8_out``: return ``(fp8, per-token scale)`` for an ``Fp8Linear``; ``int8_out``: for up to
+    ``ops.int4_a8.MAX_M`` rows, return the int8 activation ``(q, scales, sums)`` of a W4A8 ``Int4Linear``
+    (``int4_a8`` switch); ``comm``: a ``CommWorkspace`` when the input of ``add_forward`` is a tensor-parallel
+    partial sum (all-reduced first, fused with the add and the norm unless ``fuse_comm`` is off; no int8 output
+    then); ``fused=False``: plain-PyTorch ops (ablation), and no FP8 / int8 output (the next projection then
+    quantises in a separate kernel)."""
 
     def __init__(self, dim: int, eps: float, *, device=None, dtype=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype), requires_grad=False)
         self.fp8_out = False
+        self.int8_out = False
         self.fused = True
         self.comm = None
         self.fuse_comm = True
 
+    def _int8(self, x) -> bool:
+        return self.int8_out and self.fused and self.comm is None and x.numel() <= A8_MAX_M * x.shape[-1]
+
     def forward(self, x: torch.Tensor, backend: str):
         if not self.fused:
             backend = "ref"
+        if self._int8(x):
+            if backend == "ref":
+                return rms_norm_int8_ref(x, self.weight, self.eps)
+            return rms_norm_int8(x, self.weight, self.eps, backend=backend)
         if self.fp8_out:
             if backend == "ref":
                 return rms_norm_fp8_ref(x, self.weight, self.eps)
@@ -214,6 +228,10 @@ class RMSNorm(nn.Module):
                 return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.comm, fp8=self.fp8_out,
                                                backend=backend), residual
             x = all_reduce(x, self.comm)
+        if self._int8(x):
+            if backend == "ref":
+                return fused_add_rms_norm_int8_ref(x, residual, self.weight, self.eps)
+            return fused_add_rms_norm_int8(x, residual, self.weight, self.eps, backend=backend), residual
         if backend == "ref":
             if self.fp8_out:
                 q, s, r = fused_add_rms_norm_fp8_ref(x, residual, self.weight, self.eps)
@@ -283,6 +301,7 @@ class FeedForward(nn.Module):
         self.w13 = Linear(cfg.dim, 2 * cfg.intermediate_size, device=device, dtype=dtype)
         self.w2 = Linear(cfg.intermediate_size, cfg.dim, device=device, dtype=dtype)
         self.fp8_act = False  # SiLU-and-mul emits (fp8, per-token scale) for an Fp8Linear w2
+        self.int8_act = False  # ... or, up to 4 rows, the int8 activation of a W4A8 Int4Linear w2 (int4_a8)
         self.fused = True  # False (ablation): plain-PyTorch SiLU-and-mul
         self.fuse_down = True  # SiLU-and-mul inside w2's GEMM where w2 offers it (forward_glu); False: ablation
 
@@ -294,7 +313,9 @@ class FeedForward(nn.Module):
             y = glu(h, be)
             if y is not None:
                 return y
-        if self.fp8_act:
+        if self.int8_act and be == backend and h.numel() <= A8_MAX_M * h.shape[-1]:
+            h = silu_and_mul_int8_ref(h) if be == "ref" else silu_and_mul_int8(h, backend=be)
+        elif self.fp8_act:
             h = silu_and_mul_fp8_ref(h) if be == "ref" else silu_and_mul_fp8(h, backend=be)
         else:
             h = silu_and_mul_ref(h) if be == "ref" else silu_and_mul(h, backend=be)
@@ -479,6 +500,15 @@ class Transformer(nn.Module):
             if isinstance(m, Int4Linear):
                 m.impl = None if k["int4_gemm"] else "dequant"
                 m.act_int8 = k["int4_a8"] and k["int4_gemm"]
+        # int8 outputs where the consumer is a W4A8 Int4Linear (int4_a8): the norms before wqkv / w13 and the
+        # lm head, SiLU-and-mul before w2 (the attention output is quantised by wo's op)
+        a8 = lambda m: isinstance(m, Int4Linear) and m.act_int8 and a8_supports(m.packed)  # noqa: E731
+        for layer in self.layers:
+            a, f = layer.attention, layer.feed_forward
+            layer.attention_norm.int8_out = a8(a.wqkv) and k["fused_norm"]
+            layer.ffn_norm.int8_out = a8(f.w13) and k["fused_norm"]
+            f.int8_act = a8(f.w2) and k["fused_act"]
+        self.norm.int8_out = a8(self.output) and k["fused_norm"]
 
     def weight_bytes(self) -> int:
         """Bytes of all parameters (tied embeddings counted once): what one decode step must read

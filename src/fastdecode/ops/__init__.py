@@ -17,7 +17,10 @@ from fastdecode.ops.int4 import get_int4_config, int4_linear, int4_linear_fp8, i
 from fastdecode.ops.int4_norm_linear import (
     int4_add_linear_, int4_add_linear_ref, int4_rms_norm_linear, int4_rms_norm_linear_ref,
 )
-from fastdecode.ops.int4_a8 import int4_linear_a8, int4_linear_a8_ref, quantize_act_int8, quantize_act_int8_ref
+from fastdecode.ops.int4_a8 import (
+    fused_add_rms_norm_int8, fused_add_rms_norm_int8_ref, int4_linear_a8, int4_linear_a8_ref, quantize_act_int8,
+    quantize_act_int8_ref, rms_norm_int8, rms_norm_int8_ref, silu_and_mul_int8, silu_and_mul_int8_ref,
+)
 from fastdecode.ops.argmax import argmax, argmax_ref
 from fastdecode.ops._common import pdl_enabled, pdl_override, set_pdl
 
@@ -32,6 +35,8 @@ __all__ = [
     "get_int4_config", "int4_linear", "int4_linear_fp8", "int4_linear_fp8_ref", "int4_linear_ref",
     "int4_add_linear_", "int4_add_linear_ref", "int4_rms_norm_linear", "int4_rms_norm_linear_ref",
     "int4_linear_a8", "int4_linear_a8_ref", "quantize_act_int8", "quantize_act_int8_ref",
+    "rms_norm_int8", "rms_norm_int8_ref", "fused_add_rms_norm_int8", "fused_add_rms_norm_int8_ref",
+    "silu_and_mul_int8", "silu_and_mul_int8_ref",
     "argmax", "argmax_ref",
     "pdl_enabled", "pdl_override", "set_pdl",
 ]

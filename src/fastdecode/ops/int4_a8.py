@@ -124,56 +124,225 @@ def _(q, scales_x, sums_x, qweight, scales, zm, bias, out, group_size, zero_mode
 # ----------------------------------------------------------------------------- public API
 
 
+def _act_buffers(lead, K: int, device):
+    """Empty (q, scales, sums) of an int8 activation with leading dims ``lead`` and K columns."""
+    Kp = packed_cols(K) * 8
+    return (torch.empty(*lead, Kp, dtype=torch.int8, device=device),
+            torch.empty(*lead, Kp // ACT_GROUP, dtype=torch.float32, device=device),
+            torch.empty(*lead, Kp // ACT_GROUP, dtype=torch.int32, device=device))
+
+
+def _rows(act):
+    """(q, scales, sums) viewed as rows (M, ...)."""
+    return tuple(t.reshape(-1, t.shape[-1]) for t in act)
+
+
 def quantize_act_int8(x, *, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantise a 16-bit activation (..., K) to int8 per row and group of 128 columns, for ``int4_linear_a8``.
 
-    Returns ``(q, scales, sums)``: q int8 (M, Kp) in the kernel's byte order (the module docstring; padding
-    columns are 0), scales fp32 (M, Kp // 128) with ``x ~= q * scale`` (``amax / 127``; a group holding a NaN gets
-    a NaN scale), sums int32 (M, Kp // 128) of each group's q. M is the product of x's leading dimensions."""
+    Returns ``(q, scales, sums)``: q int8 (..., Kp) in the kernel's byte order (the module docstring; padding
+    columns are 0), scales fp32 (..., Kp // 128) with ``x ~= q * scale`` (``amax / 127``; a group holding a NaN
+    gets a NaN scale), sums int32 (..., Kp // 128) of each group's q."""
     from fastdecode.ops._common import check_tensor
 
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16))
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dimension (..., K), got a scalar")
     x2 = as_rows("x", x)
-    M, K = x2.shape
-    Kp = packed_cols(K) * 8
-    q = torch.empty(M, Kp, dtype=torch.int8, device=x.device)
-    scales = torch.empty(M, Kp // ACT_GROUP, dtype=torch.float32, device=x.device)
-    sums = torch.empty(M, Kp // ACT_GROUP, dtype=torch.int32, device=x.device)
-    if M:
-        _act_quant_op(x2, q, scales, sums, resolve_backend(backend, x.device, "quantize_act_int8"))
-    return q, scales, sums
+    act = _act_buffers(x.shape[:-1], x.shape[-1], x.device)
+    if x2.shape[0]:
+        _act_quant_op(x2, *_rows(act), resolve_backend(backend, x.device, "quantize_act_int8"))
+    return act
 
 
-def int4_linear_a8(x, packed: Int4Weight, bias=None, *, out=None, backend: Optional[str] = None) -> torch.Tensor:
+def _check_act(act, packed: Int4Weight):
+    """An int8 activation ``(q, scales, sums)`` (``quantize_act_int8`` or an int8-output op) for ``packed``."""
+    if not (isinstance(act, tuple) and len(act) == 3 and all(isinstance(t, torch.Tensor) for t in act)):
+        raise ValueError(f"x must be a 16-bit tensor or an int8 activation (q, scales, sums), got {type(act).__name__}")
+    q, sc, sums = act
+    Kp = packed_cols(packed.K) * 8
+    lead = tuple(q.shape[:-1])
+    want = ((*lead, Kp), torch.int8), ((*lead, Kp // ACT_GROUP), torch.float32), ((*lead, Kp // ACT_GROUP),
+                                                                                   torch.int32)
+    for name, t, (shape, dtype) in zip(("q", "scales", "sums"), act, want):
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"x's {name} must be contiguous {dtype} {shape} for K={packed.K}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if packed.perm is not None:
+        raise ValueError("an act-order weight needs x's columns gathered before the quantisation: pass the tensor")
+    return lead
+
+
+def int4_linear_a8(x, packed: Int4Weight, bias=None, *, out_dtype=None, out=None,
+                   backend: Optional[str] = None) -> torch.Tensor:
     """W4A8: ``out = dequantize_act_int8(quantize_act_int8(x)) @ dequantize_int4(packed, float32).T + bias``.
 
-    x: (..., K) bf16/fp16 with at most ``MAX_M`` rows; packed: an :class:`Int4Weight` (N, K) with ``supports``;
-    bias (N,) of x.dtype or None. Returns (..., N) in x.dtype (or ``out``). Two kernels: the activation's
-    quantisation, then the int4 x int8 GEMV (exact int32 sums per word and group, fp32 scaling, one rounding).
+    x: (..., K) bf16/fp16 with at most ``MAX_M`` rows, or an int8 activation ``(q, scales, sums)`` as
+    ``quantize_act_int8`` and the int8-output ops (``rms_norm_int8``, ``fused_add_rms_norm_int8``,
+    ``silu_and_mul_int8``) return it; packed: an :class:`Int4Weight` (N, K) with ``supports``; bias (N,) of the
+    output dtype or None. Returns (..., N) in ``out_dtype`` (bf16 or fp16; default x.dtype, bf16 for an int8
+    activation), or ``out``. From a tensor, two
+    kernels: the activation's quantisation, then the int4 x int8 GEMV (exact int32 sums per word and group, fp32
+    scaling, one rounding).
     """
-    K = check_x("x", x, packed)
+    if isinstance(x, torch.Tensor):
+        K = check_x("x", x, packed)
+        lead, device = tuple(x.shape[:-1]), x.device
+        out_dtype = out_dtype or x.dtype
+    else:
+        from fastdecode.ops.int4 import _check_packed
+
+        _check_packed(packed, packed.K)
+        lead = _check_act(x, packed)
+        K, device = packed.K, x[0].device
+        out_dtype = out_dtype or torch.bfloat16
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype must be bf16 or fp16, got {out_dtype}")
     if not supports(packed):
         raise ValueError(f"int4_linear_a8 needs int4 groups that are multiples of {ACT_GROUP} columns (or one group "
                          f"per row), got group_size={packed.group_size} for K={K}; use int4_linear")
     N = packed.N
-    bias = check_bias(bias, N, (x.dtype,), "the weight")
-    check_same_device(x=x, qweight=packed.qweight, scales=packed.scales, bias=bias)
-    out_shape = (*x.shape[:-1], N)
-    check_out("out", out, out_shape, x.dtype, x.device)
-    x2 = as_rows("x", x)
-    if x2.shape[0] > MAX_M:
-        raise ValueError(f"int4_linear_a8 takes at most {MAX_M} token rows (decode), got {x2.shape[0]}; "
-                         f"use int4_linear for more")
-    be = resolve_backend(backend, x.device, "int4_linear_a8")
-    out = torch.empty(out_shape, dtype=x.dtype, device=x.device) if out is None else out
-    if x2.shape[0] == 0 or N == 0:
+    bias = check_bias(bias, N, (out_dtype,), "the weight")
+    check_same_device(x=x if isinstance(x, torch.Tensor) else x[0], qweight=packed.qweight, scales=packed.scales,
+                      bias=bias)
+    out_shape = (*lead, N)
+    check_out("out", out, out_shape, out_dtype, device)
+    M = 1
+    for d in lead:
+        M *= d
+    if M > MAX_M:
+        raise ValueError(f"int4_linear_a8 takes at most {MAX_M} token rows (decode), got {M}; use int4_linear for more")
+    be = resolve_backend(backend, device, "int4_linear_a8")
+    out = torch.empty(out_shape, dtype=out_dtype, device=device) if out is None else out
+    if M == 0 or N == 0:
         return out
-    if packed.perm is not None:  # act-order: the kernel's column order
-        x2 = x2.index_select(1, packed.perm)
-    q, scales_x, sums_x = quantize_act_int8(x2, backend=be)
-    _int4_a8_op(q, scales_x, sums_x, packed.qweight, packed.scales, _zm(packed), bias, out.view(-1, N),
-                packed.group_size, packed.zero_mode, K, be)
+    if isinstance(x, torch.Tensor):
+        x2 = as_rows("x", x)
+        if packed.perm is not None:  # act-order: the kernel's column order
+            x2 = x2.index_select(1, packed.perm)
+        x = quantize_act_int8(x2, backend=be)
+    _int4_a8_op(*_rows(x), packed.qweight, packed.scales, _zm(packed), bias, out.view(-1, N), packed.group_size,
+                packed.zero_mode, K, be)
     return out
+
+
+# ----------------------------------------------------------------------------- int8 outputs of the producers
+
+
+def _int8_fits(block: int, K: int) -> bool:
+    """Whether a one-chunk row kernel of ``block`` columns writes every group of the 256-rounded row."""
+    return block >= packed_cols(K) * 8
+
+
+@define_op("rms_norm_int8", mutates_args=("residual", "q", "scales", "sums"))
+def _rms_norm_int8_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, q: torch.Tensor,
+                      scales: torch.Tensor, sums: torch.Tensor, eps: float, backend: str) -> None:
+    """x, residual (M, H) rows; q (M, Hp), scales / sums (M, Hp // 128)."""
+    from fastdecode.ops.norm import _norm_rows_ref, norm_config
+
+    cfg = norm_config(*x.shape)
+    if backend == "triton" and _int8_fits(cfg["BLOCK_H"], x.shape[1]) and cfg["BLOCK_H"] <= 32768:
+        from fastdecode.constants import OUT_INT8_GROUPS
+        from fastdecode.kernels.norm import launch_rms_norm
+
+        launch_rms_norm(x, residual, weight, q, scales, eps, OUT_INT8_GROUPS, cfg, pdl=pdl_enabled(x), sums=sums)
+        return
+    if backend == "triton":  # rows the one-pass kernel cannot hold: the norm, then the quantisation
+        from fastdecode.ops.norm import fused_add_rms_norm, rms_norm
+
+        y = rms_norm(x, weight, eps) if residual is None else fused_add_rms_norm(x, residual, weight, eps)
+        _act_quant_op(y, q, scales, sums, backend)
+        return
+    y, r, _ = _norm_rows_ref(x, residual, weight, eps, x.dtype, None)
+    if residual is not None:
+        residual.copy_(r)
+    for t, v in zip((q, scales, sums), quantize_act_int8_ref(y)):
+        t.copy_(v)
+
+
+@_rms_norm_int8_op.register_fake
+def _(x, residual, weight, q, scales, sums, eps, backend):
+    return None
+
+
+def _norm_int8(x, residual, weight, eps, backend, op):
+    from fastdecode.ops._common import check_eps, check_tensor
+
+    check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16))
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dimension (..., H), got a scalar")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual must have the shape and dtype of x {tuple(x.shape)} {x.dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    check_tensor("weight", weight, ndim=1)
+    if weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must have {x.shape[-1]} elements (the last dimension of x), got {weight.shape[0]}")
+    eps = check_eps(eps)
+    check_same_device(x=x, residual=residual, weight=weight)
+    be = resolve_backend(backend, x.device, op)
+    act = _act_buffers(x.shape[:-1], x.shape[-1], x.device)
+    x2 = as_rows("x", x)
+    r2 = as_rows("residual", residual, inplace=True) if residual is not None else None
+    if x2.shape[0]:
+        _rms_norm_int8_op(x2, r2, weight.contiguous(), *_rows(act), eps, be)
+    return act
+
+
+def rms_norm_int8(x, weight, eps: float = 1e-6, *, backend: Optional[str] = None):
+    """``rms_norm(x, weight, eps)`` (rounded to x.dtype) as an int8 activation ``(q, scales, sums)`` for
+    ``int4_linear_a8``: ``quantize_act_int8(rms_norm(x))`` in one kernel. x: (..., H) bf16/fp16."""
+    return _norm_int8(x, None, weight, eps, backend, "rms_norm_int8")
+
+
+def fused_add_rms_norm_int8(x, residual, weight, eps: float = 1e-6, *, backend: Optional[str] = None):
+    """``residual <- x + residual`` (in place), returns ``quantize_act_int8(rms_norm(residual) * weight)`` as
+    ``(q, scales, sums)``, one kernel."""
+    from fastdecode.ops._common import check_tensor
+
+    check_tensor("residual", residual)
+    return _norm_int8(x, residual, weight, eps, backend, "fused_add_rms_norm_int8")
+
+
+@define_op("silu_and_mul_int8", mutates_args=("q", "scales", "sums"))
+def _silu_int8_op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor, backend: str) -> None:
+    """x (M, 2I) rows; q (M, Ip), scales / sums (M, Ip // 128)."""
+    from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref, silu_config
+
+    I = x.shape[1] // 2
+    cfg = silu_config(x.shape[0], I, True)
+    if backend == "triton" and _int8_fits(cfg["BLOCK"], I) and cfg["BLOCK"] <= 32768:
+        from fastdecode.constants import OUT_INT8_GROUPS
+        from fastdecode.kernels.activation import launch_silu_and_mul
+
+        launch_silu_and_mul(x, q, scales, OUT_INT8_GROUPS, cfg, pdl=pdl_enabled(x), sums=sums)
+        return
+    y = silu_and_mul(x, backend=backend) if backend == "triton" else silu_and_mul_ref(x)
+    if backend == "triton":
+        _act_quant_op(y, q, scales, sums, backend)
+        return
+    for t, v in zip((q, scales, sums), quantize_act_int8_ref(y)):
+        t.copy_(v)
+
+
+@_silu_int8_op.register_fake
+def _(x, q, scales, sums, backend):
+    return None
+
+
+def silu_and_mul_int8(x, *, backend: Optional[str] = None):
+    """``silu_and_mul(x)`` (rounded to x.dtype) as an int8 activation ``(q, scales, sums)`` for
+    ``int4_linear_a8``: one kernel. x: (..., 2I) bf16/fp16 ``[gate | up]``."""
+    from fastdecode.ops._common import check_tensor
+
+    check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16))
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"x must be (..., 2*I) = [gate | up] with an even last dimension, got shape {tuple(x.shape)}")
+    be = resolve_backend(backend, x.device, "silu_and_mul_int8")
+    act = _act_buffers(x.shape[:-1], x.shape[-1] // 2, x.device)
+    x2 = as_rows("x", x)
+    if x2.shape[0] and x.shape[-1]:
+        _silu_int8_op(x2, *_rows(act), be)
+    return act
 
 
 # ----------------------------------------------------------------------------- references
@@ -211,15 +380,48 @@ def _a8_matmul_ref(q, scales_x, w: Int4Weight, bias, out_dtype) -> torch.Tensor:
     return y.to(out_dtype)
 
 
-def int4_linear_a8_ref(x, packed: Int4Weight, bias=None) -> torch.Tensor:
-    """Reference of :func:`int4_linear_a8`: the reference quantisation of x, dequantised, times the fp32
-    dequantised weight; one rounding to x.dtype."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if packed.perm is not None:
-        x2 = x2.index_select(1, packed.perm)
-    q, s, _ = quantize_act_int8_ref(x2)
-    return _a8_matmul_ref(q, s, packed, bias, x.dtype).reshape(*x.shape[:-1], packed.N)
+def int4_linear_a8_ref(x, packed: Int4Weight, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """Reference of :func:`int4_linear_a8`: the reference quantisation of x (a tensor; or an int8 activation
+    ``(q, scales, sums)``, then ``out_dtype``), dequantised, times the fp32 dequantised weight; one rounding."""
+    if isinstance(x, torch.Tensor):
+        x2 = x.reshape(-1, x.shape[-1])
+        if packed.perm is not None:
+            x2 = x2.index_select(1, packed.perm)
+        q, s, _ = quantize_act_int8_ref(x2)
+        return _a8_matmul_ref(q, s, packed, bias, x.dtype).reshape(*x.shape[:-1], packed.N)
+    q, s, _ = x
+    y = _a8_matmul_ref(q.reshape(-1, q.shape[-1]), s.reshape(-1, s.shape[-1]), packed, bias, out_dtype)
+    return y.reshape(*q.shape[:-1], packed.N)
 
 
-__all__ = ["ACT_GROUP", "MAX_M", "dequantize_act_int8", "get_a8_config", "int4_linear_a8", "int4_linear_a8_ref",
-           "quantize_act_int8", "quantize_act_int8_ref", "supports"]
+def rms_norm_int8_ref(x, weight, eps: float = 1e-6):
+    """Reference of :func:`rms_norm_int8`: ``quantize_act_int8_ref(rms_norm_ref(x))`` (leading dims kept)."""
+    from fastdecode.ops.norm import rms_norm_ref
+
+    return _act_ref(rms_norm_ref(x, weight, eps))
+
+
+def fused_add_rms_norm_int8_ref(x, residual, weight, eps: float = 1e-6):
+    """Reference of :func:`fused_add_rms_norm_int8`: returns ``((q, scales, sums), new_residual)``."""
+    from fastdecode.ops.norm import fused_add_rms_norm_ref
+
+    y, r = fused_add_rms_norm_ref(x, residual, weight, eps)
+    return _act_ref(y), r
+
+
+def silu_and_mul_int8_ref(x):
+    """Reference of :func:`silu_and_mul_int8`."""
+    from fastdecode.ops.activation import silu_and_mul_ref
+
+    return _act_ref(silu_and_mul_ref(x))
+
+
+def _act_ref(y):
+    q, s, sums = quantize_act_int8_ref(y.reshape(-1, y.shape[-1]))
+    lead = y.shape[:-1]
+    return q.reshape(*lead, -1), s.reshape(*lead, -1), sums.reshape(*lead, -1)
+
+
+__all__ = ["ACT_GROUP", "MAX_M", "dequantize_act_int8", "fused_add_rms_norm_int8", "fused_add_rms_norm_int8_ref",
+           "get_a8_config", "int4_linear_a8", "int4_linear_a8_ref", "quantize_act_int8", "quantize_act_int8_ref",
+           "rms_norm_int8", "rms_norm_int8_ref", "silu_and_mul_int8", "silu_and_mul_int8_ref", "supports"]
