@@ -95,7 +95,8 @@ GEMM_REL_RMS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32:
 
 @contextlib.contextmanager
 def shadowed_by_refs():
-    """While active, every fastdecode op the model calls (its names in ``fastdecode.models.llama``) also runs
+    """While active, every fastdecode op the model calls (its names in ``fastdecode.models.llama``, ``.rmsnorm`` and
+    ``.decode_attention``) also runs
     its ``*_ref`` on the same inputs (copies of those it updates in place), and the two results are compared at
     once: FP8 pairs with ``assert_fp8_close`` (scales to rtol 1e-5, values within one e4m3 step) and no value
     moved unless it sits at a rounding boundary (see ``fp8``), in-place residuals with ``assert_rounding_equal``,
@@ -104,6 +105,7 @@ def shadowed_by_refs():
     activations and nothing compounds. Yields a Counter of the checked calls per op name."""
     import fastdecode.models.decode_attention as A
     import fastdecode.models.llama as L
+    import fastdecode.models.rmsnorm as N
     from fastdecode.ops import activation as act, attention as att, gemm, norm, quant
 
     def fp8(got, want, y64):
@@ -210,7 +212,8 @@ def shadowed_by_refs():
 
     with pytest.MonkeyPatch.context() as mp:
         for name, (check, updated) in checks.items():
-            mod = A if hasattr(A, name) else L  # the decode attention's ops are called from models/decode_attention
+            # the decode attention's ops are called from models/decode_attention, the norms' from models/rmsnorm
+            mod = next(m for m in (A, N, L) if hasattr(m, name))
             mp.setattr(mod, name, shadow(name, getattr(mod, name), check, updated))
         yield counts
 

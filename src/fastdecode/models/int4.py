@@ -112,3 +112,26 @@ class Int4Linear(nn.Module):
         act = "w4a8-int8 (decode)" if self.act_int8 and a8_supports(self.packed) else "w4a16"
         bias = self.bias is not None
         return f"in={self.in_features}, out={self.out_features}, bias={bias}, {self.packed.format} {act}"
+
+
+def set_int4_switches(model, k: dict) -> None:
+    """The int4 kernel switches of ``Transformer.set_kernels`` (``k``: its switch dict) on ``model``'s modules.
+
+    ``int4_gemm`` off: every ``Int4Linear`` dequantises + cuBLAS. ``int4_a8`` (off by default; needs ``int4_gemm``):
+    W4A8 decode, projections of up to 4 token rows quantise their activation to int8 per group of 128 columns and
+    run the ``dp4a`` GEMV (``fastdecode.ops.int4_a8``), where the weight's groups allow it; decode's numbers then
+    move by the activation's rounding. The producers of those activations emit int8 themselves (one kernel each,
+    with ``fused_norm`` / ``fused_act``): the norms before wqkv / w13 and the lm head, SiLU-and-mul before w2; the
+    attention output is quantised by wo's op.
+    """
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            m.impl = None if k["int4_gemm"] else "dequant"
+            m.act_int8 = k["int4_a8"] and k["int4_gemm"]
+    a8 = lambda m: isinstance(m, Int4Linear) and m.act_int8 and a8_supports(m.packed)  # noqa: E731
+    for layer in model.layers:
+        a, f = layer.attention, layer.feed_forward
+        layer.attention_norm.int8_out = a8(a.wqkv) and k["fused_norm"]
+        layer.ffn_norm.int8_out = a8(f.w13) and k["fused_norm"]
+        f.int8_act = a8(f.w2) and k["fused_act"]
+    model.norm.int8_out = a8(model.output) and k["fused_norm"]

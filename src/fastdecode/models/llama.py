@@ -47,9 +47,7 @@ bf16 / fp16 ``w2``'s GEMM (``Linear.forward_glu``); off, apart, as always for in
 (``fastdecode.ops.glu_linear`` says why). ``fused_rope``: ``fastdecode.models.decode_attention``. ``norm_gemm``:
 ``fastdecode.models.norm_gemm`` (the decode step's norms and residual adds inside the bf16 / fp16 and W4A16 int4
 GEMMs; it folds the norm weights into dense wqkv / w13 in place at the first decode). ``int4_a8`` (off by default):
-``Int4Linear`` projections of up to 4 token rows quantise their activation to int8 per group of 128 columns and
-run the W4A8 ``dp4a`` GEMV (``fastdecode.ops.int4_a8``; where the weight's groups allow it), so decode changes its
-numbers by the activation's rounding.
+W4A8 decode with int8 activations (``fastdecode.models.int4.set_int4_switches``).
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -57,8 +55,9 @@ Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"tri
 
 Beside this module: ``fastdecode.models.int4`` (``Int4Linear``) and ``fastdecode.models.rope`` (the RoPE
 tables), both importable from here too; the decode attention's ops are called from
-``fastdecode.models.decode_attention``. ``Linear``, ``Fp8Linear``, ``RMSNorm`` and the layers stay here: they
-call the ops by their names in this module (tests/test_engine_fp8.py shadows those names with reference checks).
+``fastdecode.models.decode_attention``; ``RMSNorm`` lives in ``fastdecode.models.rmsnorm``. ``Linear``, ``Fp8Linear``
+and the layers stay here: they call the ops by their names in this module (tests/test_engine_fp8.py shadows those
+names with reference checks).
 """
 
 from __future__ import annotations
@@ -73,22 +72,16 @@ from torch import nn
 from fastdecode.models.config import ModelConfig
 from fastdecode.models.decode_attention import decode_attend
 from fastdecode.models import norm_gemm
-from fastdecode.models.int4 import Int4Linear
+from fastdecode.models.int4 import Int4Linear, set_int4_switches
 from fastdecode.models.qk_norm import norm_heads, norm_qk_rows
 from fastdecode.models.step_bytes import step_read_bytes, unique_param_bytes  # noqa: F401  (re-exported)
 from fastdecode.models.rope import apply_rope, rope_cache, rope_inv_freq  # noqa: F401  (rope_inv_freq: re-exported)
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref, silu_and_mul_ref
-from fastdecode.ops.int4_a8 import (
-    MAX_M as A8_MAX_M, fused_add_rms_norm_int8, fused_add_rms_norm_int8_ref, rms_norm_int8, rms_norm_int8_ref,
-    silu_and_mul_int8, silu_and_mul_int8_ref, supports as a8_supports,
-)
-from fastdecode.ops.allreduce import all_reduce, all_reduce_add_rms_norm
+from fastdecode.ops import int4_a8 as A8
+from fastdecode.models.rmsnorm import RMSNorm
+from fastdecode.ops.allreduce import all_reduce
 from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref
 from fastdecode.ops.glu_linear import silu_and_mul_linear
-from fastdecode.ops.norm import (
-    fused_add_rms_norm, fused_add_rms_norm_fp8, fused_add_rms_norm_fp8_ref, fused_add_rms_norm_ref, rms_norm,
-    rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref,
-)
 from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref
 from fastdecode.quant.formats import method_of
 
@@ -180,68 +173,6 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, fp8 w8a8"
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm; ``fp8_out``: return ``(fp8, per-token scale)`` for an ``Fp8Linear``; ``int8_out``: for up to
-    ``ops.int4_a8.MAX_M`` rows, return the int8 activation ``(q, scales, sums)`` of a W4A8 ``Int4Linear``
-    (``int4_a8`` switch); ``comm``: a ``CommWorkspace`` when the input of ``add_forward`` is a tensor-parallel
-    partial sum (all-reduced first, fused with the add and the norm unless ``fuse_comm`` is off; no int8 output
-    then); ``fused=False``: plain-PyTorch ops (ablation), and no FP8 / int8 output (the next projection then
-    quantises in a separate kernel)."""
-
-    def __init__(self, dim: int, eps: float, *, device=None, dtype=None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype), requires_grad=False)
-        self.fp8_out = False
-        self.int8_out = False
-        self.fused = True
-        self.comm = None
-        self.fuse_comm = True
-
-    def _int8(self, x) -> bool:
-        return self.int8_out and self.fused and self.comm is None and x.numel() <= A8_MAX_M * x.shape[-1]
-
-    def forward(self, x: torch.Tensor, backend: str):
-        if not self.fused:
-            backend = "ref"
-        if self._int8(x):
-            if backend == "ref":
-                return rms_norm_int8_ref(x, self.weight, self.eps)
-            return rms_norm_int8(x, self.weight, self.eps, backend=backend)
-        if self.fp8_out:
-            if backend == "ref":
-                return rms_norm_fp8_ref(x, self.weight, self.eps)
-            return rms_norm_fp8(x, self.weight, self.eps, backend=backend)
-        if backend == "ref":
-            return rms_norm_ref(x, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps, backend=backend)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor, backend: str):
-        """Returns ``(rms_norm(x + residual), x + residual)``; the op version updates ``residual`` in place.
-
-        The first element is an ``(fp8, scale)`` pair when ``fp8_out``; x is summed over ranks first with ``comm``.
-        """
-        if not self.fused:
-            backend = "ref"
-        if self.comm is not None:
-            if self.fuse_comm and backend != "ref":
-                return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.comm, fp8=self.fp8_out,
-                                               backend=backend), residual
-            x = all_reduce(x, self.comm)
-        if self._int8(x):
-            if backend == "ref":
-                return fused_add_rms_norm_int8_ref(x, residual, self.weight, self.eps)
-            return fused_add_rms_norm_int8(x, residual, self.weight, self.eps, backend=backend), residual
-        if backend == "ref":
-            if self.fp8_out:
-                q, s, r = fused_add_rms_norm_fp8_ref(x, residual, self.weight, self.eps)
-                return (q, s), r
-            return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
-        if self.fp8_out:
-            return fused_add_rms_norm_fp8(x, residual, self.weight, self.eps, backend=backend), residual
-        return fused_add_rms_norm(x, residual, self.weight, self.eps, backend=backend), residual
-
-
 # ----------------------------------------------------------------------------- layers
 
 
@@ -313,8 +244,8 @@ class FeedForward(nn.Module):
             y = glu(h, be)
             if y is not None:
                 return y
-        if self.int8_act and be == backend and h.numel() <= A8_MAX_M * h.shape[-1]:
-            h = silu_and_mul_int8_ref(h) if be == "ref" else silu_and_mul_int8(h, backend=be)
+        if self.int8_act and be == backend and h.numel() <= A8.MAX_M * h.shape[-1]:
+            h = A8.silu_and_mul_int8_ref(h) if be == "ref" else A8.silu_and_mul_int8(h, backend=be)
         elif self.fp8_act:
             h = silu_and_mul_fp8_ref(h) if be == "ref" else silu_and_mul_fp8(h, backend=be)
         else:
@@ -496,19 +427,7 @@ class Transformer(nn.Module):
         self.norm.fp8_out = isinstance(self.output, Fp8Linear) and k["fused_norm"]  # FP8 lm head
         if "skinny_gemm" in flags:
             self.set_gemm_impl(None if k["skinny_gemm"] else "cublas")
-        for m in self.modules():
-            if isinstance(m, Int4Linear):
-                m.impl = None if k["int4_gemm"] else "dequant"
-                m.act_int8 = k["int4_a8"] and k["int4_gemm"]
-        # int8 outputs where the consumer is a W4A8 Int4Linear (int4_a8): the norms before wqkv / w13 and the
-        # lm head, SiLU-and-mul before w2 (the attention output is quantised by wo's op)
-        a8 = lambda m: isinstance(m, Int4Linear) and m.act_int8 and a8_supports(m.packed)  # noqa: E731
-        for layer in self.layers:
-            a, f = layer.attention, layer.feed_forward
-            layer.attention_norm.int8_out = a8(a.wqkv) and k["fused_norm"]
-            layer.ffn_norm.int8_out = a8(f.w13) and k["fused_norm"]
-            f.int8_act = a8(f.w2) and k["fused_act"]
-        self.norm.int8_out = a8(self.output) and k["fused_norm"]
+        set_int4_switches(self, k)
 
     def weight_bytes(self) -> int:
         """Bytes of all parameters (tied embeddings counted once): what one decode step must read
