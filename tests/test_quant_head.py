@@ -218,3 +218,16 @@ def test_eval_accuracy_cli_reports_the_head(tmp_path, capsys):
     head = rows["fp8-w8a8-channel+head-int4"]
     assert 0.5 < head["top1_agreement"] <= 1 and head["mean_kl"] > 0 and head["tokens"] == 63
     assert head["mean_kl"] != rows["fp8-w8a8-channel"]["mean_kl"]  # the head really changed the logits
+
+
+def test_eval_accuracy_int4_a8_rows(tmp_path):
+    """``eval-accuracy --int4-a8``: each int4 format again with int8 activations; on the embedded SmolLM2 (K = 576:
+    groups of 64, so only the 30 down projections, K = 1536, take W4A8) the row says so and its logits move."""
+    smollm2_path()
+    out = tmp_path / "acc.json"
+    assert cli.main(["eval-accuracy", "--quant", "int4", "--int4-a8", "--device", "cpu", "--max-tokens", "64",
+                     "--window", "64", "--out", str(out)]) == 0
+    rows = {r["format"]: r for r in json.loads(out.read_text())}
+    a8, w16 = rows["int4-w4a16-g128-zero+a8"], rows["int4-w4a16-g128-zero"]
+    assert a8["a8_projections"] == "30 of 120" and "int4-w4a16-gguf+a8" not in rows  # Q4_1: groups of 32
+    assert a8["mean_kl"] != w16["mean_kl"] and 0.5 < a8["top1_agreement"] <= 1

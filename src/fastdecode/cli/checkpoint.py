@@ -30,14 +30,16 @@ def cmd_eval_accuracy(args) -> int:
 
     try:  # a KV cache too large for the device is a KVCacheMemoryError (a ValueError): one error line
         quants = args.quant if args.quant is not None else ([] if args.quant_head else ["fp8"])
-        rows = eval_accuracy(args.model, quants, head=args.quant_head, device=args.device,
+        rows = eval_accuracy(args.model, quants, head=args.quant_head, int4_a8=args.int4_a8, device=args.device,
                              dtype=getattr(torch, args.dtype) if args.dtype else None, window=args.window,
                              max_tokens=args.max_tokens, log=lambda m: print(m, file=sys.stderr, flush=True))
     except USER_ERRORS as e:
         return fail(e)
     if args.out:
-        from fastdecode.bench.harness import write_rows
+        from fastdecode.bench.harness import env_info, write_rows
 
+        for r in rows:  # the code and versions that made the row (its device is the row's own "device")
+            r.update({k: v for k, v in env_info().items() if k != "gpu"})
         write_rows(rows, args.out)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
@@ -64,6 +66,9 @@ def add_parsers(subparsers) -> None:
                    help="block formats to evaluate (default: fp8; none with --quant-head alone)")
     e.add_argument("--quant-head", default=None, choices=list(METHODS),
                    help="also evaluate each format with the lm head quantised (alone: the head only)")
+    e.add_argument("--int4-a8", action="store_true",
+                   help="also evaluate each int4 format with int8 activations (the int4_a8 kernel switch: W4A8 where "
+                        "the weight's groups are multiples of 128 columns)")
     e.add_argument("--device", default=None)
     e.add_argument("--dtype", default=None, choices=DTYPES)
     e.add_argument("--window", type=int, default=512,

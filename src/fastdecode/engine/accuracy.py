@@ -85,11 +85,28 @@ def compare(ref_model, models: dict, ids: list[int], *, window: int = 512, devic
             for name, st in stats.items()]
 
 
+def int4_a8_copy(model):
+    """A copy of an int4 ``model`` with the ``int4_a8`` switch on (W4A8 with int8 activations) for every row, not only
+    decode's up to 4: the activation's rounding is per row, so a window's prefill then computes what each decode step
+    of it would (beyond 4 rows with ``int4_linear_a8_ref``). None when no projection can take it (groups not
+    multiples of 128)."""
+    from fastdecode.models.int4 import Int4Linear
+    from fastdecode.ops.int4_a8 import supports
+
+    m = copy.deepcopy(model)
+    m.set_kernels(int4_a8=True)
+    lins = [x for x in m.modules() if isinstance(x, Int4Linear) and x.act_int8 and supports(x.packed)]
+    for x in lins:
+        x.a8_max_rows = 1 << 30
+    return m if lins else None
+
+
 def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), *, head: Optional[str] = None,
-                  device=None, dtype=None, window: int = 512, max_tokens: Optional[int] = None,
+                  int4_a8: bool = False, device=None, dtype=None, window: int = 512, max_tokens: Optional[int] = None,
                   text: Optional[str] = None, log=print) -> list[dict]:
     """Load ``path`` unquantised and with each of ``quants`` (and each again with the lm head quantised as
-    ``head``, or the head alone when ``quants`` is empty); returns one JSON-ready row per format."""
+    ``head``, or the head alone when ``quants`` is empty); returns one JSON-ready row per format. ``int4_a8``: each
+    int4 format again with int8 activations (``int4_a8_copy``; the row says on how many projections)."""
     from fastdecode.engine.loader import load
     from fastdecode.models.quantize import FORMATS, check_head, quantize_head
 
@@ -125,11 +142,26 @@ def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), 
         if head is not None:  # the same block weights, the head quantised too: its cost is the difference
             mh = quantize_head(copy.deepcopy(m), head)
             models[mh.format_label] = mh
+        if int4_a8 and q == "int4":
+            for name, base in [(k, v) for k, v in models.items() if v.quant == "int4"]:
+                if name.endswith("+a8"):
+                    continue
+                ma = int4_a8_copy(base)
+                if ma is None:
+                    log(f"{name}: no projection with groups of 128 columns, no int8-activation row")
+                    continue
+                models[name + "+a8"] = ma
     if head is not None and not quants:
         mh = quantize_head(copy.deepcopy(ref.model), head)
         models[mh.format_label] = mh
     _check_kv_memory(ref.model, longest, device)  # again with every model loaded, before compare allocates
     rows = compare(ref.model, models, ids, window=window, device=device)
+    for r in rows:  # how many projections of an int8-activation row run W4A8
+        if r["format"].endswith("+a8"):
+            from fastdecode.models.int4 import Int4Linear
+
+            lins = [x for x in models[r["format"]].modules() if isinstance(x, Int4Linear)]
+            r["a8_projections"] = f"{sum(x.act_int8 and x.a8_max_rows > 4 for x in lins)} of {len(lins)}"
     dt = str(next(ref.model.parameters()).dtype).replace("torch.", "")
     for r in rows:
         r.update(model=ref.config.name or ref.source, device=str(device), dtype=dt, window=window,

@@ -58,6 +58,7 @@ class Int4Linear(nn.Module):
         self.out_dtype = dtype  # the model's activation dtype: the output of an int8 activation (int4_a8)
         self.impl: Optional[str] = None
         self.act_int8 = False
+        self.a8_max_rows = A8_MAX_M  # rows that take W4A8 (eval-accuracy raises it: the reference for more than 4)
 
     @classmethod
     def from_weight(cls, w: Int4Weight, bias: Optional[torch.Tensor] = None, *, device=None,
@@ -91,8 +92,10 @@ class Int4Linear(nn.Module):
         if isinstance(x, tuple):
             raise ValueError("Int4Linear is W4A16: it takes a bf16/fp16 (or fp32) activation, got an (fp8, scale) "
                              "pair; the norm / activation before an int4 projection must not emit FP8")
-        if self.act_int8 and x.dtype in INT4_ACT_DTYPES and x.numel() <= A8_MAX_M * x.shape[-1] and a8_supports(w):
-            if backend == "ref":
+        if self.act_int8 and x.is_floating_point() and x.numel() <= self.a8_max_rows * x.shape[-1] \
+                and a8_supports(w):
+            # the reference: the "ref" backend, fp32 activations (the CPU engine), more rows than the kernel's 4
+            if backend == "ref" or x.dtype not in INT4_ACT_DTYPES or x.numel() > A8_MAX_M * x.shape[-1]:
                 return int4_linear_a8_ref(x, w, self.bias)
             return int4_linear_a8(x, w, self.bias, backend=backend)
         if backend == "ref" or x.dtype not in INT4_ACT_DTYPES:
