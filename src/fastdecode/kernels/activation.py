@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE, INT8_MIN_SCALE, OUT_FP8_DYNAMIC, OUT_INT8_GROUPS
+from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE, INT8_MIN_SCALE, OUT_FP8_DYNAMIC
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_a8 import _store_act_int8
 from fastdecode.kernels.quant import _dynamic_scale, _nan_flags, _store_fp8  # the NaN rule of FP8 outputs
@@ -28,14 +28,15 @@ def _silu_and_mul_kernel(
 
     Dynamic FP8 (per-token scale) needs the whole row: one program per row; with NUM_CHUNKS == 1 the
     row stays in registers; otherwise pass 1 finds the row maximum and pass 2 recomputes and writes.
-    Grouped int8 (OUT_MODE 3, one program per row, NUM_CHUNKS == 1 and BLOCK >= the 256-rounded row): the output
-    rounded to x's dtype, then int8 per group of 128 columns (``kernels.int4_a8._store_act_int8``; scale_ptr /
-    sum_ptr: (M, NG), row stride stride_s).
+    Grouped int8 (OUT_MODE 3): column blocks as the native mode (BLOCK a multiple of 256, so the blocks cover the
+    256-rounded row: its padding groups are written as zeros), the output rounded to x's dtype, then int8 per group
+    of 128 columns (``kernels.int4_a8._store_act_int8``; scale_ptr / sum_ptr: (M, NG), row stride stride_s): the
+    groups are independent, so unlike the per-token FP8 scale no program needs the whole row.
     """
     if USE_PDL:  # programmatic dependent launch: kernels.pdl
         pdl_wait()
     pid = tl.program_id(0)
-    if OUT_MODE < 2:
+    if OUT_MODE != 2:
         nblk = tl.cdiv(I, BLOCK)
         row = (pid // nblk).to(tl.int64)
         cblk = pid % nblk
@@ -45,11 +46,11 @@ def _silu_and_mul_kernel(
     x_off = row * stride_x
     o_off = row * stride_o
     if OUT_MODE == 3:
-        cols = tl.arange(0, BLOCK)
+        cols = cblk * BLOCK + tl.arange(0, BLOCK)
         y = _silu_mul(x_ptr, x_off, cols, cols < I, I).to(x_ptr.dtype.element_ty).to(tl.float32)
         rows = row + tl.zeros((1,), dtype=tl.int64)
-        _store_act_int8(y[None, :], rows, rows >= 0, 0, out_ptr, scale_ptr, sum_ptr, stride_o, stride_s, NG,
-                        INT8_MIN_SCALE, 1, BLOCK)
+        _store_act_int8(y[None, :], rows, rows >= 0, cblk * (BLOCK // 128), out_ptr, scale_ptr, sum_ptr, stride_o,
+                        stride_s, NG, INT8_MIN_SCALE, 1, BLOCK)
     elif OUT_MODE != 2:
         cols = cblk * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
@@ -85,11 +86,11 @@ def _silu_and_mul_kernel(
 
 def launch_silu_and_mul(x, out, scale, out_mode, config, pdl: bool = False, sums=None):
     """x: (M, 2I) rows with unit inner stride; out: (M, I). ``config``: dict(BLOCK, num_warps). Int8 output
-    (``OUT_INT8_GROUPS``): out the int8 (M, Ip) rows, ``scale`` / ``sums`` (M, Ip // 128), BLOCK >= Ip."""
+    (``OUT_INT8_GROUPS``): out the int8 (M, Ip) rows, ``scale`` / ``sums`` (M, Ip // 128), BLOCK a multiple of 256."""
     M = out.shape[0]
     I = x.shape[1] // 2
     block = config["BLOCK"]
-    if out_mode in (OUT_FP8_DYNAMIC, OUT_INT8_GROUPS):
+    if out_mode == OUT_FP8_DYNAMIC:
         grid = (M,)
         num_chunks = cdiv(I, block)
     else:
