@@ -104,11 +104,12 @@ def test_act_quant_nan_zero_and_inf_groups():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("H", [4096, 576, 200])
+@pytest.mark.parametrize("H", [4096, 1280, 576, 200])
 def test_norm_and_silu_int8_outputs_match_the_two_kernel_path(H, dtype):
     """rms_norm_int8 / fused_add_rms_norm_int8 / silu_and_mul_int8: the native output rounded to x.dtype, then
     quantised, in one kernel; against their references (the native reference, then ``quantize_act_int8_ref``).
-    H = 200 (next power of two 256 = its padded width) and 576 (1024 >= 768) take the one-kernel path."""
+    H = 200 (next power of two 256 = its padded width), 576 (1024 >= 768) and 1280 (SiLU: two blocks of 1024 over
+    five padded tiles) take the one-kernel path."""
     x = (torch.randn(3, 1, H, device=DEV) * 3).to(dtype)
     w = (torch.rand(H, device=DEV) + 0.5).to(dtype)
     act = A.rms_norm_int8(x, w, 1e-5, backend="triton")
