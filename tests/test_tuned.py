@@ -96,6 +96,8 @@ def test_split_k_partials_are_one_growing_buffer_per_device():
     b = _tuned.split_k_partials(dev, a.numel() + 1)
     assert b is not a and b.numel() > a.numel() and _tuned.SPLIT_K_PARTIALS[("cpu", None)] is b
     assert _tuned._LOCKS_RETIRED[retired] is a
-    import fastdecode.ops.int4 as I
-
-    assert L.split_k_partials is I.split_k_partials is _tuned.split_k_partials
+    # every split-K launcher (linear, int4_linear, int4_linear_a8) takes them through split_k_workspace
+    cfg = {"BLOCK_M": 1, "BLOCK_N": 4, "SPLIT_K": 3}
+    config, part, locks = _tuned.split_k_workspace(dev, cfg, 3, 2, 9, "linear")
+    assert config is cfg and part is b and locks.numel() >= 2 * 3
+    assert _tuned.split_k_workspace(dev, cfg, 1, 2, 9, "linear") == (cfg, None, None)

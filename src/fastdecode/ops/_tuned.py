@@ -154,5 +154,20 @@ def split_k_partials(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def split_k_workspace(device: torch.device, config: dict, split: int, M: int, N: int, op: str):
+    """``(config, part, locks)`` of a split-K launch of ``config`` (``split`` > 1 effective splits) over an (M, N)
+    output: the shared tile counters and partials of ``device``. During a CUDA-graph capture with no counters
+    allocated yet (``split_k_locks``), the launch runs without split-K: ``config`` with SPLIT_K 1, a log warning
+    naming ``op`` once. ``split`` <= 1: ``(config, None, None)``."""
+    if split <= 1:
+        return config, None, None
+    locks = split_k_locks(device, -(-M // config["BLOCK_M"]) * -(-N // config["BLOCK_N"]))
+    if locks is None:
+        _common.warn_once(f"fastdecode: {op} split-K counters were not allocated before CUDA-graph capture; this "
+                          f"capture runs without split-K (call {op} once before capturing)")
+        return {**config, "SPLIT_K": 1}, None, None
+    return config, split_k_partials(device, split * M * N), locks
+
+
 __all__ = ["DEFAULT_NUM_SMS", "SPLIT_K_LOCKS", "SPLIT_K_PARTIALS", "clear_config_cache", "device_info", "load_table",
-           "lookup_cache", "nearest_m", "split_k_locks", "split_k_partials"]
+           "lookup_cache", "nearest_m", "split_k_locks", "split_k_partials", "split_k_workspace"]

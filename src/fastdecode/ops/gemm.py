@@ -38,7 +38,7 @@ from fastdecode.ops._common import (
 )
 from fastdecode.ops._tuned import (  # noqa: F401  (clear_config_cache, DEFAULT_NUM_SMS: this module's API too)
     DEFAULT_NUM_SMS, SPLIT_K_LOCKS, clear_config_cache, device_info, load_table, lookup_cache, nearest_m,
-    split_k_locks, split_k_partials,
+    split_k_workspace,
 )
 
 IMPLS = (None, "triton", "cublas")
@@ -161,17 +161,7 @@ def linear_with_config(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, c
     M = x.shape[0]
     N, K = weight.shape
     _, split = split_k_blocks(K, config)
-    part = locks = None
-    if split > 1:
-        tiles = cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"])
-        locks = split_k_locks(x.device, tiles)
-        if locks is None:
-            warn_once("fastdecode: linear split-K counters were not allocated before CUDA-graph "
-                       "capture; this capture runs without split-K (call linear once before capturing)")
-            config = {**config, "SPLIT_K": 1}
-            split = 1
-        else:
-            part = split_k_partials(x.device, split * M * N)
+    config, part, locks = split_k_workspace(x.device, config, split, M, N, "linear")
     launch_skinny_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, part, locks, config,
                          pdl=pdl_enabled(x), glu=glu, norm_weight=norm_weight, eps=eps, accumulate=accumulate,
                          x_norm=x_norm)

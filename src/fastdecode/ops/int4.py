@@ -35,8 +35,8 @@ from fastdecode.ops._common import (
     as_rows, cdiv, check_out, check_same_device, check_tensor, next_pow2, resolve_backend, warn_once,
 )
 from fastdecode.ops._tuned import (  # noqa: F401  (clear_config_cache, DEFAULT_NUM_SMS: this module's API too)
-    DEFAULT_NUM_SMS, clear_config_cache, device_info, load_table, lookup_cache, nearest_m, split_k_locks,
-    split_k_partials,
+    DEFAULT_NUM_SMS, clear_config_cache, device_info, load_table, lookup_cache, nearest_m,
+    split_k_workspace,
 )
 from fastdecode.ops.gemm import check_bias
 from fastdecode.ops.int4_format import LAYOUT, Int4Weight, dequantize_int4, packed_cols
@@ -182,15 +182,7 @@ def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=N
         # heuristic's choice for the shape (the table was tuned on bf16 scales, "sym")
         config = heuristic_config(M, N, K, w.group_size, device_info(x.device)[1])[1]
     _, split = split_k_blocks(K, config)
-    part = locks = None
-    if split > 1:
-        locks = split_k_locks(x.device, cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]))
-        if locks is None:
-            warn_once("fastdecode: int4_linear split-K counters were not allocated before CUDA-graph "
-                       "capture; this capture runs without split-K (call int4_linear once before capturing)")
-            config, split = {**config, "SPLIT_K": 1}, 1
-        else:
-            part = split_k_partials(x.device, split * M * N)
+    config, part, locks = split_k_workspace(x.device, config, split, M, N, "int4_linear")
     xs_mode = 0 if x_scale is None else (1 if x_scale.numel() == 1 else 2)
     launch_int4_linear(x, w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, bias, out, part, locks, config,
                        x_scale, xs_mode, warmup=warmup, pdl=pdl_enabled(x), norm_weight=norm_weight, eps=eps,

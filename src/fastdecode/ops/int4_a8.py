@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 
 from fastdecode.ops._common import (
-    as_rows, cdiv, check_out, check_same_device, next_pow2, pdl_enabled, resolve_backend, warn_once,
+    as_rows, cdiv, check_out, check_same_device, next_pow2, pdl_enabled, resolve_backend,
 )
 from fastdecode.ops._registry import define_op
-from fastdecode.ops._tuned import DEFAULT_NUM_SMS, device_info, split_k_locks, split_k_partials
+from fastdecode.ops._tuned import DEFAULT_NUM_SMS, device_info, split_k_workspace
 from fastdecode.ops.gemm import check_bias
 from fastdecode.ops.int4 import _zm, check_x
 from fastdecode.ops.int4_format import Int4Weight, dequantize_int4, packed_cols
@@ -88,17 +88,8 @@ def a8_with_config(q, scales_x, sums_x, w: Int4Weight, bias, out, config: dict, 
     from fastdecode.kernels.int4 import lop3_asm_ok
     from fastdecode.kernels.int4_a8 import launch_int4_a8, split_k_of
 
-    M, N = q.shape[0], w.N
     split = split_k_of(w.qweight.shape[1], config)
-    part = locks = None
-    if split > 1:
-        locks = split_k_locks(q.device, cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]))
-        if locks is None:
-            warn_once("fastdecode: int4_linear_a8 split-K counters were not allocated before CUDA-graph capture; "
-                      "this capture runs without split-K (call int4_linear_a8 once before capturing)")
-            config = {**config, "SPLIT_K": 1}
-        else:
-            part = split_k_partials(q.device, split * M * N)
+    config, part, locks = split_k_workspace(q.device, config, split, q.shape[0], w.N, "int4_linear_a8")
     launch_int4_a8(q, scales_x, sums_x, w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, bias, out, part,
                    locks, config, asm=lop3_asm_ok(q), pdl=pdl_enabled(q), accumulate=accumulate, warmup=warmup)
 
