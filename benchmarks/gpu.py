@@ -98,10 +98,11 @@ def _decode(out: Path, *args: str) -> list[str]:
 def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "int4"), tune_dtypes=("bf16", "fp8"),
                    gpu="nvidia_h200", tune_int4_ms=None, tune_int4_fp8=True,
                    tune_int4_small_m_dot=False, tune_shapes=None,
-                   tune_int4_groups=None, tune_int4_kinds=None, diag_args=(), ncu=True
+                   tune_int4_groups=None, tune_int4_kinds=None, diag_args=(), ncu=True, decode_impls=None
                    ) -> list[tuple[str, list[str], int]]:
     """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests). ``diag_args``:
-    extra arguments of ``int4-diag``'s sweep (``--few``, ``--shapes``, ``--ms``); ``ncu``: its ncu step too."""
+    extra arguments of ``int4-diag``'s sweep (``--few``, ``--shapes``, ``--ms``); ``ncu``: its ncu step too;
+    ``decode_impls``: the rows of every ``decode`` step instead of its own list (a short call)."""
     shapes = ["--shapes", tune_shapes] if tune_shapes else []
     if name == "tune":
         return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes, *shapes,
@@ -144,6 +145,9 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                                       "--quant-head", "int4", "--impl", "fastdecode-graph",
                                                       "fastdecode-graph-with-int4_a8"), 300),
         }
+        if decode_impls:
+            steps = {f: (label, argv[:argv.index("--impl") + 1] + list(decode_impls), t)
+                     for f, (label, argv, t) in steps.items()}
         return [steps[f] for f in formats]
     if name == "profile":
         # ``bench decode --profile``: the step's time per kernel family against the copy-rate floor. With PDL each
@@ -516,6 +520,8 @@ def main(argv=None) -> int:
     p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4"],
                    choices=["bf16", "fp8", "int4", "fp8-head", "int4-head"],
                    help="decode, profile: the weight formats to run (-head, decode only: the lm head quantised too)")
+    p.add_argument("--decode-impls", nargs="+", default=None,
+                   help="decode: these rows instead of each format's list (e.g. peer-compile fastdecode-graph)")
     p.add_argument("--diag-few", action="store_true", help="int4-diag: two probes and a few mma variants only")
     p.add_argument("--diag-shapes", default=None, help="int4-diag: comma-separated shape names (default all)")
     p.add_argument("--diag-ms", default=None, help="int4-diag: comma-separated token counts (default 1,4,16)")
@@ -593,7 +599,7 @@ def main(argv=None) -> int:
             + (["--ms", a.diag_ms] if a.diag_ms else [])
         steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms, not a.tune_int4_no_fp8,
                                a.tune_int4_small_m_dot, a.tune_shapes, a.tune_int4_groups, a.tune_int4_kinds,
-                               diag_args, not a.no_ncu)
+                               diag_args, not a.no_ncu, a.decode_impls)
         if not steps:
             summary.append((s, f"not run: needs 2+ GPUs, this machine has {n_gpu}", 0))
         for label, cmd, timeout in steps:

@@ -140,6 +140,9 @@ def test_decode_with_a_quantised_head(gpu, tmp_path):
     assert argv[argv.index("--impl") + 1:] == ["fastdecode-graph", "fastdecode-graph-with-int4_a8"]
     [(_, argv, _)] = gpu.suite_commands("decode", tmp_path, 1, formats=("int4",))
     assert "fastdecode-graph-with-int4_a8" in argv and "peer-compile" in argv
+    [(_, argv, _)] = gpu.suite_commands("decode", tmp_path, 1, formats=("int4",),
+                                        decode_impls=("peer-compile", "fastdecode-graph-with-int4_a8"))
+    assert argv[argv.index("--impl") + 1:] == ["peer-compile", "fastdecode-graph-with-int4_a8"]
     [(label, argv, _)] = gpu.suite_commands("int4-a8", tmp_path, 1)
     assert label == "sweep int4 a8" and argv[1].endswith("sweep_int4_a8.py")
 
