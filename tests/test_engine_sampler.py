@@ -75,3 +75,32 @@ def test_params_validation():
         SamplingParams(top_k=-2)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         SamplingParams(top_p=0.0)
+
+
+def test_sample_rows_equals_each_row_sampled_alone():
+    """``sample_rows`` (the continuous batcher's rows, one batched pass): every row's token is what ``sample`` gives
+    that row alone with the same seed, for a mix of greedy, penalised, top-k, top-p, min-p and plain temperature rows;
+    tied logits (rounded to a coarse grid) keep top-p's nucleus the same (a stable sort)."""
+    from fastdecode.engine.sampler import apply_repetition_penalty, sample, sample_rows
+
+    V = 300
+    params = [SamplingParams(), SamplingParams(repetition_penalty=1.3), SamplingParams(temperature=0.7, seed=1),
+              SamplingParams(temperature=1.1, top_k=5, seed=2), SamplingParams(temperature=0.9, top_p=0.8, seed=3),
+              SamplingParams(temperature=1.0, min_p=0.05, seed=4),
+              SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.2, seed=5),
+              SamplingParams(temperature=1.3, top_k=V, top_p=0.5, seed=6), SamplingParams()]
+    for trial in range(20):
+        logits = (torch.randn(len(params), V) * 3).round() / 2  # ties
+        seen = torch.rand(len(params), V) < 0.1
+        want = []
+        for b, p in enumerate(params):
+            row = logits[b:b + 1]
+            if p.repetition_penalty != 1:
+                row = apply_repetition_penalty(row, seen[b:b + 1], p.repetition_penalty)
+            g = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+            want.append(int(sample(row, p.temperature, p.top_k, p.top_p, g, min_p=p.min_p)[0]))
+        gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        got = sample_rows(logits, params, gens, seen).tolist()
+        assert got == want, (trial, got, want)
+    with pytest.raises(ValueError, match="seen"):
+        sample_rows(logits, params, gens, None)

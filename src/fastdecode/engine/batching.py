@@ -18,8 +18,9 @@ freed when a request finishes, fails or is cancelled. One ``step()``:
    the cache rows ``[:n]``, ``n`` the bucket that covers the highest decoding slot. The other rows inside run a
    dummy token at a position whose write is harmless: 0 for a free row, and for a row still in prefill the next
    position its prefill writes (before anything reads it);
-4. sample every decoding row with its own parameters and generator (rows that are greedy without a repetition
-   penalty in one ``argmax``; the others one by one), detokenise incrementally with stop strings
+4. sample every decoding row with its own parameters and generator in one batched pass (``sampler.sample_rows``:
+   the per-row parameters as columns, each row's exponentials from its own generator), detokenise incrementally
+   with stop strings
    (``engine.generate._Stream``), and report each request's new text through its ``on_event``.
 
 Single-threaded: the caller (``fastdecode.serve.scheduler``) owns the batcher and calls it from one thread.
@@ -35,7 +36,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from fastdecode.engine.generate import Engine, _Stream
-from fastdecode.engine.sampler import SamplingParams, apply_repetition_penalty, greedy_argmax, sample
+from fastdecode.engine.sampler import SamplingParams, sample_rows
 from fastdecode.models.prefill import prefill_rows
 
 _ids = itertools.count(1)
@@ -239,21 +240,15 @@ class ContinuousBatcher:
             self._accept(seq, tok)
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
-        """One token per sequence (logits [len(seqs), V]): the plain greedy rows in one argmax, the others each
-        with its own parameters and generator."""
-        out = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        plain = [i for i, s in enumerate(seqs) if s.req.sampling.greedy and s.seen is None]
-        if plain:
-            idx = torch.tensor(plain, device=logits.device)
-            out[idx] = greedy_argmax(logits[idx])
-        for i, s in enumerate(seqs):
-            if s.req.sampling.greedy and s.seen is None:
-                continue
-            p, row = s.req.sampling, logits[i:i + 1]
-            if s.seen is not None:
-                row = apply_repetition_penalty(row, s.seen[None], p.repetition_penalty)
-            out[i] = sample(row, p.temperature, p.top_k, p.top_p, s.generator, min_p=p.min_p)[0]
-        return out
+        """One token per sequence (logits [len(seqs), V]), each row with its own parameters and generator, in one
+        batched pass (``sampler.sample_rows``: a seeded row gets the tokens it would get alone)."""
+        seen = None
+        if any(s.seen is not None for s in seqs):
+            seen = torch.zeros(len(seqs), logits.shape[-1], dtype=torch.bool, device=logits.device)
+            for i, s in enumerate(seqs):
+                if s.seen is not None:
+                    seen[i] = s.seen
+        return sample_rows(logits, [s.req.sampling for s in seqs], [s.generator for s in seqs], seen)
 
     # ------------------------------------------------------------------ results
 
