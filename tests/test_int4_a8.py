@@ -260,6 +260,46 @@ def test_sm90_loop_is_dp4a_with_no_shared_memory(bm, bn):
     assert "bar.sync" not in body and "st.shared" not in body and "ld.shared" not in body
 
 
+_COMPILE_PRODUCERS = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastdecode.kernels.activation import _silu_and_mul_kernel
+from fastdecode.kernels.int4_a8 import _act_quant_kernel
+from fastdecode.kernels.norm import _rms_norm_kernel
+
+T = GPUTarget("cuda", 90, 32)
+ptr = lambda t: "*" + t  # noqa: E731
+norm = {"x_ptr": ptr("bf16"), "res_ptr": ptr("bf16"), "w_ptr": ptr("bf16"), "out_ptr": ptr("i8"),
+        "scale_ptr": ptr("fp32"), "sum_ptr": ptr("i32"), "M": "i32", "H": "i32", "stride_x": "i32", "stride_r": "i32",
+        "stride_o": "i32", "stride_s": "i32", "NG": "i32", "eps": "fp32"}
+nc = dict(HAS_RESIDUAL=True, OUT_MODE=3, BLOCK_M=1, BLOCK_H=4096, NUM_CHUNKS=1, FP8_MAX=448.0, MIN_SCALE=1e-5,
+          USE_PDL=True)
+silu = {"x_ptr": ptr("bf16"), "out_ptr": ptr("i8"), "scale_ptr": ptr("fp32"), "sum_ptr": ptr("i32"), "I": "i32",
+        "stride_x": "i32", "stride_o": "i32", "stride_s": "i32", "NG": "i32"}
+sc = dict(OUT_MODE=3, BLOCK=1024, NUM_CHUNKS=1, FP8_MAX=448.0, MIN_SCALE=1e-5, USE_PDL=True)
+quant = {"x_ptr": ptr("bf16"), "q_ptr": ptr("i8"), "s_ptr": ptr("fp32"), "sum_ptr": ptr("i32"), "K": "i32", "NG": "i32",
+         "stride_xm": "i32", "stride_qm": "i32", "stride_sm": "i32"}
+qc = dict(GPP=4, USE_PDL=True)
+for fn, sig, consts in ((_rms_norm_kernel, norm, nc), (_silu_and_mul_kernel, silu, sc), (_act_quant_kernel, quant, qc)):
+    sig = dict(sig, **{k: "constexpr" for k in consts})
+    cc = triton.compile(ASTSource(fn, sig, consts), target=T, options={"num_warps": 4})
+    sys.stdout.write(f"{fn.__name__} {cc.asm['ptx'].count('st.global.b8')}\n")
+"""
+
+
+def test_sm90_compiles_every_int8_producer():
+    """Regression (H100, session 22: the decode step's int8 RMSNorm failed to compile, ``NameError: Cannot access
+    global variable INT8_MIN_SCALE``): the interpreter reads any module global from @triton.jit code, the compiler only
+    constexpr ones, so the CPU suite passed a kernel the GPU refused. Compile the RMSNorm, SiLU-and-mul and quantisation
+    kernels' int8 outputs for sm_90 ahead of time; each stores bytes."""
+    out = sm90_ptx(_COMPILE_PRODUCERS)
+    counts = dict(line.split() for line in out.strip().splitlines())
+    assert set(counts) == {"_rms_norm_kernel", "_silu_and_mul_kernel", "_act_quant_kernel"}
+    assert all(int(n) > 0 for n in counts.values()), counts
+
+
 # ----------------------------------------------------------------------------- GPU
 
 

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE, INT8_MIN_SCALE, OUT_FP8_DYNAMIC
+from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE, OUT_FP8_DYNAMIC
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_a8 import _store_act_int8
 from fastdecode.kernels.quant import _dynamic_scale, _nan_flags, _store_fp8  # the NaN rule of FP8 outputs
@@ -50,7 +50,7 @@ def _silu_and_mul_kernel(
         y = _silu_mul(x_ptr, x_off, cols, cols < I, I).to(x_ptr.dtype.element_ty).to(tl.float32)
         rows = row + tl.zeros((1,), dtype=tl.int64)
         _store_act_int8(y[None, :], rows, rows >= 0, cblk * (BLOCK // 128), out_ptr, scale_ptr, sum_ptr, stride_o,
-                        stride_s, NG, INT8_MIN_SCALE, 1, BLOCK)
+                        stride_s, NG, 1, BLOCK)
     elif OUT_MODE != 2:
         cols = cblk * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I

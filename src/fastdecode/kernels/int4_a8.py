@@ -39,6 +39,9 @@ from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 ACT_GROUP = 128  # activation columns per int8 scale: half a 256-column layout tile
+# a module global read inside @triton.jit code must be a constexpr (the interpreter reads any global: the compiled
+# RMSNorm / SiLU-and-mul kernels failed on the plain float on the H100, session 22)
+_INT8_MIN_SCALE: tl.constexpr = tl.constexpr(INT8_MIN_SCALE)
 ZERO_MODES = {"sym": 0, "zero": 1, "min": 2}
 
 # the nibbles of a word as the bytes of two words, one activation group each ($0: shifts 0, 2, 1, 3; $1: 4, 6, 5, 7)
@@ -56,7 +59,7 @@ _DP4A_ASM: tl.constexpr = tl.constexpr("dp4a.u32.s32 $0, $1, $2, 0;")
 
 @triton.jit
 def _store_act_int8(y, rows64, row_mask, g0, q_ptr, s_ptr, sum_ptr, stride_q, stride_s, NG,
-                    MIN_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     """Quantise ``y`` ([BLOCK_M, BLOCK_H] fp32: rows ``rows64``, the columns of groups g0 .. g0 + BLOCK_H // 128 in
     their natural order, 0 past the row's K) per group of 128 columns and store the int8 values in the kernel byte
     order (module docstring), the fp32 scales and the int32 sums of groups < NG. The NaN rule of the FP8 outputs
@@ -66,7 +69,7 @@ def _store_act_int8(y, rows64, row_mask, g0, q_ptr, s_ptr, sum_ptr, stride_q, st
     y3 = tl.reshape(y, (BLOCK_M, NGB, 128))
     amax = tl.max(tl.abs(y3), axis=2)
     nans = tl.sum((y3 != y3).to(tl.int32), axis=2)
-    s = tl.maximum(amax / 127.0, MIN_SCALE)
+    s = tl.maximum(amax / 127.0, _INT8_MIN_SCALE)
     v = y3 / s[:, :, None]
     # round half to even (|v| <= 127): fp32 addition of 1.5 * 2**23 rounds v to an integer, as torch.round does
     q = tl.minimum(tl.maximum((v + 12582912.0) - 12582912.0, -127.0), 127.0)
@@ -86,7 +89,7 @@ def _store_act_int8(y, rows64, row_mask, g0, q_ptr, s_ptr, sum_ptr, stride_q, st
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, sum_ptr, K, NG, stride_xm, stride_qm, stride_sm,
-                      GPP: tl.constexpr, MIN_SCALE: tl.constexpr, USE_PDL: tl.constexpr):
+                      GPP: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (rows, cdiv(NG, GPP)): GPP groups of 128 columns of one row a program (``_store_act_int8``)."""
     if USE_PDL:  # programmatic dependent launch: kernels.pdl
         pdl_wait()
@@ -95,7 +98,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, sum_ptr, K, NG, stride_xm, stride_qm,
     cols = g0 * 128 + tl.arange(0, GPP * 128)
     x = tl.load(x_ptr + row[:, None] * stride_xm + cols[None, :], mask=(cols < K)[None, :], other=0.0)
     _store_act_int8(x.to(tl.float32), row, row >= 0, g0, q_ptr, s_ptr, sum_ptr, stride_qm, stride_sm, NG,
-                    MIN_SCALE, 1, GPP * 128)
+                    1, GPP * 128)
 
 
 @triton.jit
@@ -249,7 +252,7 @@ def launch_act_quant(x, q, scales, sums, pdl: bool = False, groups_per_program: 
     gpp = groups_per_program
     _act_quant_kernel[(M, cdiv(NG, gpp))](
         x, q, scales, sums, K, NG, x.stride(0), q.stride(0), scales.stride(0),
-        GPP=gpp, MIN_SCALE=INT8_MIN_SCALE, USE_PDL=pdl, num_warps=4, **launch_kwargs(pdl),
+        GPP=gpp, USE_PDL=pdl, num_warps=4, **launch_kwargs(pdl),
     )
 
 

@@ -6,7 +6,7 @@ No policy and no checks here: ``fastdecode.ops.norm`` validates and picks the co
 import triton
 import triton.language as tl
 
-from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE, INT8_MIN_SCALE
+from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_a8 import _store_act_int8
 from fastdecode.kernels.quant import _dynamic_scale, _nan_flags, _store_fp8  # the NaN rule of FP8 outputs
@@ -73,7 +73,7 @@ def _rms_norm_kernel(
         y = v * rstd[:, None] * w[None, :]
         if OUT_MODE == 3:
             _store_act_int8(y.to(x_ptr.dtype.element_ty).to(tl.float32), rows64, row_mask, 0, out_ptr, scale_ptr,
-                            sum_ptr, stride_o, stride_s, NG, INT8_MIN_SCALE, BLOCK_M, BLOCK_H)
+                            sum_ptr, stride_o, stride_s, NG, BLOCK_M, BLOCK_H)
         else:
             out_ptrs = out_ptr + rows64[:, None] * stride_o + cols[None, :]
             _finish_row(y, out_ptrs, mask, scale_ptr, rows, row_mask, OUT_MODE, FP8_MAX, MIN_SCALE)

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from fastdecode.ops.int4 import int4_linear, int4_linear_ref
-from fastdecode.ops.int4_a8 import MAX_M as A8_MAX_M, int4_linear_a8, int4_linear_a8_ref, supports as a8_supports
+from fastdecode.ops.int4_a8 import (
+    DECODE_MAX_M as A8_DECODE_M, MAX_M as A8_MAX_M, int4_linear_a8, int4_linear_a8_ref, supports as a8_supports,
+)
 from fastdecode.ops.int4_format import LAYOUT, Int4Weight, packed_cols
 
 INT4_ACT_DTYPES = (torch.bfloat16, torch.float16)  # what the int4 kernels take; fp32 runs the reference
@@ -30,8 +32,8 @@ class Int4Linear(nn.Module):
     bf16/fp16 (never an FP8 pair: the norms before an int4 projection keep their float output); fp32
     activations (the CPU engine) run ``int4_linear_ref``. ``impl``: None (the int4 dispatcher: our kernels,
     or dequantise + cuBLAS at large M) or "dequant" (ablation ``int4_gemm`` off: dequantise + cuBLAS always).
-    ``act_int8`` (the model's ``int4_a8`` switch): up to ``ops.int4_a8.MAX_M`` token rows run W4A8, the activation
-    quantised to int8 per group of 128 columns (``int4_linear_a8``), where the weight's groups allow it.
+    ``act_int8`` (the model's ``int4_a8`` switch): up to ``ops.int4_a8.DECODE_MAX_M`` token rows run W4A8, the
+    activation quantised to int8 per group of 128 columns (``int4_linear_a8``), where the weight's groups allow it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int,
@@ -58,7 +60,8 @@ class Int4Linear(nn.Module):
         self.out_dtype = dtype  # the model's activation dtype: the output of an int8 activation (int4_a8)
         self.impl: Optional[str] = None
         self.act_int8 = False
-        self.a8_max_rows = A8_MAX_M  # rows that take W4A8 (eval-accuracy raises it: the reference for more than 4)
+        # rows that take W4A8 (ops.int4_a8.DECODE_MAX_M; eval-accuracy raises it: the reference beyond the kernel's 4)
+        self.a8_max_rows = A8_DECODE_M
 
     @classmethod
     def from_weight(cls, w: Int4Weight, bias: Optional[torch.Tensor] = None, *, device=None,
@@ -121,7 +124,8 @@ def set_int4_switches(model, k: dict) -> None:
     """The int4 kernel switches of ``Transformer.set_kernels`` (``k``: its switch dict) on ``model``'s modules.
 
     ``int4_gemm`` off: every ``Int4Linear`` dequantises + cuBLAS. ``int4_a8`` (off by default; needs ``int4_gemm``):
-    W4A8 decode, projections of up to 4 token rows quantise their activation to int8 per group of 128 columns and
+    W4A8 decode, projections of up to 2 token rows (``ops.int4_a8.DECODE_MAX_M``) quantise their activation to int8
+    per group of 128 columns and
     run the ``dp4a`` GEMV (``fastdecode.ops.int4_a8``), where the weight's groups allow it; decode's numbers then
     move by the activation's rounding. The producers of those activations emit int8 themselves (one kernel each,
     with ``fused_norm`` / ``fused_act``): the norms before wqkv / w13 and the lm head, SiLU-and-mul before w2; the

@@ -232,7 +232,7 @@ class FeedForward(nn.Module):
         self.w13 = Linear(cfg.dim, 2 * cfg.intermediate_size, device=device, dtype=dtype)
         self.w2 = Linear(cfg.intermediate_size, cfg.dim, device=device, dtype=dtype)
         self.fp8_act = False  # SiLU-and-mul emits (fp8, per-token scale) for an Fp8Linear w2
-        self.int8_act = False  # ... or, up to 4 rows, the int8 activation of a W4A8 Int4Linear w2 (int4_a8)
+        self.int8_act = False  # ... or, up to 2 rows, the int8 activation of a W4A8 Int4Linear w2 (int4_a8)
         self.fused = True  # False (ablation): plain-PyTorch SiLU-and-mul
         self.fuse_down = True  # SiLU-and-mul inside w2's GEMM where w2 offers it (forward_glu); False: ablation
 
@@ -244,7 +244,7 @@ class FeedForward(nn.Module):
             y = glu(h, be)
             if y is not None:
                 return y
-        if self.int8_act and be == backend and h.numel() <= A8.MAX_M * h.shape[-1]:
+        if self.int8_act and be == backend and h.numel() <= A8.DECODE_MAX_M * h.shape[-1]:
             h = A8.silu_and_mul_int8_ref(h) if be == "ref" else A8.silu_and_mul_int8(h, backend=be)
         elif self.fp8_act:
             h = silu_and_mul_fp8_ref(h) if be == "ref" else silu_and_mul_fp8(h, backend=be)

@@ -19,7 +19,7 @@ from fastdecode.ops.norm import (
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; ``fp8_out``: return ``(fp8, per-token scale)`` for an ``Fp8Linear``; ``int8_out``: up to 4 rows, the
+    """RMSNorm; ``fp8_out``: return ``(fp8, per-token scale)`` for an ``Fp8Linear``; ``int8_out``: up to 2 rows, the
     int8 activation of a W4A8 ``Int4Linear`` (``int4_a8``); ``comm``: a ``CommWorkspace`` when the input of
     ``add_forward`` is a tensor-parallel partial sum (all-reduced first, fused with the add and the norm unless
     ``fuse_comm`` is off; no int8 output then); ``fused=False``: plain-PyTorch ops (ablation), and no FP8 / int8
@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
         self.fuse_comm = True
 
     def _int8(self, x) -> bool:
-        return self.int8_out and self.fused and self.comm is None and x.numel() <= A8.MAX_M * x.shape[-1]
+        return self.int8_out and self.fused and self.comm is None and x.numel() <= A8.DECODE_MAX_M * x.shape[-1]
 
     def forward(self, x: torch.Tensor, backend: str):
         if not self.fused:

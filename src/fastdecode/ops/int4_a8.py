@@ -36,6 +36,9 @@ from fastdecode.ops.int4_format import Int4Weight, dequantize_int4, packed_cols
 
 ACT_GROUP = 128  # activation columns per int8 scale (half a 256-column layout tile)
 MAX_M = 4  # token rows a program keeps accumulators for
+# rows the model's int4_a8 switch sends here: on the H100 (session 22, benchmarks/results/h100/sweep_int4_a8.json) the
+# GEMV beat the W4A16 table on every 8B shape at 1 and 2 tokens and lost at 4 on gate_up, down and the head
+DECODE_MAX_M = 2
 _P = (0, 2, 1, 3)  # byte b of a word holds the group's column 32 * _P[b] + j (kernels.int4_a8)
 
 
@@ -413,6 +416,7 @@ def _act_ref(y):
     return q.reshape(*lead, -1), s.reshape(*lead, -1), sums.reshape(*lead, -1)
 
 
-__all__ = ["ACT_GROUP", "MAX_M", "dequantize_act_int8", "fused_add_rms_norm_int8", "fused_add_rms_norm_int8_ref",
-           "get_a8_config", "int4_linear_a8", "int4_linear_a8_ref", "quantize_act_int8", "quantize_act_int8_ref",
-           "rms_norm_int8", "rms_norm_int8_ref", "silu_and_mul_int8", "silu_and_mul_int8_ref", "supports"]
+__all__ = ["ACT_GROUP", "DECODE_MAX_M", "MAX_M", "dequantize_act_int8", "fused_add_rms_norm_int8",
+           "fused_add_rms_norm_int8_ref", "get_a8_config", "int4_linear_a8", "int4_linear_a8_ref", "quantize_act_int8",
+           "quantize_act_int8_ref", "rms_norm_int8", "rms_norm_int8_ref", "silu_and_mul_int8", "silu_and_mul_int8_ref",
+           "supports"]
