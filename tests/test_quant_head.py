@@ -225,8 +225,8 @@ def test_eval_accuracy_int4_a8_rows(tmp_path):
     groups of 64, so only the 30 down projections, K = 1536, take W4A8) the row says so and its logits move."""
     smollm2_path()
     out = tmp_path / "acc.json"
-    assert cli.main(["eval-accuracy", "--quant", "int4", "--int4-a8", "--device", "cpu", "--max-tokens", "64",
-                     "--window", "64", "--out", str(out)]) == 0
+    assert cli.main(["eval-accuracy", "--quant", "int4", "--int4-a8", "--device", "cpu", "--max-tokens", "32",
+                     "--window", "32", "--out", str(out)]) == 0
     rows = {r["format"]: r for r in json.loads(out.read_text())}
     a8, w16 = rows["int4-w4a16-g128-zero+a8"], rows["int4-w4a16-g128-zero"]
     assert a8["a8_projections"] == "30 of 120" and "int4-w4a16-gguf+a8" not in rows  # Q4_1: groups of 32
