@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from fastdecode.ops._common import (
-    as_rows, cdiv, check_out, check_same_device, next_pow2, pdl_enabled, resolve_backend,
+    as_rows, cdiv, check_eps, check_out, check_same_device, check_tensor, next_pow2, pdl_enabled, resolve_backend,
 )
 from fastdecode.ops._registry import define_op
 from fastdecode.ops._tuned import DEFAULT_NUM_SMS, device_info, split_k_workspace
@@ -137,8 +137,6 @@ def quantize_act_int8(x, *, backend: Optional[str] = None) -> tuple[torch.Tensor
     Returns ``(q, scales, sums)``: q int8 (..., Kp) in the kernel's byte order (the module docstring; padding
     columns are 0), scales fp32 (..., Kp // 128) with ``x ~= q * scale`` (``amax / 127``; a group holding a NaN
     gets a NaN scale), sums int32 (..., Kp // 128) of each group's q."""
-    from fastdecode.ops._common import check_tensor
-
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16))
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dimension (..., K), got a scalar")
@@ -235,7 +233,7 @@ def _rms_norm_int8_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight:
     from fastdecode.ops.norm import _norm_rows_ref, norm_config
 
     cfg = norm_config(*x.shape)
-    if backend == "triton" and _int8_fits(cfg["BLOCK_H"], x.shape[1]) and cfg["BLOCK_H"] <= 32768:
+    if backend == "triton" and _int8_fits(cfg["BLOCK_H"], x.shape[1]):
         from fastdecode.constants import OUT_INT8_GROUPS
         from fastdecode.kernels.norm import launch_rms_norm
 
@@ -260,8 +258,6 @@ def _(x, residual, weight, q, scales, sums, eps, backend):
 
 
 def _norm_int8(x, residual, weight, eps, backend, op):
-    from fastdecode.ops._common import check_eps, check_tensor
-
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16))
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dimension (..., H), got a scalar")
@@ -291,8 +287,6 @@ def rms_norm_int8(x, weight, eps: float = 1e-6, *, backend: Optional[str] = None
 def fused_add_rms_norm_int8(x, residual, weight, eps: float = 1e-6, *, backend: Optional[str] = None):
     """``residual <- x + residual`` (in place), returns ``quantize_act_int8(rms_norm(residual) * weight)`` as
     ``(q, scales, sums)``, one kernel."""
-    from fastdecode.ops._common import check_tensor
-
     check_tensor("residual", residual)
     return _norm_int8(x, residual, weight, eps, backend, "fused_add_rms_norm_int8")
 
@@ -304,18 +298,16 @@ def _silu_int8_op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, sums: 
 
     I = x.shape[1] // 2
     cfg = silu_config(x.shape[0], I, False)  # column blocks: the groups are independent (kernels.activation)
-    if backend == "triton" and cfg["BLOCK"] % 256 == 0:
+    if backend == "triton" and cfg["BLOCK"] % 256 == 0:  # blocks that cover the 256-rounded row
         from fastdecode.constants import OUT_INT8_GROUPS
         from fastdecode.kernels.activation import launch_silu_and_mul
 
         launch_silu_and_mul(x, q, scales, OUT_INT8_GROUPS, cfg, pdl=pdl_enabled(x), sums=sums)
-        return
-    y = silu_and_mul(x, backend=backend) if backend == "triton" else silu_and_mul_ref(x)
-    if backend == "triton":
-        _act_quant_op(y, q, scales, sums, backend)
-        return
-    for t, v in zip((q, scales, sums), quantize_act_int8_ref(y)):
-        t.copy_(v)
+    elif backend == "triton":  # narrow rows (I < 256): SiLU-and-mul, then the quantisation
+        _act_quant_op(silu_and_mul(x, backend=backend), q, scales, sums, backend)
+    else:
+        for t, v in zip((q, scales, sums), quantize_act_int8_ref(silu_and_mul_ref(x))):
+            t.copy_(v)
 
 
 @_silu_int8_op.register_fake
@@ -326,8 +318,6 @@ def _(x, q, scales, sums, backend):
 def silu_and_mul_int8(x, *, backend: Optional[str] = None):
     """``silu_and_mul(x)`` (rounded to x.dtype) as an int8 activation ``(q, scales, sums)`` for
     ``int4_linear_a8``: one kernel. x: (..., 2I) bf16/fp16 ``[gate | up]``."""
-    from fastdecode.ops._common import check_tensor
-
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16))
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"x must be (..., 2*I) = [gate | up] with an even last dimension, got shape {tuple(x.shape)}")
