@@ -91,18 +91,27 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        # stable: tied logits keep their order, so the nucleus is the same whatever the other rows of a batch
-        srt, idx = torch.sort(logits, dim=-1, descending=True, stable=True)
-        probs = torch.softmax(srt, dim=-1)
-        # drop a token when the tokens ranked above it already hold top_p (the first is always kept)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        srt = srt.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, idx, srt)
+        logits = _nucleus(logits, top_p)
     if min_p > 0:
-        # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p) (the softmax's normaliser cancels)
-        top = logits.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(logits < top + math.log(min_p), float("-inf"))
+        logits = _min_p(logits, math.log(min_p))
     return logits
+
+
+def _nucleus(logits: torch.Tensor, top_p) -> torch.Tensor:
+    """top-p of ``filter_logits`` (``top_p``: a float, or a [B, 1] tensor of each row's)."""
+    # stable: tied logits keep their order, so the nucleus is the same whatever the other rows of a batch
+    srt, idx = torch.sort(logits, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(srt, dim=-1)
+    # drop a token when the tokens ranked above it already hold top_p (the first is always kept)
+    srt = srt.masked_fill((torch.cumsum(probs, dim=-1) - probs) >= top_p, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, idx, srt)
+
+
+def _min_p(logits: torch.Tensor, log_min_p) -> torch.Tensor:
+    """min-p of ``filter_logits`` (``log_min_p``: a float, or a [B, 1] tensor of each row's)."""
+    # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p) (the softmax's normaliser cancels)
+    top = logits.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(logits < top + log_min_p, float("-inf"))
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -140,7 +149,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generato
     if plain:
         idx = torch.tensor(plain, device=dev)
         out[idx] = greedy_argmax(logits[idx])
-    rest = [b for b in range(B) if b not in set(plain)]
+    rest = sorted(set(range(B)) - set(plain))
     if not rest:
         return out
     ridx = torch.tensor(rest, device=dev)
@@ -167,21 +176,13 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generato
         kth = srt.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
         kth = torch.where(torch.tensor(ks, device=dev)[:, None] > 0, kth, float("-inf"))
         x = x.masked_fill(x < kth, float("-inf"))
-    for rows, step in (([i for i, p in enumerate(ps) if p.top_p < 1], "top_p"),
-                       ([i for i, p in enumerate(ps) if p.min_p > 0], "min_p")):
+    # top-p, then min-p, each on the rows that set it, with each row's value as a [R, 1] column
+    for rows, step, value in (([i for i, p in enumerate(ps) if p.top_p < 1], _nucleus, lambda p: p.top_p),
+                              ([i for i, p in enumerate(ps) if p.min_p > 0], _min_p, lambda p: math.log(p.min_p))):
         if rows:
             ri = torch.tensor(rows, device=dev)
-            sub = x[ri]
-            if step == "top_p":
-                tp = torch.tensor([ps[i].top_p for i in rows], dtype=torch.float32, device=dev)[:, None]
-                srt, idx = torch.sort(sub, dim=-1, descending=True, stable=True)
-                probs = torch.softmax(srt, dim=-1)
-                srt = srt.masked_fill((torch.cumsum(probs, dim=-1) - probs) >= tp, float("-inf"))
-                sub = torch.empty_like(sub).scatter_(-1, idx, srt)
-            else:
-                lmp = torch.tensor([math.log(ps[i].min_p) for i in rows], dtype=torch.float32, device=dev)[:, None]
-                sub = sub.masked_fill(sub < sub.max(dim=-1, keepdim=True).values + lmp, float("-inf"))
-            x = x.index_copy(0, ri, sub)
+            col = torch.tensor([value(ps[i]) for i in rows], dtype=torch.float32, device=dev)[:, None]
+            x = x.index_copy(0, ri, step(x[ri], col))
     probs = torch.softmax(x, dim=-1)
     e = torch.cat([torch.empty(1, V, dtype=probs.dtype, device=dev).exponential_(generator=generators[rest[i]])
                    for i in hot])

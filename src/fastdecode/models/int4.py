@@ -125,11 +125,10 @@ def set_int4_switches(model, k: dict) -> None:
 
     ``int4_gemm`` off: every ``Int4Linear`` dequantises + cuBLAS. ``int4_a8`` (off by default; needs ``int4_gemm``):
     W4A8 decode, projections of up to 2 token rows (``ops.int4_a8.DECODE_MAX_M``) quantise their activation to int8
-    per group of 128 columns and
-    run the ``dp4a`` GEMV (``fastdecode.ops.int4_a8``), where the weight's groups allow it; decode's numbers then
-    move by the activation's rounding. The producers of those activations emit int8 themselves (one kernel each,
-    with ``fused_norm`` / ``fused_act``): the norms before wqkv / w13 and the lm head, SiLU-and-mul before w2; the
-    attention output is quantised by wo's op.
+    per group of 128 columns and run the ``dp4a`` GEMV (``fastdecode.ops.int4_a8``), where the weight's groups allow
+    it; decode's numbers then move by the activation's rounding. The producers of those activations emit int8
+    themselves (one kernel each, with ``fused_norm`` / ``fused_act``): the norms before wqkv / w13 and the lm head,
+    SiLU-and-mul before w2; the attention output is quantised by wo's op.
     """
     for m in model.modules():
         if isinstance(m, Int4Linear):
