@@ -145,6 +145,28 @@ def test_int4_a8_switch_runs_decode_rows_w4a8_and_prefill_w4a16():
     assert torch.equal(g64(x, "torch"), int4_linear(x, g64.packed, backend="torch")) and "w4a16" in repr(g64)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_int4_a8_attention_emits_wo_int8_input(backend):
+    """``int4_a8`` with head_dim 128: the fused attention kernel emits wo's int8 activation itself (one group of 128
+    columns a head), where wo otherwise quantises the bf16 attention output in a kernel of its own: the same decode
+    step, bit for bit (triton: the Triton interpreter on the CPU). Without ``fused_rope`` wo quantises again."""
+    cfg = CFG.replace(dim=256, n_heads=2, n_kv_heads=1, head_dim=128, intermediate_size=256)  # groups of 128
+    q = quantize_model_int4(random_model(cfg, device="cpu", dtype=torch.bfloat16, backend=backend, max_seq_len=32,
+                                         std=0.08, seed=int(torch.randint(0, 1000, ()))))
+    q.set_kernels(int4_a8=True)
+    assert all(layer.attention.int8_out for layer in q.layers)
+    ids = torch.randint(0, cfg.vocab_size, (2, 6))
+    nxt, pos = torch.randint(0, cfg.vocab_size, (2,)), torch.tensor([6, 6])
+    step = q.decode(nxt, pos, prefill(q, ids, T=16)[1])
+    for layer in q.layers:
+        layer.attention.int8_out = False  # wo's op quantises the attention output
+    assert torch.equal(q.decode(nxt, pos, prefill(q, ids, T=16)[1]), step)
+    q.set_kernels(fused_rope=False)
+    assert not any(layer.attention.int8_out for layer in q.layers)
+    q.set_kernels(fused_rope=True)
+    assert all(layer.attention.int8_out for layer in q.layers)
+
+
 def test_quantize_int4_on_meta_and_errors():
     real = quantize_model_int4(random_model(CFG, device="cpu", dtype=torch.bfloat16, max_seq_len=64))
     with torch.device("meta"):
@@ -452,6 +474,7 @@ def test_int4_a8_llama8b_shapes_graph_equals_eager_and_reference_gpu():
     for be, a8 in (("triton", False), ("torch", True), ("triton", True)):
         m.backend = be
         m.set_kernels(int4_a8=a8)
+        assert m.layers[0].attention.int8_out == a8  # the attention kernel emits wo's int8 input
         cache = KVCache(m.config, 2, 128, dtype=torch.bfloat16, device="cuda")
         m.prefill(ids, cache)
         out[be, a8] = m.decode(nxt, pos, cache)

@@ -136,6 +136,50 @@ def test_norm_and_silu_int8_outputs_match_the_two_kernel_path(H, dtype):
     helpers.assert_close(y, A.int4_linear_a8_ref(act, wq), ulps=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,Hq,Hkv,T,pos,splits", [(2, 4, 2, 40, [5, 37], None), (1, 3, 1, 700, [650], 3),
+                                                   (2, 8, 2, 300, [0, 263], 2)], ids=["one_split", "odd_heads_merge",
+                                                                                      "two_splits"])
+def test_attention_int8_output_is_the_kernels_output_quantised(B, Hq, Hkv, T, pos, splits, dtype):
+    """rope_decode_attention_int8: the fused attention kernel (one split, or split-KV and its merge kernel) rounds
+    each head's output to qkv's dtype and quantises it as one group of 128 columns (wo's int8 input): the bf16 op's
+    output quantised (bit for bit under the interpreter), the caches written alike. Three heads pad the 256-column
+    row with an all-zero group. The torch backend is the reference."""
+    from fastdecode.ops.attention import rope_decode_attention
+
+    D = 128
+    qkv = torch.randn(B, (Hq + 2 * Hkv) * D, device=DEV).to(dtype)
+    rope = torch.randn(T, D // 2, 2, device=DEV)
+    input_pos = torch.tensor(pos, device=DEV)
+    kv = torch.randn(2, B, Hkv, T, D, device=DEV).to(dtype)
+    caches = [kv.clone() for _ in range(4)]
+    act = A.rope_decode_attention_int8(qkv, rope, input_pos, *caches[0], Hq, num_splits=splits, backend="triton")
+    o = rope_decode_attention(qkv, rope, input_pos, *caches[1], Hq, num_splits=splits, backend="triton")
+    assert torch.equal(caches[0], caches[1])
+    Kp = packed_cols(Hq * D) * 8
+    assert act[0].shape == (B, Kp) and act[1].shape == act[2].shape == (B, Kp // A.ACT_GROUP)
+    _check_quantised(o.reshape(B, -1), *act)
+    if helpers.interpreter_on() or DEV == "cpu":
+        for a, r in zip(act, A.quantize_act_int8_ref(o.reshape(B, -1))):
+            assert torch.equal(a, r)
+    ref = A.rope_decode_attention_int8(qkv, rope, input_pos, *caches[2], Hq, backend="torch")
+    for a, r in zip(ref, A.rope_decode_attention_int8_ref(qkv, rope, input_pos, *caches[3], Hq)):
+        assert torch.equal(a, r)
+    assert torch.equal(caches[2], caches[3])
+
+
+def test_attention_int8_output_refusals():
+    qkv = torch.randn(1, 6 * 64).bfloat16()
+    rope, pos = torch.randn(8, 32, 2), torch.tensor([3])
+    kv = torch.zeros(2, 1, 1, 8, 64).bfloat16()
+    with pytest.raises(ValueError, match="head_dim 128"):
+        A.rope_decode_attention_int8(qkv, rope, pos, *kv, 4)
+    qkv = torch.randn(1, 6 * 128)
+    rope, kv = torch.randn(8, 64, 2), torch.zeros(2, 1, 1, 8, 128)
+    with pytest.raises(ValueError, match="qkv"):
+        A.rope_decode_attention_int8(qkv, rope, pos, *kv, 4)
+
+
 def test_int8_activation_tuple_is_checked():
     w = _weight(16, 256, 128, "zero")
     q, s, sums = A.quantize_act_int8(torch.randn(1, 256, device=DEV).half())
@@ -266,6 +310,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fastdecode.kernels.activation import _silu_and_mul_kernel
+from fastdecode.kernels.attention import _decode_attention_merge_kernel, _rope_decode_attention_kernel
 from fastdecode.kernels.int4_a8 import _act_quant_kernel
 from fastdecode.kernels.norm import _rms_norm_kernel
 
@@ -282,10 +327,24 @@ sc = dict(OUT_MODE=3, BLOCK=1024, NUM_CHUNKS=1, FP8_MAX=448.0, MIN_SCALE=1e-5, U
 quant = {"x_ptr": ptr("bf16"), "q_ptr": ptr("i8"), "s_ptr": ptr("fp32"), "sum_ptr": ptr("i32"), "K": "i32", "NG": "i32",
          "stride_xm": "i32", "stride_qm": "i32", "stride_sm": "i32"}
 qc = dict(GPP=4, USE_PDL=True)
-for fn, sig, consts in ((_rms_norm_kernel, norm, nc), (_silu_and_mul_kernel, silu, sc), (_act_quant_kernel, quant, qc)):
+attn = {"qkv_ptr": ptr("bf16"), "rope_ptr": ptr("fp32"), "pos_ptr": ptr("i64"), "k_ptr": ptr("bf16"),
+        "v_ptr": ptr("bf16"), "o_ptr": ptr("bf16"), "o_part_ptr": ptr("fp32"), "lse_ptr": ptr("fp32"),
+        "lock_ptr": ptr("i32"), "q8_ptr": ptr("i8"), "s8_ptr": ptr("fp32"), "sum8_ptr": ptr("i32"), "scale": "fp32",
+        **{k: "i32" for k in ("stride_qkv", "stride_rope_t", "stride_kb", "stride_kh", "stride_kt", "stride_vb",
+                              "stride_vh", "stride_vt", "stride_ob", "stride_oh", "stride_q8", "stride_s8", "T")}}
+ac = dict(HQ=32, HKV=8, GROUP=4, BLOCK_G=16, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=4,
+          MERGE_IN_KERNEL=True, USE_DOT=True, LOG2E=1.4426950408889634, OUT_INT8=True, USE_PDL=True)
+merge = {"o_part_ptr": ptr("fp32"), "lse_ptr": ptr("fp32"), "o_ptr": ptr("bf16"), "stride_ob": "i32",
+         "stride_oh": "i32", "Hq": "i32", "q8_ptr": ptr("i8"), "s8_ptr": ptr("fp32"), "sum8_ptr": ptr("i32"),
+         "stride_q8": "i32", "stride_s8": "i32"}
+mc = dict(D=128, BLOCK_D=128, NUM_SPLITS=4, BLOCK_S=4, OUT_INT8=True, USE_PDL=True)
+for fn, sig, consts in ((_rms_norm_kernel, norm, nc), (_silu_and_mul_kernel, silu, sc), (_act_quant_kernel, quant, qc),
+                        (_rope_decode_attention_kernel, attn, ac), (_rope_decode_attention_kernel, attn,
+                                                                    dict(ac, NUM_SPLITS=1, MERGE_IN_KERNEL=False)),
+                        (_decode_attention_merge_kernel, merge, mc)):
     sig = dict(sig, **{k: "constexpr" for k in consts})
     cc = triton.compile(ASTSource(fn, sig, consts), target=T, options={"num_warps": 4})
-    sys.stdout.write(f"{fn.__name__} {cc.asm['ptx'].count('st.global.b8')}\n")
+    sys.stdout.write(f"{fn.__name__}{consts.get('NUM_SPLITS', '')} {cc.asm['ptx'].count('st.global.b8')}\n")
 """
 
 
@@ -293,10 +352,12 @@ def test_sm90_compiles_every_int8_producer():
     """Regression (H100, session 22: the decode step's int8 RMSNorm failed to compile, ``NameError: Cannot access
     global variable INT8_MIN_SCALE``): the interpreter reads any module global from @triton.jit code, the compiler only
     constexpr ones, so the CPU suite passed a kernel the GPU refused. Compile the RMSNorm, SiLU-and-mul and quantisation
-    kernels' int8 outputs for sm_90 ahead of time; each stores bytes."""
+    kernels' int8 outputs for sm_90 ahead of time, and the attention kernel's (one split, and four merged in the
+    kernel) and its merge kernel's; each stores bytes."""
     out = sm90_ptx(_COMPILE_PRODUCERS)
     counts = dict(line.split() for line in out.strip().splitlines())
-    assert set(counts) == {"_rms_norm_kernel", "_silu_and_mul_kernel", "_act_quant_kernel"}
+    assert set(counts) == {"_rms_norm_kernel", "_silu_and_mul_kernel", "_act_quant_kernel", "_rope_decode_attention_kernel4",
+                           "_rope_decode_attention_kernel1", "_decode_attention_merge_kernel4"}
     assert all(int(n) > 0 for n in counts.values()), counts
 
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from fastdecode.kernels.host import next_pow2
+from fastdecode.kernels.int4_a8 import _store_act_int8
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -37,20 +38,35 @@ def _pv(acc, alpha, p, v, USE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _store_heads(out, o_ptr, b64, heads, stride_ob, stride_oh, g_mask, d, d_mask, q8_ptr, s8_ptr, sum8_ptr,
+                 stride_q8, stride_s8, BLOCK_G: tl.constexpr, OUT_INT8: tl.constexpr):
+    """The normalised rows ``out`` [BLOCK_G, BLOCK_D] of query heads ``heads`` of one sequence: to ``o`` in its
+    dtype, or (``OUT_INT8``, head_dim 128) as row b of an int8 activation ``(q8, s8, sum8)`` for the W4A8 ``wo``
+    (``kernels.int4_a8``): rounded to o's dtype first, then each head quantised as one group of 128 columns."""
+    if OUT_INT8:
+        y = out.to(o_ptr.dtype.element_ty).to(tl.float32)
+        _store_act_int8(y, heads.to(tl.int64), g_mask, 0, q8_ptr + b64 * stride_q8, s8_ptr + b64 * stride_s8,
+                        sum8_ptr + b64 * stride_s8, 128, 1, 1, BLOCK_G, 128)
+    else:
+        tl.store(o_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
 def _store_split(acc, m, l, o_ptr, o_part_ptr, lse_ptr, b64, heads, split, n_heads, stride_ob, stride_oh, g_mask, d,
-                 d_mask, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """The program's output: normalised rows to ``o`` (one split), else the split's fp32 rows to ``o_part``
-    [B, Hq, NUM_SPLITS, BLOCK_D] and their log-sum-exp (base 2) to ``lse`` [B, Hq, NUM_SPLITS] for the merge.
-    A split with no position (start >= seq_len) has l == 0: weight 0 in the merge."""
+                 d_mask, q8_ptr, s8_ptr, sum8_ptr, stride_q8, stride_s8, BLOCK_G: tl.constexpr,
+                 BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, OUT_INT8: tl.constexpr):
+    """The program's output: normalised rows to ``o`` (one split; ``_store_heads``), else the split's fp32 rows to
+    ``o_part`` [B, Hq, NUM_SPLITS, BLOCK_D] and their log-sum-exp (base 2) to ``lse`` [B, Hq, NUM_SPLITS] for the
+    merge. A split with no position (start >= seq_len) has l == 0: weight 0 in the merge."""
     safe_l = tl.where(l > 0, l, 1.0)
     out = acc / safe_l[:, None]
-    out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        tl.store(o_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=out_mask)
+        _store_heads(out, o_ptr, b64, heads, stride_ob, stride_oh, g_mask, d, d_mask, q8_ptr, s8_ptr, sum8_ptr,
+                     stride_q8, stride_s8, BLOCK_G, OUT_INT8)
     else:
         row = (b64 * n_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
-        tl.store(o_part_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=out_mask)
+        tl.store(o_part_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
         lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=g_mask)
 
@@ -109,15 +125,16 @@ def _decode_attention_kernel(
         acc = _pv(acc, alpha, p, v, USE_DOT)
 
     _store_split(acc, m, l, o_ptr, o_part_ptr, lse_ptr, b64, heads, split, GROUP * tl.num_programs(1), stride_ob,
-                 stride_oh, g_mask, d, d_mask, BLOCK_D, NUM_SPLITS)
+                 stride_oh, g_mask, d, d_mask, o_ptr, o_ptr, o_ptr, 0, 0, BLOCK_G, BLOCK_D, NUM_SPLITS, False)
 
 
 @triton.jit
 def _decode_attention_merge_kernel(
-    o_part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh, Hq,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    o_part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh, Hq, q8_ptr, s8_ptr, sum8_ptr, stride_q8, stride_s8,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, OUT_INT8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """out[b, h] = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    """out[b, h] = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse) (``_store_heads``: to o, or int8)."""
     if USE_PDL:  # programmatic dependent launch: kernels.pdl
         pdl_wait()
     b = tl.program_id(0)
@@ -132,7 +149,9 @@ def _decode_attention_merge_kernel(
     o = tl.load(o_part_ptr + (row0 + s)[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :],
                 other=0.0)
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+    one = tl.arange(0, 1)  # the head as a block of one row
+    _store_heads(out[None, :], o_ptr, b.to(tl.int64), h + one, stride_ob, stride_oh, one == 0, d, d < D, q8_ptr,
+                 s8_ptr, sum8_ptr, stride_q8, stride_s8, 1, OUT_INT8)
 
 
 def launch_decode_attention(q, k_cache, v_cache, seq_lens, out, o_part, lse, scale: float, config: dict,
@@ -157,8 +176,8 @@ def launch_decode_attention(q, k_cache, v_cache, seq_lens, out, o_part, lse, sca
     )
     if splits > 1:
         _decode_attention_merge_kernel[(B, Hq)](
-            o_part, lse, out, out.stride(0), out.stride(1), Hq,
-            D=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), USE_PDL=pdl,
+            o_part, lse, out, out.stride(0), out.stride(1), Hq, out, out, out, 0, 0,
+            D=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), OUT_INT8=False, USE_PDL=pdl,
             num_warps=1 if block_d <= 128 else 2, **launch_kwargs(pdl),
         )
 
@@ -236,8 +255,9 @@ def launch_rope_kv_write(qkv, rope, input_pos, q_out, k_cache, v_cache, n_q_head
 
 
 @triton.jit
-def _merge_heads(o_part_ptr, lse_ptr, o_ptr, b64, heads, n_heads, stride_ob, stride_oh, g_mask, d, d_mask,
-                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _merge_heads(o_part_ptr, lse_ptr, o_ptr, b64, heads, n_heads, stride_ob, stride_oh, g_mask, d, d_mask, q8_ptr,
+                 s8_ptr, sum8_ptr, stride_q8, stride_s8, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, OUT_INT8: tl.constexpr):
     """``_decode_attention_merge_kernel``'s sum for the heads ``heads`` of one sequence, in split order, from
     L2 (``.cg``: the other programs' rows are not in this SM's L1)."""
     rows = (b64 * n_heads + heads) * NUM_SPLITS  # [BLOCK_G], split 0
@@ -254,8 +274,8 @@ def _merge_heads(o_part_ptr, lse_ptr, o_ptr, b64, heads, n_heads, stride_ob, str
         acc += w[:, None] * o
         wsum += w
     out = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
-    tl.store(o_ptr + b64 * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=g_mask[:, None] & d_mask[None, :])
+    _store_heads(out, o_ptr, b64, heads, stride_ob, stride_oh, g_mask, d, d_mask, q8_ptr, s8_ptr, sum8_ptr, stride_q8,
+                 stride_s8, BLOCK_G, OUT_INT8)
 
 
 @triton.jit
@@ -271,15 +291,16 @@ def _kv_tile(k_base, v_base, n, n_mask, i, h_mask, d, d_mask, stride_kt, stride_
 
 @triton.jit
 def _rope_decode_attention_kernel(
-    qkv_ptr, rope_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, o_part_ptr, lse_ptr, lock_ptr,
+    qkv_ptr, rope_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, o_part_ptr, lse_ptr, lock_ptr, q8_ptr, s8_ptr, sum8_ptr,
     scale,
     stride_qkv, stride_rope_t,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_oh, T,
+    stride_ob, stride_oh, stride_q8, stride_s8, T,
     HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, USE_DOT: tl.constexpr, LOG2E: tl.constexpr, USE_PDL: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, USE_DOT: tl.constexpr, LOG2E: tl.constexpr, OUT_INT8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``_rope_kv_write_kernel`` and ``_decode_attention_kernel`` in one program per (sequence, kv head, split),
     with ``seq_len = pos + 1``: the split whose range holds ``pos`` rotates this kv head's new k, writes k and v
@@ -379,25 +400,27 @@ def _rope_decode_attention_kernel(
         acc = _pv(acc, alpha, p, v, USE_DOT)
 
     _store_split(acc, m, l, o_ptr, o_part_ptr, lse_ptr, b64, heads, split, HQ, stride_ob, stride_oh, g_mask, d,
-                 d_mask, BLOCK_D, NUM_SPLITS)
+                 d_mask, q8_ptr, s8_ptr, sum8_ptr, stride_q8, stride_s8, BLOCK_G, BLOCK_D, NUM_SPLITS, OUT_INT8)
     if MERGE_IN_KERNEL and NUM_SPLITS > 1:
         # the last split of (sequence, kv head) to arrive merges them all, as the split-K GEMMs' last program
         # sums their partials: no merge kernel. All threads' stores happen before the (release) counter bump.
         tl.debug_barrier()
         lock = lock_ptr + b * HKV + hkv
         if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            _merge_heads(o_part_ptr, lse_ptr, o_ptr, b64, heads, HQ, stride_ob, stride_oh, g_mask, d, d_mask,
-                         BLOCK_G, BLOCK_D, NUM_SPLITS)
+            _merge_heads(o_part_ptr, lse_ptr, o_ptr, b64, heads, HQ, stride_ob, stride_oh, g_mask, d, d_mask, q8_ptr,
+                         s8_ptr, sum8_ptr, stride_q8, stride_s8, BLOCK_G, BLOCK_D, NUM_SPLITS, OUT_INT8)
             tl.store(lock, 0)  # ready for the next launch (same stream)
 
 
 def launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse, n_q_heads: int,
-                                 scale: float, config: dict, pdl: bool = False, locks=None):
+                                 scale: float, config: dict, pdl: bool = False, locks=None, int8_out=None):
     """qkv: [B, (Hq + 2 Hkv) * D] rows (unit inner stride); rope [T, D/2, 2] fp32; input_pos [B]; caches
     [B, Hkv, T, D]; out [B, Hq, D]; o_part [B, Hq, S, BLOCK_D] fp32 and lse [B, Hq, S] fp32 when
     config["NUM_SPLITS"] > 1 (else unused). config: ``ops.attention.decode_attention_config``'s, and optionally
     ``MERGE_IN_KERNEL`` (with more than one split: the last split of each (sequence, kv head) merges, no merge
-    kernel; ``locks``: B * Hkv zeroed int32 counters, which the kernel leaves at 0)."""
+    kernel; ``locks``: B * Hkv zeroed int32 counters, which the kernel leaves at 0). ``int8_out``: ``(q8, s8,
+    sum8)`` rows of an int8 activation (``kernels.int4_a8``; contiguous [B, >= Hq * 128], [B, >= Hq]) written
+    instead of ``out`` (then None), head_dim 128: each head one group of 128 columns."""
     B = qkv.shape[0]
     Hkv, D = k_cache.shape[1], k_cache.shape[3]
     splits = config["NUM_SPLITS"]
@@ -408,21 +431,29 @@ def launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, out, o_
     merge_in_kernel = bool(config.get("MERGE_IN_KERNEL", False)) and splits > 1
     if merge_in_kernel and (locks is None or locks.numel() < B * Hkv):
         raise ValueError(f"MERGE_IN_KERNEL needs {B * Hkv} zeroed int32 counters (locks)")
+    if int8_out is not None:
+        if D != 128 or block_d != 128:
+            raise ValueError(f"an int8 output needs head_dim 128 (one group of 128 columns a head), got {D}")
+        q8, s8, sum8 = int8_out
+        out, strides_o, strides_8 = qkv, (0, 0), (q8.stride(0), s8.stride(0))  # out: only its dtype is read
+    else:
+        q8 = s8 = sum8 = out
+        strides_o, strides_8 = (out.stride(0), out.stride(1)), (0, 0)
     _rope_decode_attention_kernel[(B, Hkv, splits)](
-        qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse, locks if merge_in_kernel else out,
+        qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse, locks if merge_in_kernel else out, q8, s8, sum8,
         scale,
         qkv.stride(0), rope.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1), k_cache.shape[2],
+        *strides_o, *strides_8, k_cache.shape[2],
         HQ=n_q_heads, HKV=Hkv, GROUP=n_q_heads // Hkv, BLOCK_G=config["BLOCK_G"], HALF=half, BLOCK_HALF=block_half,
         BLOCK_D=block_d, BLOCK_N=config["BLOCK_N"], NUM_SPLITS=splits, MERGE_IN_KERNEL=merge_in_kernel,
-        USE_DOT=config["USE_DOT"], LOG2E=LOG2E, USE_PDL=pdl, num_warps=config["num_warps"], num_stages=1,
-        **launch_kwargs(pdl),
+        USE_DOT=config["USE_DOT"], LOG2E=LOG2E, OUT_INT8=int8_out is not None, USE_PDL=pdl,
+        num_warps=config["num_warps"], num_stages=1, **launch_kwargs(pdl),
     )
     if splits > 1 and not merge_in_kernel:
         _decode_attention_merge_kernel[(B, n_q_heads)](
-            o_part, lse, out, out.stride(0), out.stride(1), n_q_heads,
-            D=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), USE_PDL=pdl,
-            num_warps=1 if block_d <= 128 else 2, **launch_kwargs(pdl),
+            o_part, lse, out, *strides_o, n_q_heads, q8, s8, sum8, *strides_8,
+            D=D, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), OUT_INT8=int8_out is not None,
+            USE_PDL=pdl, num_warps=1 if block_d <= 128 else 2, **launch_kwargs(pdl),
         )

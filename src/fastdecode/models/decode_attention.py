@@ -2,8 +2,10 @@
 KV-cache write there, and attention over positions ``0..input_pos`` (``Attention.decode`` in ``llama.py``).
 
 ``fused_rope`` (the default): one kernel does all three (``ops.attention.rope_decode_attention``; plus the merge
-kernel under split-KV). Off (ablation): ``rope_kv_write``, then ``decode_attention`` over ``seq_lens``. The
-``"ref"`` backend calls the plain-PyTorch references of the same ops, for ``torch.compile``.
+kernel under split-KV). With ``int8`` (the ``int4_a8`` switch on a W4A8 ``wo``) that kernel emits wo's int8
+activation itself (``ops.int4_a8.rope_decode_attention_int8``). Off (ablation): ``rope_kv_write``, then
+``decode_attention`` over ``seq_lens``. The ``"ref"`` backend calls the plain-PyTorch references of the same ops, for
+``torch.compile``.
 """
 
 from __future__ import annotations
@@ -16,13 +18,19 @@ from fastdecode.ops.attention import (
     decode_attention, decode_attention_ref, rope_decode_attention, rope_decode_attention_ref, rope_kv_write,
     rope_kv_write_ref,
 )
+from fastdecode.ops.int4_a8 import rope_decode_attention_int8, rope_decode_attention_int8_ref
 
 
 def decode_attend(qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, seq_lens: Optional[torch.Tensor], n_heads: int, scale: float, fused: bool,
-                  backend: str) -> torch.Tensor:
+                  backend: str, int8: bool = False):
     """qkv [B, (Hq + 2 Hkv) * D] -> attention output [B, Hq, D]; writes k / v at input_pos. seq_lens [B] int32
-    (= input_pos + 1) is read only when not ``fused``, and computed here when None."""
+    (= input_pos + 1) is read only when not ``fused``, and computed here when None. ``int8`` (with ``fused``): the
+    output as an int8 activation ``(q, scales, sums)`` of B rows instead."""
+    if fused and int8:
+        if backend == "ref":
+            return rope_decode_attention_int8_ref(qkv, rope, input_pos, k_cache, v_cache, n_heads, scale)
+        return rope_decode_attention_int8(qkv, rope, input_pos, k_cache, v_cache, n_heads, scale, backend=backend)
     if fused:
         if backend == "ref":
             return rope_decode_attention_ref(qkv, rope, input_pos, k_cache, v_cache, n_heads, scale)

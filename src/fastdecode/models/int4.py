@@ -15,7 +15,8 @@ from torch import nn
 
 from fastdecode.ops.int4 import int4_linear, int4_linear_ref
 from fastdecode.ops.int4_a8 import (
-    DECODE_MAX_M as A8_DECODE_M, MAX_M as A8_MAX_M, int4_linear_a8, int4_linear_a8_ref, supports as a8_supports,
+    ACT_GROUP as A8_GROUP, DECODE_MAX_M as A8_DECODE_M, MAX_M as A8_MAX_M, int4_linear_a8, int4_linear_a8_ref,
+    supports as a8_supports,
 )
 from fastdecode.ops.int4_format import LAYOUT, Int4Weight, packed_cols
 
@@ -128,7 +129,7 @@ def set_int4_switches(model, k: dict) -> None:
     per group of 128 columns and run the ``dp4a`` GEMV (``fastdecode.ops.int4_a8``), where the weight's groups allow
     it; decode's numbers then move by the activation's rounding. The producers of those activations emit int8
     themselves (one kernel each, with ``fused_norm`` / ``fused_act``): the norms before wqkv / w13 and the lm head,
-    SiLU-and-mul before w2; the attention output is quantised by wo's op.
+    SiLU-and-mul before w2, and the fused attention kernel before wo (head_dim 128: one group a head).
     """
     for m in model.modules():
         if isinstance(m, Int4Linear):
@@ -140,4 +141,5 @@ def set_int4_switches(model, k: dict) -> None:
         layer.attention_norm.int8_out = a8(a.wqkv) and k["fused_norm"]
         layer.ffn_norm.int8_out = a8(f.w13) and k["fused_norm"]
         f.int8_act = a8(f.w2) and k["fused_act"]
+        a.int8_out = a8(a.wo) and a.head_dim == A8_GROUP and k["fused_rope"]
     model.norm.int8_out = a8(model.output) and k["fused_norm"]

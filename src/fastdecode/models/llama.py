@@ -187,6 +187,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device=device, dtype=dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device=device, dtype=dtype) if cfg.qk_norm else None
         self.fused_rope = True  # decode: RoPE + KV write inside the attention kernel (models/decode_attention.py)
+        self.int8_out = False  # ... which, up to 2 rows, emits the int8 activation of a W4A8 Int4Linear wo (int4_a8)
 
     def _qkv(self, x, cs, backend):
         B, S = _lead(x)
@@ -222,8 +223,8 @@ class Attention(nn.Module):
             qkv = norm_qk_rows(qkv, self.q_norm, self.k_norm, self.n_heads, self.n_kv_heads, backend)
         k_cache, v_cache = k_cache[:B], v_cache[:B]
         o = decode_attend(qkv, rope, input_pos, k_cache, v_cache, seq_lens, self.n_heads, self.scale, self.fused_rope,
-                          backend)
-        return o.reshape(B, 1, -1)
+                          backend, int8=self.int8_out and B <= A8.DECODE_MAX_M)
+        return tuple(t.reshape(B, 1, -1) for t in o) if isinstance(o, tuple) else o.reshape(B, 1, -1)
 
 
 class FeedForward(nn.Module):

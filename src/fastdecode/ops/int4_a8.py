@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from fastdecode.constants import INT8_MIN_SCALE
 from fastdecode.ops._common import (
     as_rows, cdiv, check_eps, check_out, check_same_device, check_tensor, next_pow2, pdl_enabled, resolve_backend,
 )
@@ -329,6 +330,63 @@ def silu_and_mul_int8(x, *, backend: Optional[str] = None):
     return act
 
 
+@define_op("rope_decode_attention_int8", mutates_args=("k_cache", "v_cache", "q", "scales", "sums"))
+def _rope_attention_int8_op(qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor,
+                            n_q_heads: int, scale: float, num_splits: int, backend: str) -> None:
+    """qkv (B, (Hq + 2 Hkv) * 128) rows; q (B, Kp), scales / sums (B, Kp // 128); caches written in place."""
+    from fastdecode.ops.attention import _split_buffers, decode_attention_config, rope_decode_attention_ref
+
+    B, Hq = qkv.shape[0], n_q_heads
+    if Kp_pad := q.shape[1] - Hq * ACT_GROUP:  # an odd head count: the 256-rounded row's last group is padding
+        q[:, -Kp_pad:].zero_()
+        scales[:, Hq:].fill_(INT8_MIN_SCALE)  # as quantize_act_int8 leaves an all-zero group
+        sums[:, Hq:].zero_()
+    if backend == "triton":
+        from fastdecode.kernels.attention import launch_rope_decode_attention
+
+        Hkv, T = k_cache.shape[1], k_cache.shape[2]
+        cfg = decode_attention_config(B, Hq, Hkv, T, ACT_GROUP, qkv.dtype, qkv.device, num_splits or None)
+        o_part, lse = _split_buffers(B, Hq, cfg, qkv)
+        launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, None, o_part, lse, Hq, scale, cfg,
+                                     pdl=pdl_enabled(qkv), int8_out=(q, scales, sums))
+        return
+    o = rope_decode_attention_ref(qkv, rope, input_pos, k_cache, v_cache, Hq, scale).reshape(B, -1)
+    for t, v in zip((q, scales, sums), quantize_act_int8_ref(o)):
+        t.copy_(v)
+
+
+@_rope_attention_int8_op.register_fake
+def _(qkv, rope, input_pos, k_cache, v_cache, q, scales, sums, n_q_heads, scale, num_splits, backend):
+    return None
+
+
+def rope_decode_attention_int8(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int, scale: Optional[float] = None,
+                               *, num_splits: Optional[int] = None, backend: Optional[str] = None):
+    """``ops.attention.rope_decode_attention`` (rounded to qkv's dtype) as wo's int8 activation ``(q, scales, sums)``
+    for ``int4_linear_a8``: ``quantize_act_int8(attention.reshape(B, Hq * 128))`` in the attention kernel itself (or
+    its split merge), each head one group of 128 columns. Arguments as ``rope_decode_attention``; head_dim 128 and
+    qkv bf16 / fp16. Returns q int8 (B, Kp), scales fp32 and sums int32 (B, Kp // 128), Kp = Hq * 128 rounded up
+    to 256 (the padding group 0)."""
+    import math
+
+    from fastdecode.ops.attention import _check_num_splits, _check_rope_args
+
+    check_tensor("qkv", qkv, dtypes=(torch.bfloat16, torch.float16))
+    B, D = _check_rope_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads)
+    if D != ACT_GROUP:
+        raise ValueError(f"an int8 attention output needs head_dim {ACT_GROUP} (one group a head), got {D}")
+    if k_cache.dtype != qkv.dtype:
+        raise ValueError(f"k_cache and v_cache must have qkv's dtype {qkv.dtype}, got {k_cache.dtype}")
+    _check_num_splits(num_splits)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    be = resolve_backend(backend, qkv.device, "rope_decode_attention_int8")
+    act = _act_buffers((B,), n_q_heads * D, qkv.device)
+    if B > 0:
+        _rope_attention_int8_op(qkv, rope, input_pos, k_cache, v_cache, *act, n_q_heads, scale, num_splits or 0, be)
+    return act
+
+
 # ----------------------------------------------------------------------------- references
 
 
@@ -400,6 +458,15 @@ def silu_and_mul_int8_ref(x):
     return _act_ref(silu_and_mul_ref(x))
 
 
+def rope_decode_attention_int8_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int,
+                                   scale: Optional[float] = None):
+    """Reference of :func:`rope_decode_attention_int8` (writes the caches in place)."""
+    from fastdecode.ops.attention import rope_decode_attention_ref
+
+    o = rope_decode_attention_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads, scale)
+    return _act_ref(o.reshape(qkv.shape[0], -1))
+
+
 def _act_ref(y):
     q, s, sums = quantize_act_int8_ref(y.reshape(-1, y.shape[-1]))
     lead = y.shape[:-1]
@@ -408,5 +475,5 @@ def _act_ref(y):
 
 __all__ = ["ACT_GROUP", "DECODE_MAX_M", "MAX_M", "dequantize_act_int8", "fused_add_rms_norm_int8",
            "fused_add_rms_norm_int8_ref", "get_a8_config", "int4_linear_a8", "int4_linear_a8_ref", "quantize_act_int8",
-           "quantize_act_int8_ref", "rms_norm_int8", "rms_norm_int8_ref", "silu_and_mul_int8", "silu_and_mul_int8_ref",
-           "supports"]
+           "quantize_act_int8_ref", "rms_norm_int8", "rms_norm_int8_ref", "rope_decode_attention_int8",
+           "rope_decode_attention_int8_ref", "silu_and_mul_int8", "silu_and_mul_int8_ref", "supports"]
