@@ -177,8 +177,15 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         return [("sweep int4 norm", [PY, str(ROOT / "benchmarks" / "sweep_int4_norm_gemv.py"),
                                      "--out", str(out / "sweep_int4_norm_gemv.json")], 240)]
     if name == "int4-a8":
+        # the sweep's best GEMV configs into a copy of the int4 table (main copies it), then the 8B int4 step on them
+        cfg_dir = out / "configs"
+        tuned = ["env", f"FASTDECODE_CONFIG_DIR={cfg_dir}"]
         return [("sweep int4 a8", [PY, str(ROOT / "benchmarks" / "sweep_int4_a8.py"),
-                                   "--out", str(out / "sweep_int4_a8.json")], 420)]
+                                   "--out", str(out / "sweep_int4_a8.json"),
+                                   "--table", str(cfg_dir / f"int4_linear_{gpu}.json")], 420),
+                ("decode int4 a8 tuned", tuned + _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
+                                                         "--impl", "fastdecode-graph",
+                                                         "fastdecode-graph-with-int4_a8"), 300)]
     if name == "int4-norm-pdl":
         return [("diag int4 norm pdl", [PY, str(ROOT / "benchmarks" / "diag_int4_norm_gemm_pdl.py"),
                                         "--out", str(out / "diag_int4_norm_gemm_pdl.json")], 540)]
@@ -585,15 +592,18 @@ def main(argv=None) -> int:
                 summary.append(("  FAILED", f["test"], f["message"][:120]))
             worst = max(worst, 1 if bad or r["exit_code"] else 0)
             continue
-        if s in ("tune", "tune-int4"):  # start from the package's tables: what is not tuned is kept
+        if s in ("tune", "tune-int4", "int4-a8"):  # start from the tables in use: what is not tuned is kept
             import shutil
+
+            from fastdecode.ops._common import config_path
 
             cfg_dir = out / "configs"
             cfg_dir.mkdir(exist_ok=True)
-            for family in ("linear", "int4_linear"):
-                table = ROOT / "src" / "fastdecode" / "configs" / f"{family}_{gpu}.json"
-                if table.is_file() and not (cfg_dir / table.name).exists():
-                    shutil.copy(table, cfg_dir)
+            for family in ("linear", "int4_linear"):  # the package's, or FASTDECODE_CONFIG_DIR's
+                table = config_path(family, torch.cuda.get_device_name(0) if n_gpu else "cpu")
+                dst = cfg_dir / f"{family}_{gpu}.json"
+                if table.is_file() and not dst.exists():
+                    shutil.copy(table, dst)
         int4_ms = [int(m) for m in a.tune_int4_ms.split(",")] if a.tune_int4_ms else None
         diag_args = (["--few"] if a.diag_few else []) + (["--shapes", a.diag_shapes] if a.diag_shapes else []) \
             + (["--ms", a.diag_ms] if a.diag_ms else [])

@@ -1,6 +1,7 @@
 """W4A8 with int8 activations (``ops.int4_a8``) against the W4A16 int4 kernels and the baselines, one H200, one process.
 
     python benchmarks/sweep_int4_a8.py --out DIR/sweep_int4_a8.json [--ms 1,2,4] [--shapes 8b.qkv,...] [--quick]
+        [--table DIR/int4_linear_<gpu>.json]
 
 Per shape and M (graph replays of 20 calls, rotated weights, median of 30; ``harness.time_cuda``), zero-point
 weights as the engine quantises them (group 128, bf16):
@@ -8,7 +9,8 @@ weights as the engine quantises them (group 128, bf16):
 * ``w4a16 dispatch``: ``int4_linear`` as the engine calls it (the tuned table);
 * ``a8 quant``: the activation's quantisation kernel alone; ``a8 gemv <config>``: the dp4a GEMV alone, a sweep of
   BLOCK_N, warps and splits (each checked against the reference first); ``a8 gemv best`` / ``a8 gemv heuristic``;
-  ``a8 op``: ``int4_linear_a8`` as the engine calls it (quantisation + GEMV, the heuristic config);
+  ``a8 op``: ``int4_linear_a8`` as the engine calls it (quantisation + GEMV, the config of ``get_a8_config``: the
+  package table's ``int4_linear_a8`` section, else the heuristic);
   ``a8 quant+best``: the two kernels with the sweep's best config;
 * ``probe``: the packed words streamed by a kernel that only XORs them (``diag_int4_gemv.py``: the access
   pattern's ceiling), at M = 1;
@@ -16,6 +18,9 @@ weights as the engine quantises them (group 128, bf16):
 
 GB/s count the packed weight + scales + zeros + the activation (int8 + its scales and sums for a8) + out. The
 summary rows (``op: int4_a8_summary``) give each (shape, M): the W4A16 and a8 times and the speed-up.
+
+``--table PATH``: the best config of each (shape, M) into the ``int4_linear_a8`` section of the int4_linear table at
+PATH (merged into what PATH holds, which must come from the same GPU; ``FASTDECODE_CONFIG_DIR=DIR`` then runs it).
 """
 
 from __future__ import annotations
@@ -140,7 +145,7 @@ def sweep(out_path: Path | None, shapes, ms, quick: bool = False) -> list[dict]:
                 rows.append(r)
                 if not err and (best is None or t.median_us < best["median_us"]):
                     best = r
-            heur = A.get_a8_config(M, N, K, torch.device("cuda"))
+            heur = A.heuristic_config(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count)
             err = a8.check(heur)
             th = time_cuda(a8.gemv_calls(heur), graph=True)
             rows.append(make_row("int4_a8", "a8 gemv heuristic", shape, th, bytes_moved=ab, config=heur,
@@ -171,18 +176,44 @@ def sweep(out_path: Path | None, shapes, ms, quick: bool = False) -> list[dict]:
     return rows
 
 
+def write_table(path: Path, rows: list[dict]) -> dict:
+    """The sweep's best configs as the ``int4_linear_a8`` section of the int4_linear table at ``path`` (the rest of
+    the table as it was; ``int4_linear_a8_env``: this run's GPU and commit, as the section's own record)."""
+    import json
+
+    from fastdecode.bench.harness import env_info
+    from fastdecode.ops.int4 import table_key
+
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    section = table.setdefault(A.TABLE_SECTION, {})
+    for r in rows:
+        if r["op"] == "int4_a8_summary" and r.get("best_config"):
+            sh = r["shape"]
+            entries = section.setdefault(table_key(sh["N"], sh["K"], sh["group"]), {})
+            entries[str(sh["M"])] = {"impl": "triton", "config": r["best_config"], "us": r["a8_gemv_best_us"]}
+    table[A.TABLE_SECTION + "_env"] = env_info()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {path}")
+    return table
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--ms", default="1,2,4")
     p.add_argument("--quick", action="store_true", help="fewer configs (4 warps, splits 1-4)")
+    p.add_argument("--table", type=Path, default=None,
+                   help="write each (shape, M)'s best config into this int4_linear table (section int4_linear_a8)")
     a = p.parse_args(argv)
     shapes = [s for s in a.shapes.split(",") if s]
     bad = [s for s in shapes if s not in SHAPES]
     if bad:
         p.error(f"unknown shape {bad[0]!r}; known: {', '.join(SHAPES)}")
     rows = sweep(a.out, shapes, [int(m) for m in a.ms.split(",")], a.quick)
+    if a.table:
+        write_table(a.table, rows)
     print_table([r for r in rows if r["op"] == "int4_a8_summary"],
                 ("shape", "w4a16_us", "a8_op_us", "a8_gemv_best_us", "a8_quant_us", "op_speedup", "gemv_best_speedup"))
     return 0

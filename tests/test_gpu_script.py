@@ -143,8 +143,51 @@ def test_decode_with_a_quantised_head(gpu, tmp_path):
     [(_, argv, _)] = gpu.suite_commands("decode", tmp_path, 1, formats=("int4",),
                                         decode_impls=("peer-compile", "fastdecode-graph-with-int4_a8"))
     assert argv[argv.index("--impl") + 1:] == ["peer-compile", "fastdecode-graph-with-int4_a8"]
-    [(label, argv, _)] = gpu.suite_commands("int4-a8", tmp_path, 1)
+    (label, argv, _), (label2, argv2, _) = gpu.suite_commands("int4-a8", tmp_path, 1)
     assert label == "sweep int4 a8" and argv[1].endswith("sweep_int4_a8.py")
+    # the sweep's best configs into a copy of the int4 table, then the 8B int4 step reading that table
+    table = argv[argv.index("--table") + 1]
+    assert table == str(tmp_path / "configs" / "int4_linear_nvidia_h200.json")
+    assert label2 == "decode int4 a8 tuned" and argv2[:2] == ["env", f"FASTDECODE_CONFIG_DIR={tmp_path / 'configs'}"]
+    assert argv2[argv2.index("--impl") + 1:] == ["fastdecode-graph", "fastdecode-graph-with-int4_a8"]
+
+
+def test_a8_sweep_table_section_is_what_the_dispatcher_reads(tmp_path, monkeypatch):
+    """``sweep_int4_a8.py --table``: each (shape, M)'s best config into the int4 table's ``int4_linear_a8`` section,
+    the rest of the table kept; ``ops.int4_a8.get_a8_config`` then returns it on that GPU, and the heuristic above
+    the largest tuned M and for shapes the table lacks."""
+    import json
+    import sys
+
+    from fastdecode.ops import _tuned
+    from fastdecode.ops import int4_a8 as A
+
+    saved = list(sys.path)
+    spec = importlib.util.spec_from_file_location("sweep_int4_a8", ROOT / "benchmarks" / "sweep_int4_a8.py")
+    S = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(S)
+    sys.path[:] = saved  # the script puts src / and benchmarks / first
+
+    path = tmp_path / "int4_linear_nvidia_h200.json"
+    path.write_text(json.dumps({"gpu": "NVIDIA H200", "int4_linear": {"1,2,128": {}}}))
+    best = {"BLOCK_M": 1, "BLOCK_N": 128, "SPLIT_K": 8, "num_warps": 8}
+    rows = [{"op": "int4_a8_summary", "shape": {"name": "8b.o", "M": 1, "N": 4096, "K": 4096, "group": 128},
+             "best_config": best, "a8_gemv_best_us": 5.1},
+            {"op": "int4_a8", "shape": {"name": "8b.o", "M": 1, "N": 4096, "K": 4096, "group": 128}}]
+    table = S.write_table(path, rows)
+    assert json.loads(path.read_text()) == table and table["int4_linear"] == {"1,2,128": {}}
+    assert table["int4_linear_a8"] == {"4096,4096,128": {"1": {"impl": "triton", "config": best, "us": 5.1}}}
+    monkeypatch.setenv("FASTDECODE_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(_tuned, "device_info", lambda device: ("NVIDIA H200", 132))
+    monkeypatch.setattr(A, "device_info", lambda device: ("NVIDIA H200", 132))
+    _tuned.clear_config_cache()
+    try:
+        assert A.get_a8_config(1, 4096, 4096) == best
+        # above the largest tuned M, and shapes the table lacks: the heuristic (ops._tuned's rule)
+        assert A.get_a8_config(2, 4096, 4096) == A.heuristic_config(2, 4096, 4096, 132)
+        assert A.get_a8_config(1, 6144, 4096) == A.heuristic_config(1, 6144, 4096, 132)
+    finally:
+        _tuned.clear_config_cache()
 
 
 def test_decode_small_runs_the_embedded_model_and_its_bf16_shapes(gpu, tmp_path):

@@ -30,7 +30,7 @@ from fastdecode.ops._common import (
     as_rows, cdiv, check_eps, check_out, check_same_device, check_tensor, next_pow2, pdl_enabled, resolve_backend,
 )
 from fastdecode.ops._registry import define_op
-from fastdecode.ops._tuned import DEFAULT_NUM_SMS, device_info, split_k_workspace
+from fastdecode.ops._tuned import DEFAULT_NUM_SMS, device_info, load_table, lookup_cache, nearest_m, split_k_workspace
 from fastdecode.ops.gemm import check_bias
 from fastdecode.ops.int4 import _zm, check_x
 from fastdecode.ops.int4_format import Int4Weight, dequantize_int4, packed_cols
@@ -59,9 +59,27 @@ def heuristic_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS) -> 
     return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4}
 
 
-def get_a8_config(M: int, N: int, K: int, device=None) -> dict:
-    """The launch config of ``int4_linear_a8`` for an (M, N, K) call (the heuristic; nothing is timed)."""
-    return heuristic_config(M, N, K, device_info(torch.device(device) if device is not None else None)[1])
+TABLE_SECTION = "int4_linear_a8"  # the GEMV's tuned configs: a section of the int4_linear table (ops.int4)
+
+
+@lookup_cache
+def _a8_lookup(gpu_name: str, num_sms: int, M: int, N: int, K: int, group_size: int) -> dict:
+    heuristic = heuristic_config(M, N, K, num_sms)
+    if gpu_name == "cpu":
+        return heuristic
+    from fastdecode.ops.int4 import table_key
+
+    table = load_table("int4_linear", gpu_name) or {}
+    entry = nearest_m(table.get(TABLE_SECTION, {}).get(table_key(N, K, group_size)), M)
+    return dict(entry["config"]) if entry else heuristic
+
+
+def get_a8_config(M: int, N: int, K: int, device=None, group_size: int = ACT_GROUP) -> dict:
+    """The launch config of ``int4_linear_a8`` for an (M, N, K) call: the tuned entry of the GPU's int4_linear
+    table (section ``int4_linear_a8``, written by ``benchmarks/sweep_int4_a8.py --table``; the entry of the
+    nearest tuned M, ``ops._tuned.nearest_m``), else the heuristic."""
+    name, sms = device_info(torch.device(device) if device is not None else None)
+    return dict(_a8_lookup(name, sms, int(M), int(N), int(K), int(group_size)))
 
 
 # ----------------------------------------------------------------------------- registered ops
@@ -108,7 +126,7 @@ def _int4_a8_op(q: torch.Tensor, scales_x: torch.Tensor, sums_x: torch.Tensor, q
     if impl == "torch":
         out.copy_(_a8_matmul_ref(q, scales_x, w, bias, out.dtype))
         return
-    a8_with_config(q, scales_x, sums_x, w, bias, out, get_a8_config(q.shape[0], w.N, K, q.device))
+    a8_with_config(q, scales_x, sums_x, w, bias, out, get_a8_config(q.shape[0], w.N, K, q.device, group_size))
 
 
 @_int4_a8_op.register_fake
