@@ -185,7 +185,10 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                    "--table", str(cfg_dir / f"int4_linear_{gpu}.json")], 420),
                 ("decode int4 a8 tuned", tuned + _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
                                                          "--impl", "fastdecode-graph",
-                                                         "fastdecode-graph-with-int4_a8"), 300)]
+                                                         "fastdecode-graph-with-int4_a8"), 300),
+                ("decode int4 head a8 tuned", tuned + _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
+                                                              "--quant-head", "int4", "--impl", "fastdecode-graph",
+                                                              "fastdecode-graph-with-int4_a8"), 300)]
     if name == "int4-norm-pdl":
         return [("diag int4 norm pdl", [PY, str(ROOT / "benchmarks" / "diag_int4_norm_gemm_pdl.py"),
                                         "--out", str(out / "diag_int4_norm_gemm_pdl.json")], 540)]

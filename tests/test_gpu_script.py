@@ -143,7 +143,8 @@ def test_decode_with_a_quantised_head(gpu, tmp_path):
     [(_, argv, _)] = gpu.suite_commands("decode", tmp_path, 1, formats=("int4",),
                                         decode_impls=("peer-compile", "fastdecode-graph-with-int4_a8"))
     assert argv[argv.index("--impl") + 1:] == ["peer-compile", "fastdecode-graph-with-int4_a8"]
-    (label, argv, _), (label2, argv2, _) = gpu.suite_commands("int4-a8", tmp_path, 1)
+    (label, argv, _), (label2, argv2, _), (label3, argv3, _) = gpu.suite_commands("int4-a8", tmp_path, 1)
+    assert label3 == "decode int4 head a8 tuned" and argv3[argv3.index("--quant-head") + 1] == "int4"
     assert label == "sweep int4 a8" and argv[1].endswith("sweep_int4_a8.py")
     # the sweep's best configs into a copy of the int4 table, then the 8B int4 step reading that table
     table = argv[argv.index("--table") + 1]

@@ -356,8 +356,9 @@ def test_sm90_compiles_every_int8_producer():
     kernel) and its merge kernel's; each stores bytes."""
     out = sm90_ptx(_COMPILE_PRODUCERS)
     counts = dict(line.split() for line in out.strip().splitlines())
-    assert set(counts) == {"_rms_norm_kernel", "_silu_and_mul_kernel", "_act_quant_kernel", "_rope_decode_attention_kernel4",
-                           "_rope_decode_attention_kernel1", "_decode_attention_merge_kernel4"}
+    assert set(counts) == {"_rms_norm_kernel", "_silu_and_mul_kernel", "_act_quant_kernel",
+                           "_rope_decode_attention_kernel4", "_rope_decode_attention_kernel1",
+                           "_decode_attention_merge_kernel4"}
     assert all(int(n) > 0 for n in counts.values()), counts
 
 
