@@ -40,14 +40,15 @@ all-reduce (``RMSNorm.comm``), fused with the residual add and the norm; ``model
 and the lm head vocab-parallel.
 
 Kernel switches for the ablation: ``model.set_kernels(fused_norm=..., fused_act=..., fused_down=...,
-skinny_gemm=..., fused_allreduce=..., int4_gemm=..., fused_rope=..., norm_gemm=..., int4_a8=...)``; a switched-off
-fusion runs
-as separate plain-PyTorch ops (an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on CUDA, SiLU-and-mul inside a
-bf16 / fp16 ``w2``'s GEMM (``Linear.forward_glu``); off, apart, as always for int4 and FP8
+skinny_gemm=..., fused_allreduce=..., int4_gemm=..., fused_rope=..., norm_gemm=..., int4_a8=..., fp8_a16=...)``;
+a switched-off fusion runs as separate plain-PyTorch ops (an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on
+CUDA, SiLU-and-mul inside a bf16 / fp16 ``w2``'s GEMM (``Linear.forward_glu``); off, apart, as always for int4
 (``fastdecode.ops.glu_linear`` says why). ``fused_rope``: ``fastdecode.models.decode_attention``. ``norm_gemm``:
 ``fastdecode.models.norm_gemm`` (the decode step's norms and residual adds inside the bf16 / fp16 and W4A16 int4
 GEMMs; it folds the norm weights into dense wqkv / w13 in place at the first decode). ``int4_a8`` (off by default):
-W4A8 decode with int8 activations (``fastdecode.models.int4.set_int4_switches``).
+W4A8 decode with int8 activations (``fastdecode.models.int4.set_int4_switches``). ``fp8_a16`` (off by default): the
+FP8 ``wo`` and ``w2`` of up to 4 token rows run W8A16 (``fastdecode.ops.w8a16``: the attention output unquantised,
+SiLU-and-mul inside w2's loads with ``fused_down``), two launches a layer fewer.
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -83,15 +84,17 @@ from fastdecode.ops.allreduce import all_reduce
 from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref
 from fastdecode.ops.glu_linear import silu_and_mul_linear
 from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref
+from fastdecode.ops.w8a16 import DECODE_MAX_M as W8A16_DECODE_MAX_M, X_DTYPES as W8A16_X_DTYPES
+from fastdecode.ops.w8a16 import linear_w8a16, linear_w8a16_ref
 from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
 KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm", "fused_rope",
-           "norm_gemm", "int4_a8")
+           "norm_gemm", "int4_a8", "fp8_a16")
 # switches off by default (``bench decode``'s ``-with-<switch>`` rows turn them on): a new kernel waits here until a
 # GPU has measured it (norm_gemm for int4 blocks did, sessions 17-18); int4_a8 also changes the numbers (int8
-# activations), so it would stay a choice even when it wins
-OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8",)
+# activations), so it would stay a choice even when it wins; fp8_a16 waits for its first GPU run
+OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16")
 
 
 def _lead(x) -> tuple:
@@ -156,8 +159,17 @@ class Fp8Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=out_dtype), requires_grad=False)
                      if bias else None)
         self.gemm_impl: Optional[str] = None
+        self.a16_max_rows = 0  # fp8_a16: up to this many rows of a 16-bit x run W8A16 (ops.w8a16), no quantisation
+
+    def _a16(self, x) -> bool:
+        return (not isinstance(x, tuple) and x.dtype in W8A16_X_DTYPES
+                and x.numel() <= self.a16_max_rows * x.shape[-1])
 
     def forward(self, x, backend: str = "ref") -> torch.Tensor:
+        if self._a16(x):
+            if backend == "ref":
+                return linear_w8a16_ref(x, self.weight, self.weight_scale, self.bias)
+            return linear_w8a16(x, self.weight, self.weight_scale, self.bias, backend=backend)
         if isinstance(x, tuple):
             xq, xs = x
         elif backend == "ref":
@@ -169,8 +181,17 @@ class Fp8Linear(nn.Module):
         return linear_fp8(xq, xs, self.weight, self.weight_scale, self.bias, out_dtype=self.out_dtype,
                           backend=backend, impl=self.gemm_impl)
 
+    def forward_glu(self, h: torch.Tensor, backend: str) -> Optional[torch.Tensor]:
+        """fp8_a16: ``forward(silu_and_mul(h))`` as one W8A16 kernel (SiLU-and-mul in its loads), else None."""
+        if not self._a16(h):
+            return None
+        if backend == "ref":
+            return linear_w8a16_ref(h, self.weight, self.weight_scale, self.bias, glu=True)
+        return linear_w8a16(h, self.weight, self.weight_scale, self.bias, glu=True, backend=backend)
+
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, fp8 w8a8"
+        a16 = f" (w8a16 up to {self.a16_max_rows} rows)" if self.a16_max_rows else ""
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, fp8 w8a8{a16}"
 
 
 # ----------------------------------------------------------------------------- layers
@@ -240,7 +261,7 @@ class FeedForward(nn.Module):
     def forward(self, x, backend):
         h = self.w13(x, backend)  # [.., 2I] = gate | up
         be = backend if self.fused else "ref"
-        glu = getattr(self.w2, "forward_glu", None) if self.fuse_down and be != "ref" else None
+        glu = getattr(self.w2, "forward_glu", None) if self.fuse_down else None  # None where w2 has no such form
         if glu is not None:
             y = glu(h, be)
             if y is not None:
@@ -422,6 +443,9 @@ class Transformer(nn.Module):
             f.fuse_down = k["fused_down"]
             a.fused_rope = k["fused_rope"]
             f.fp8_act = isinstance(f.w2, Fp8Linear) and k["fused_act"]
+            for lin in (a.wo, f.w2):
+                if isinstance(lin, Fp8Linear):
+                    lin.a16_max_rows = W8A16_DECODE_MAX_M if k["fp8_a16"] else 0
         for norm in [self.norm] + [m for layer in self.layers for m in (layer.attention_norm, layer.ffn_norm)]:
             norm.fuse_comm = k["fused_allreduce"]
         self.norm.fused = k["fused_norm"]

@@ -1,0 +1,116 @@
+"""FP8 weights times 16-bit activations, for decode: ``linear_w8a16`` (and its SiLU-and-mul form).
+
+    linear_w8a16:  out = x @ (weight_fp8 * weight_scale).T + bias        x bf16 / fp16, a few token rows
+    glu=True:      out = silu_and_mul(h) @ (weight_fp8 * weight_scale).T + bias    h = [gate | up]
+
+Why (benchmarks/NOTES.md, session 23): W8A8 needs its activation in FP8 with one scale per token, i.e. an amax over
+the whole row before the GEMM. The norms emit that themselves, but the attention output before ``wo`` took a
+quantisation kernel of its own and SiLU-and-mul before ``w2`` a row-wide one: two launches a layer (the FP8
+profile's "activation" family, 64 calls and ~185 us of the 8B step on the H200). At a few tokens the GEMV streams
+the FP8 weight either way; on the CUDA cores (the FMA kind of ``kernels.gemm``) its activation can as well be
+bf16: each weight byte is widened to fp32 in registers (e4m3 is exact there), multiplied by the fp32 activation,
+and the per-channel scale is applied once in the epilogue. So ``wo`` reads the attention output as it is, and
+``w2``'s loads compute ``silu(gate) * up`` (``X_GLU``, as ``ops.glu_linear`` for bf16): both launches are gone,
+and the activation is not rounded to FP8 at all (the results are closer to the unquantised model than W8A8's).
+
+Up to ``MAX_M`` token rows (the FMA kind keeps one accumulator per row); prefill stays W8A8 on the tensor cores.
+The kernel config is the FP8 table's FMA entry for the shape (``ops.gemm``'s table, section fp8) where it has one,
+else the FMA heuristic.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
+from fastdecode.ops._common import FP8_DTYPE, check_same_device, check_tensor, require_sm
+from fastdecode.ops._registry import define_op
+from fastdecode.ops._tuned import device_info
+from fastdecode.ops.gemm import (
+    _check_weight, _dispatch, _w_scale_vec, check_bias, fma_tile, linear_with_config, run_linear, with_split_k,
+)
+
+MAX_M = 4  # token rows: the FMA kind's accumulators
+# rows the model's fp8_a16 switch sends here (decode); prefill keeps W8A8
+DECODE_MAX_M = 4
+X_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def get_w8a16_config(M: int, N: int, K: int, device=None) -> dict:
+    """The FP8 table's config for (M, N, K) where it is an FMA one (the W8A8 and W8A16 loops stream the same bytes
+    on the CUDA cores), else the FMA heuristic for 1-byte weights (~4 programs an SM)."""
+    device = torch.device(device) if device is not None else None
+    _, cfg = _dispatch(M, N, K, FP8_DTYPE, device)
+    if cfg.get("kind") == "fma" and cfg.get("BLOCK_M", 1) >= min(M, MAX_M):
+        return dict(cfg)
+    sms = device_info(device)[1]
+    return with_split_k(fma_tile(M, 1), M, N, K, sms, 4)
+
+
+@define_op("linear_w8a16", mutates_args=("out",))
+def _linear_w8a16_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor], out: torch.Tensor, glu: bool, impl: str) -> None:
+    """x (M, K) (or (M, 2K) with glu) unit stride in its last dimension; weight (N, K) fp8 contiguous; weight_scale
+    (N,) or (1,) fp32; out (M, N)."""
+    if impl == "torch":
+        out.copy_(linear_w8a16_ref(x, weight, weight_scale, bias, glu=glu, out_dtype=out.dtype))
+        return
+    require_sm(x.device, 8, 9, "FP8 linear")  # the conversion of e4m3 (sm_89 and later)
+    M, (N, K) = x.shape[0], weight.shape
+    cfg = get_w8a16_config(M, N, K, x.device)
+    w_mode = SCALE_TENSOR if weight_scale.numel() == 1 else SCALE_VECTOR
+    linear_with_config(x, weight, bias, None, SCALE_NONE, weight_scale, w_mode, out, cfg, glu=glu)
+
+
+@_linear_w8a16_op.register_fake
+def _(x, weight, weight_scale, bias, out, glu, impl):
+    return None
+
+
+def linear_w8a16(x, weight_fp8, weight_scale, bias=None, *, glu: bool = False, out=None,
+                 backend: Optional[str] = None) -> torch.Tensor:
+    """W8A16: ``out = x @ (weight_fp8 * weight_scale).T + bias`` with fp32 accumulation, one rounding to x.dtype.
+
+    x: (..., K) bf16 / fp16 with at most ``MAX_M`` rows (rows may be strided), or with ``glu`` (..., 2K)
+    ``[gate | up]``, whose ``silu(gate) * up`` (rounded to x.dtype, as ``silu_and_mul`` stores it) is the input;
+    weight_fp8: (N, K) float8_e4m3fn, contiguous; weight_scale: one element (per tensor) or (N,) / (N, 1) fp32, a
+    dequantisation scale; bias: (N,) of x's dtype or None. Returns (..., N) in x.dtype (or ``out``).
+    """
+    check_tensor("x", x, dtypes=X_DTYPES)
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dimension (..., K), got a scalar")
+    check_tensor("weight_fp8", weight_fp8, dtypes=(FP8_DTYPE,), ndim=2)
+    K = weight_fp8.shape[1]
+    if glu and x.shape[-1] != 2 * K:
+        raise ValueError(f"x must have shape (..., 2 * K) = (..., {2 * K}) with glu ([gate | up], each K wide) for "
+                         f"a weight of shape {tuple(weight_fp8.shape)}, got {tuple(x.shape)}")
+    N = _check_weight(weight_fp8, x.shape[-1] // 2 if glu else x.shape[-1], (FP8_DTYPE,), "weight_fp8",
+                      "x's gate half" if glu else "x")
+    M = x.numel() // max(x.shape[-1], 1)
+    if M > MAX_M:
+        raise ValueError(f"linear_w8a16 takes at most {MAX_M} token rows (decode), got {M}; use linear_fp8")
+    bias = check_bias(bias, N, (x.dtype,), "weight_fp8")
+    check_same_device(x=x, weight_fp8=weight_fp8, bias=bias)
+    ws = _w_scale_vec(weight_scale, N, x.device)
+    return run_linear("linear_w8a16", "x", x, K, N, bias, out, None, backend,
+                      lambda x2, out2, impl_s: _linear_w8a16_op(x2, weight_fp8, ws, bias, out2, glu, impl_s))
+
+
+def linear_w8a16_ref(x, weight_fp8, weight_scale, bias=None, *, glu: bool = False,
+                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Reference of :func:`linear_w8a16`: the input (``silu_and_mul_ref`` of it with glu) times the fp32 FP8
+    weight, times the weight's scale, plus the bias, in fp32; one rounding to ``out_dtype`` (default x.dtype)."""
+    from fastdecode.ops.activation import silu_and_mul_ref
+
+    xin = silu_and_mul_ref(x) if glu else x
+    ws = weight_scale.float()
+    ws = ws.reshape(()) if ws.numel() == 1 and ws.dim() <= 1 else ws.reshape(-1)
+    y = (xin.float() @ weight_fp8.float().t()) * ws
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
+__all__ = ["DECODE_MAX_M", "MAX_M", "get_w8a16_config", "linear_w8a16", "linear_w8a16_ref"]

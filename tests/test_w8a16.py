@@ -1,0 +1,127 @@
+"""W8A16 (fastdecode.ops.w8a16): FP8 weights times a 16-bit activation (or SiLU-and-mul of ``[gate | up]``) on the
+FMA kind of the skinny GEMM; against the fp32 reference, on the CPU through the Triton interpreter, and on the GPU
+(``gpu`` marks) at the Llama-3.1-8B shapes of ``wo`` and ``w2``."""
+
+import pytest
+import torch
+
+from fastdecode.ops.activation import silu_and_mul_ref
+from fastdecode.ops.w8a16 import MAX_M, get_w8a16_config, linear_w8a16, linear_w8a16_ref
+from helpers import assert_product_close, poison_, strided_rows
+
+gpu = pytest.mark.gpu
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+
+
+def _weight(N, K, per_tensor=False):
+    w = (torch.randn(N, K, device=DEV) * 64).clamp(-448, 448).to(FP8)
+    ws = torch.rand(1 if per_tensor else N, device=DEV) * 1e-3 + 2e-4
+    return w, ws
+
+
+def _check(y, x, w, ws, bias, glu):
+    """Against the reference: the two recipes sum the same fp32 products in different orders, one rounding each."""
+    ref = linear_w8a16_ref(x, w, ws, bias, glu=glu)
+    a = (silu_and_mul_ref(x) if glu else x).float()
+    wf = w.float() * (ws.reshape(-1, 1) if ws.numel() > 1 else ws)
+    assert_product_close(y, ref, a, wf, roundings=1)  # the bias is in both (its rounding: the ulp of |ref|)
+    assert y.shape == ref.shape and y.dtype == x.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K,glu,per_tensor,bias", [
+    (1, 40, 300, False, False, True), (2, 96, 2048, True, False, False), (3, 17, 2112, False, True, False),
+    (4, 64, 256, True, False, True), (1, 33, 4096 + 16, True, True, False)])
+def test_matches_the_reference(M, N, K, glu, per_tensor, bias, dtype):
+    """Odd N and K (masked tiles), per-channel and per-tensor scales, a bias, 1-4 rows, the SiLU-and-mul input."""
+    w, ws = _weight(N, K, per_tensor)
+    x = (torch.randn(M, 2 * K if glu else K, device=DEV) * 2).to(dtype)
+    b = torch.randn(N, device=DEV).to(dtype) if bias else None
+    out = poison_(torch.empty(M, N, device=DEV, dtype=dtype))
+    y = linear_w8a16(x, w, ws, b, glu=glu, out=out, backend="triton")
+    assert y.data_ptr() == out.data_ptr() and not torch.isnan(y).any()
+    _check(y, x, w, ws, b, glu)
+
+
+def test_strided_rows_leading_dims_and_torch_backend():
+    w, ws = _weight(24, 512)
+    x = strided_rows(3, 1024, torch.bfloat16, DEV)  # [gate | up] rows with a row stride of 1037
+    y = linear_w8a16(x, w, ws, glu=True, backend="triton")
+    _check(y, x, w, ws, None, True)
+    x3 = torch.randn(2, 1, 512, device=DEV).bfloat16()
+    y3 = linear_w8a16(x3, w, ws, backend="triton")
+    assert y3.shape == (2, 1, 24)
+    torch.testing.assert_close(linear_w8a16(x3, w, ws, backend="torch"), linear_w8a16_ref(x3, w, ws), atol=0,
+                               rtol=0)
+
+
+def test_refusals_name_the_argument():
+    w, ws = _weight(16, 256)
+    with pytest.raises(ValueError, match=f"at most {MAX_M} token rows"):
+        linear_w8a16(torch.randn(5, 256, device=DEV).bfloat16(), w, ws)
+    with pytest.raises(ValueError, match="x must have dtype"):
+        linear_w8a16(torch.randn(1, 256, device=DEV), w, ws)
+    with pytest.raises(ValueError, match="2 \\* K"):
+        linear_w8a16(torch.randn(1, 256, device=DEV).bfloat16(), w, ws, glu=True)
+    with pytest.raises(ValueError, match="weight_fp8 must have dtype"):
+        linear_w8a16(torch.randn(1, 256, device=DEV).bfloat16(), w.bfloat16(), ws)
+    with pytest.raises(ValueError, match="mismatched K"):
+        linear_w8a16(torch.randn(1, 128, device=DEV).bfloat16(), w, ws)
+
+
+def test_config_is_an_fma_one():
+    """The FMA kind, whatever the FP8 table picks for W8A8 at that M (cuBLAS, a dot tile): x is 16-bit here."""
+    for M in (1, 2, 3, 4):
+        cfg = get_w8a16_config(M, 4096, 14336, DEV)
+        assert cfg["kind"] == "fma" and cfg["BLOCK_M"] >= M and cfg["SPLIT_K"] >= 1
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 2, 4])
+@pytest.mark.parametrize("N,K,glu", [(4096, 4096, False), (4096, 14336, True)])
+def test_gpu_llama8b_wo_and_w2(N, K, glu, M):
+    w, ws = _weight(N, K)
+    x = torch.randn(M, 2 * K if glu else K, device=DEV).bfloat16()
+    y = linear_w8a16(x, w, ws, glu=glu)
+    _check(y, x, w, ws, None, glu)
+    g = torch.cuda.CUDAGraph()
+    out = torch.empty_like(y)
+    linear_w8a16(x, w, ws, glu=glu, out=out)  # compiled before the capture
+    with torch.cuda.graph(g):
+        linear_w8a16(x, w, ws, glu=glu, out=out)
+    out.zero_()
+    g.replay()
+    torch.testing.assert_close(out, y, atol=0, rtol=0)
+
+
+_COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastdecode.kernels.gemm import _skinny_linear_kernel
+
+sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
+       "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "nw_ptr": "*bf16", "eps": "fp32", "M": "i32",
+       "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_part": "i32",
+       "split_k": "i32"}
+consts = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=2, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
+              USE_PDL=True, PREFETCH=True, W_EVICT=False, X_GLU=sys.argv[1] == "glu", X_NORM=False, NORM_VEC=8,
+              NORM_AFFINE=False, ACCUMULATE=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT=True)
+sig.update({k: "constexpr" for k in consts})
+cc = triton.compile(ASTSource(_skinny_linear_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": 4, "num_stages": 1})
+sys.stdout.write(cc.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("glu", ["plain", "glu"])
+def test_sm90_compiles_the_fp8_weight_with_a_bf16_activation(glu):
+    """No GPU needed: the FMA kind with FP8 weights and a bf16 x (and its SiLU-and-mul loads) compiles for sm_90,
+    and converts the weight bytes with the paired e4m3 conversion (2 values an instruction)."""
+    from helpers import k_loop, sm90_ptx
+
+    body = k_loop(sm90_ptx(_COMPILE, glu))
+    assert "cvt.rn.f16x2.e4m3x2" in body
+    assert ("ex2.approx" in body) == (glu == "glu")  # SiLU's exp in the loads
