@@ -131,8 +131,9 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
             "bf16": ("decode bf16", _decode(out, "--batch", "1", "--iters", "30", "--impl", "peer-compile",
                                             "torch-compile", *abl, "fastdecode-graph-no-norm_gemm"), 420),
             # quantised: the peer of the same format (the ref-backend torch-compile row would dequantise)
+            # fp8_a16 (opt-in): wo and w2 W8A16 at decode (ops.w8a16)
             "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8", "--impl",
-                                          "peer-compile", *abl), 420),
+                                          "peer-compile", *abl, "fastdecode-graph-with-fp8_a16"), 420),
             # int4_a8 (opt-in): W4A8 with int8 activations at decode
             "int4": ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
                                             "--impl", "peer-compile", *abl, "fastdecode-graph-no-norm_gemm",
@@ -140,7 +141,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                      420),
             # the lm head quantised too (issue 18's "the head"; the peers keep a dense head)
             "fp8-head": ("decode fp8 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
-                                                    "--quant-head", "fp8", "--impl", "fastdecode-graph"), 300),
+                                                    "--quant-head", "fp8", "--impl", "fastdecode-graph",
+                                                    "fastdecode-graph-with-fp8_a16"), 300),
             "int4-head": ("decode int4 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
                                                       "--quant-head", "int4", "--impl", "fastdecode-graph",
                                                       "fastdecode-graph-with-int4_a8"), 300),

@@ -73,6 +73,42 @@ def test_fp8_kernel_switches_change_only_where_quantisation_happens():
         quantize_model(copy.deepcopy(m), "int4")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_a16_switch_runs_wo_and_w2_w8a16_at_decode(backend):
+    """``fp8_a16`` (opt-in): the FP8 wo and w2 of up to 4 token rows take their 16-bit input as it is (W8A16,
+    ``ops.w8a16``; w2's loads compute SiLU-and-mul): no per-token quantisation before either; prefills keep W8A8.
+    The torch backend is the ``ref`` path; the Triton interpreter sums in another order (bf16 rounding apart)."""
+    from fastdecode.ops.w8a16 import DECODE_MAX_M
+
+    m = quantize_model_fp8(random_model(CFG, device="cpu", dtype=torch.bfloat16, backend=backend, max_seq_len=64,
+                                        std=0.08, seed=int(torch.randint(0, 1000, ()))))
+    ids = torch.randint(0, CFG.vocab_size, (2, 7))
+    nxt, pos = torch.randint(0, CFG.vocab_size, (2,)), torch.tensor([7, 7])
+    logits88, cache = prefill(m, ids)
+    step88 = m.decode(nxt, pos, cache)
+    assert all(layer.attention.wo.a16_max_rows == 0 for layer in m.layers)  # off by default
+    m.set_kernels(fp8_a16=True)
+    assert all(layer.attention.wo.a16_max_rows == layer.feed_forward.w2.a16_max_rows == DECODE_MAX_M
+               for layer in m.layers) and "w8a16" in repr(m.layers[0].attention.wo)
+    assert m.layers[0].attention.wqkv.a16_max_rows == 0  # its input comes from the norm, in FP8
+    logits16, cache = prefill(m, ids)
+    assert torch.equal(logits16, logits88)  # 14 token rows: W8A8
+    step16 = m.decode(nxt, pos, cache)
+    assert 0 < rel_rms(step16, step88) < 0.2  # two FP8 activation roundings a layer fewer
+    m.backend = "ref"
+    ref = m.decode(nxt, pos, prefill(m, ids)[1])
+    if backend == "torch":
+        torch.testing.assert_close(step16, ref, atol=0, rtol=0)
+    else:
+        # the norms' FP8 roundings flip apart (see below: no whole-step bound tells recipes apart; the op itself is
+        # held to its reference in tests/test_w8a16.py)
+        assert rel_rms(step16, ref) < 0.2, rel_rms(step16, ref)
+    m.backend = backend
+    m.set_kernels(fused_down=False)  # w2 then takes SiLU-and-mul's FP8 pair (W8A8); wo stays W8A16
+    assert m.layers[0].feed_forward.w2.a16_max_rows == DECODE_MAX_M
+    assert 0 < rel_rms(m.decode(nxt, pos, prefill(m, ids)[1]), step16) < 0.2
+
+
 # ----------------------------------------------------------------------------- same FP8 decisions, op by op
 
 # Why the Triton path is held to the references op by op, on the kernels' own inputs, rather than through the
