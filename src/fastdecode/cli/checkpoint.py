@@ -30,7 +30,8 @@ def cmd_eval_accuracy(args) -> int:
 
     try:  # a KV cache too large for the device is a KVCacheMemoryError (a ValueError): one error line
         quants = args.quant if args.quant is not None else ([] if args.quant_head else ["fp8"])
-        rows = eval_accuracy(args.model, quants, head=args.quant_head, int4_a8=args.int4_a8, device=args.device,
+        rows = eval_accuracy(args.model, quants, head=args.quant_head, int4_a8=args.int4_a8, fp8_a16=args.fp8_a16,
+                             device=args.device,
                              dtype=getattr(torch, args.dtype) if args.dtype else None, window=args.window,
                              max_tokens=args.max_tokens, log=lambda m: print(m, file=sys.stderr, flush=True))
     except USER_ERRORS as e:
@@ -69,6 +70,9 @@ def add_parsers(subparsers) -> None:
     e.add_argument("--int4-a8", action="store_true",
                    help="also evaluate each int4 format with int8 activations (the int4_a8 kernel switch: W4A8 where "
                         "the weight's groups are multiples of 128 columns)")
+    e.add_argument("--fp8-a16", action="store_true",
+                   help="also evaluate each fp8 format with the fp8_a16 kernel switch (W8A16 wo and w2: their "
+                        "activations not quantised)")
     e.add_argument("--device", default=None)
     e.add_argument("--dtype", default=None, choices=DTYPES)
     e.add_argument("--window", type=int, default=512,

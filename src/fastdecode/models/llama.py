@@ -63,6 +63,7 @@ names with reference checks).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -84,7 +85,7 @@ from fastdecode.ops.allreduce import all_reduce
 from fastdecode.ops.gemm import linear, linear_fp8, linear_fp8_ref
 from fastdecode.ops.glu_linear import silu_and_mul_linear
 from fastdecode.ops.quant import quantize_fp8, quantize_fp8_ref
-from fastdecode.ops.w8a16 import DECODE_MAX_M as W8A16_DECODE_MAX_M, X_DTYPES as W8A16_X_DTYPES
+from fastdecode.ops.w8a16 import DECODE_MAX_M as W8A16_DECODE_MAX_M, MAX_M as W8A16_MAX_M, X_DTYPES as W8A16_X_DTYPES
 from fastdecode.ops.w8a16 import linear_w8a16, linear_w8a16_ref
 from fastdecode.quant.formats import method_of
 
@@ -161,15 +162,18 @@ class Fp8Linear(nn.Module):
         self.gemm_impl: Optional[str] = None
         self.a16_max_rows = 0  # fp8_a16: up to this many rows of a 16-bit x run W8A16 (ops.w8a16), no quantisation
 
-    def _a16(self, x) -> bool:
-        return (not isinstance(x, tuple) and x.dtype in W8A16_X_DTYPES
-                and x.numel() <= self.a16_max_rows * x.shape[-1])
+    def _a16(self, x, backend: str):
+        """None (W8A8), or the W8A16 function for x: the reference for the "ref" backend, fp32 (the CPU engine) and
+        more rows than the kernel's (``eval-accuracy --fp8-a16`` raises ``a16_max_rows``)."""
+        if isinstance(x, tuple) or x.numel() > self.a16_max_rows * x.shape[-1]:
+            return None
+        if backend == "ref" or x.dtype not in W8A16_X_DTYPES or x.numel() > W8A16_MAX_M * x.shape[-1]:
+            return linear_w8a16_ref
+        return functools.partial(linear_w8a16, backend=backend)
 
     def forward(self, x, backend: str = "ref") -> torch.Tensor:
-        if self._a16(x):
-            if backend == "ref":
-                return linear_w8a16_ref(x, self.weight, self.weight_scale, self.bias)
-            return linear_w8a16(x, self.weight, self.weight_scale, self.bias, backend=backend)
+        if a16 := self._a16(x, backend):
+            return a16(x, self.weight, self.weight_scale, self.bias)
         if isinstance(x, tuple):
             xq, xs = x
         elif backend == "ref":
@@ -183,11 +187,8 @@ class Fp8Linear(nn.Module):
 
     def forward_glu(self, h: torch.Tensor, backend: str) -> Optional[torch.Tensor]:
         """fp8_a16: ``forward(silu_and_mul(h))`` as one W8A16 kernel (SiLU-and-mul in its loads), else None."""
-        if not self._a16(h):
-            return None
-        if backend == "ref":
-            return linear_w8a16_ref(h, self.weight, self.weight_scale, self.bias, glu=True)
-        return linear_w8a16(h, self.weight, self.weight_scale, self.bias, glu=True, backend=backend)
+        a16 = self._a16(h, backend)
+        return a16(h, self.weight, self.weight_scale, self.bias, glu=True) if a16 else None
 
     def extra_repr(self) -> str:
         a16 = f" (w8a16 up to {self.a16_max_rows} rows)" if self.a16_max_rows else ""
