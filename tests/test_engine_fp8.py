@@ -480,10 +480,13 @@ def test_eval_accuracy_command_on_tiny_model(tmp_path):
     d, tok = save_tiny_smollm2_vocab(tmp_path / "m")
     out = str(tmp_path / "acc.json")
     assert main(["eval-accuracy", "--model", d, "--device", "cpu", "--max-tokens", "40", "--window", "24",
-                 "--quant", "fp8", "int4", "--out", out]) == 0
+                 "--quant", "fp8", "int4", "--fp8-a16", "--out", out]) == 0
     with open(out) as f:
         rows = {r["format"]: r for r in json.load(f)}
-    assert set(rows) == {"reference", FP8_FORMAT, INT4_FORMAT}
+    assert set(rows) == {"reference", FP8_FORMAT, FP8_FORMAT + "+a16", INT4_FORMAT}
+    # W8A16 wo and w2 (their activations unquantised): another function, and not a worse one on this model
+    a16 = rows[FP8_FORMAT + "+a16"]
+    assert a16["mean_kl"] != rows[FP8_FORMAT]["mean_kl"] and a16["mean_kl"] < 2 * rows[FP8_FORMAT]["mean_kl"]
     ref = rows["reference"]
     assert ref["top1_agreement"] == 1.0 and ref["mean_kl"] == 0.0 and ref["tokens"] == 23 + 15
     for fmt in (FP8_FORMAT, INT4_FORMAT):
