@@ -53,7 +53,10 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               then, where ``ncu`` is installed, one launch of each of a few cases under it (``ncu_int4.txt``).
 * ``int4-a8`` ``benchmarks/sweep_int4_a8.py``: W4A8 with int8 activations (``ops.int4_a8``, the dp4a GEMV and the
               activation's quantisation) against the W4A16 table, the stream-only probe, cuBLAS BF16 and tinygemm,
-              8B shapes and head, M = 1, 2, 4, with a config sweep of the GEMV.
+              8B shapes and head, M = 1, 2, 4, with a config sweep of the GEMV; the best configs into a copy of
+              the int4 table (``configs/``) and the 8B int4 step (dense and int4 head) on it.
+* ``profile-switches`` ``bench decode --profile``, PDL off: the 8B step's kernel families with each opt-in switch
+              (``fp8_a16``, ``int4_a8``) beside the default step (``--formats``: fp8, int4).
 * ``int4-norm-pdl`` ``benchmarks/diag_int4_norm_gemm_pdl.py``: the 8B int4 step with every block on the
               ``norm_gemm`` path (tensor-core kinds after a norm kernel, then with the norm inside them too),
               timed beside the unfused step and profiled with and without PDL.
@@ -160,6 +163,15 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                      "--impl", "fastdecode-graph-no-pdl", "fastdecode-graph",
                                      "--out", str(out / "profile_decode.json")), 180)
                 for q in ("bf16", "fp8", "int4") if q in formats]
+    if name == "profile-switches":
+        # the opt-in switches against the default step, PDL off for the whole process (durations that do not
+        # overlap: the rows record pdl false), so the families say where a switch's gain or loss goes
+        switch = {"fp8": "fp8_a16", "int4": "int4_a8"}
+        return [(f"profile {q} {switch[q]}", ["env", "FASTDECODE_PDL=0"] + _fd(
+                    "bench", "decode", "--preset", "llama-3.1-8b", "--profile", "--quant", q, "--impl",
+                    "fastdecode-graph", f"fastdecode-graph-with-{switch[q]}",
+                    "--out", str(out / "profile_switches.json")), 180)
+                for q in ("fp8", "int4") if q in formats]
     if name == "hf":
         return [("bench hf", _fd("bench", "hf", "--preset", "llama-3.1-8b", "--iters", "5", "--warmup", "1",
                                  "--out", str(out / "hf.json")), 420)]
@@ -241,7 +253,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
 # the GPU test files that spend most of their time compiling kernels (session 18's per-file times, one H200)
 WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attention.py", "test_norm.py",
                    "test_gemm_gpu.py", "test_norm_linear.py", "test_activation_quant.py")
-SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile", "hf", "serve",
+SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile",
+          "profile-switches", "hf", "serve",
           "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
           "int4-norm-pdl", "int4-diag", "int4-a8")
 
@@ -580,7 +593,7 @@ def main(argv=None) -> int:
 
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
     # tp: with 2+ GPUs only
-    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl", "int4-diag", "int4-a8")
+    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl", "int4-diag", "int4-a8", "profile-switches")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")

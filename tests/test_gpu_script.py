@@ -153,6 +153,17 @@ def test_decode_with_a_quantised_head(gpu, tmp_path):
     assert argv2[argv2.index("--impl") + 1:] == ["fastdecode-graph", "fastdecode-graph-with-int4_a8"]
 
 
+def test_profile_switches_profiles_each_opt_in_switch_beside_the_default_step(gpu, tmp_path):
+    steps = gpu.suite_commands("profile-switches", tmp_path, 1, formats=("fp8", "int4"))
+    assert [label for label, _, _ in steps] == ["profile fp8 fp8_a16", "profile int4 int4_a8"]
+    for (_, argv, _), q, switch in zip(steps, ("fp8", "int4"), ("fp8_a16", "int4_a8")):
+        assert argv[:2] == ["env", "FASTDECODE_PDL=0"] and "--profile" in argv
+        assert argv[argv.index("--quant") + 1] == q
+        assert argv[argv.index("--impl") + 1:argv.index("--out")] == ["fastdecode-graph",
+                                                                     f"fastdecode-graph-with-{switch}"]
+    assert gpu.suite_commands("profile-switches", tmp_path, 1, formats=("bf16",)) == []
+
+
 def test_a8_sweep_table_section_is_what_the_dispatcher_reads(tmp_path, monkeypatch):
     """``sweep_int4_a8.py --table``: each (shape, M)'s best config into the int4 table's ``int4_linear_a8`` section,
     the rest of the table kept; ``ops.int4_a8.get_a8_config`` then returns it on that GPU, and the heuristic above
