@@ -25,7 +25,10 @@ def _check(y, x, w, ws, bias, glu):
     ref = linear_w8a16_ref(x, w, ws, bias, glu=glu)
     a = (silu_and_mul_ref(x) if glu else x).float()
     wf = w.float() * (ws.reshape(-1, 1) if ws.numel() > 1 else ws)
-    assert_product_close(y, ref, a, wf, roundings=1)  # the bias is in both (its rounding: the ulp of |ref|)
+    # the bias is in both (its rounding: the ulp of |ref|); the SiLU-and-mul input is rounded to x's dtype on both
+    # sides, but the interpreter's fp32 -> bf16 cast truncates (docs/architecture.md): the default 3 roundings
+    # (session 23: 1 of 192 elements beyond a bound of 1 rounding, 2 bf16 ulps at |y| = 9.2, glu under the interpreter)
+    assert_product_close(y, ref, a, wf)
     assert y.shape == ref.shape and y.dtype == x.dtype
 
 
