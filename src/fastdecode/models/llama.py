@@ -63,7 +63,6 @@ names with reference checks).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -162,18 +161,20 @@ class Fp8Linear(nn.Module):
         self.gemm_impl: Optional[str] = None
         self.a16_max_rows = 0  # fp8_a16: up to this many rows of a 16-bit x run W8A16 (ops.w8a16), no quantisation
 
-    def _a16(self, x, backend: str):
-        """None (W8A8), or the W8A16 function for x: the reference for the "ref" backend, fp32 (the CPU engine) and
-        more rows than the kernel's (``eval-accuracy --fp8-a16`` raises ``a16_max_rows``)."""
+    def _w8a16(self, x, backend: str, glu: bool = False) -> Optional[torch.Tensor]:
+        """fp8_a16: x's rows as W8A16 (the reference for the "ref" backend, fp32 (the CPU engine) and more rows than
+        the kernel's: ``eval-accuracy --fp8-a16`` raises ``a16_max_rows``), or None: W8A8."""
         if isinstance(x, tuple) or x.numel() > self.a16_max_rows * x.shape[-1]:
             return None
+        args = (x, self.weight, self.weight_scale, self.bias)
         if backend == "ref" or x.dtype not in W8A16_X_DTYPES or x.numel() > W8A16_MAX_M * x.shape[-1]:
-            return linear_w8a16_ref
-        return functools.partial(linear_w8a16, backend=backend)
+            return linear_w8a16_ref(*args, glu=glu)
+        return linear_w8a16(*args, glu=glu, backend=backend)
 
     def forward(self, x, backend: str = "ref") -> torch.Tensor:
-        if a16 := self._a16(x, backend):
-            return a16(x, self.weight, self.weight_scale, self.bias)
+        y = self._w8a16(x, backend)
+        if y is not None:
+            return y
         if isinstance(x, tuple):
             xq, xs = x
         elif backend == "ref":
@@ -187,8 +188,7 @@ class Fp8Linear(nn.Module):
 
     def forward_glu(self, h: torch.Tensor, backend: str) -> Optional[torch.Tensor]:
         """fp8_a16: ``forward(silu_and_mul(h))`` as one W8A16 kernel (SiLU-and-mul in its loads), else None."""
-        a16 = self._a16(h, backend)
-        return a16(h, self.weight, self.weight_scale, self.bias, glu=True) if a16 else None
+        return self._w8a16(h, backend, glu=True)
 
     def extra_repr(self) -> str:
         a16 = f" (w8a16 up to {self.a16_max_rows} rows)" if self.a16_max_rows else ""

@@ -21,6 +21,7 @@ dequantisation scale: ``x ~= q * s``) and the int32 sums of each group's q.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -386,8 +387,6 @@ def rope_decode_attention_int8(qkv, rope, input_pos, k_cache, v_cache, n_q_heads
     its split merge), each head one group of 128 columns. Arguments as ``rope_decode_attention``; head_dim 128 and
     qkv bf16 / fp16. Returns q int8 (B, Kp), scales fp32 and sums int32 (B, Kp // 128), Kp = Hq * 128 rounded up
     to 256 (the padding group 0)."""
-    import math
-
     from fastdecode.ops.attention import _check_num_splits, _check_rope_args
 
     check_tensor("qkv", qkv, dtypes=(torch.bfloat16, torch.float16))

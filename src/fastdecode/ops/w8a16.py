@@ -27,7 +27,7 @@ import torch
 from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
 from fastdecode.ops._common import FP8_DTYPE, check_same_device, check_tensor, require_sm
 from fastdecode.ops._registry import define_op
-from fastdecode.ops._tuned import device_info
+from fastdecode.ops._tuned import device_info, lookup_cache
 from fastdecode.ops.gemm import (
     _check_weight, _dispatch, _w_scale_vec, check_bias, fma_tile, linear_with_config, run_linear, with_split_k,
 )
@@ -41,12 +41,15 @@ X_DTYPES = (torch.bfloat16, torch.float16)
 def get_w8a16_config(M: int, N: int, K: int, device=None) -> dict:
     """The FP8 table's config for (M, N, K) where it is an FMA one (the W8A8 and W8A16 loops stream the same bytes
     on the CUDA cores), else the FMA heuristic for 1-byte weights (~4 programs an SM)."""
-    device = torch.device(device) if device is not None else None
+    return dict(_config(torch.device(device) if device is not None else None, int(M), int(N), int(K)))
+
+
+@lookup_cache
+def _config(device, M: int, N: int, K: int) -> dict:
     _, cfg = _dispatch(M, N, K, FP8_DTYPE, device)
     if cfg.get("kind") == "fma" and cfg.get("BLOCK_M", 1) >= min(M, MAX_M):
-        return dict(cfg)
-    sms = device_info(device)[1]
-    return with_split_k(fma_tile(M, 1), M, N, K, sms, 4)
+        return cfg
+    return with_split_k(fma_tile(M, 1), M, N, K, device_info(device)[1], 4)
 
 
 @define_op("linear_w8a16", mutates_args=("out",))
