@@ -103,10 +103,11 @@ def rel_rms(a, b) -> float:
 
 def prefill(model, ids, T=64, dtype=None):
     """(prefill logits, cache) of ``ids`` in a fresh KV cache of ``T`` positions in ``dtype`` (default: the
-    embedding's)."""
+    embedding's), on the model's device."""
     from fastdecode.engine.kv_cache import KVCache
 
-    cache = KVCache(model.config, ids.shape[0], T, dtype=dtype or model.tok_embeddings.weight.dtype)
+    emb = model.tok_embeddings.weight
+    cache = KVCache(model.config, ids.shape[0], T, dtype=dtype or emb.dtype, device=emb.device)
     return model.prefill(ids, cache), cache
 
 

@@ -77,13 +77,15 @@ def test_fp8_kernel_switches_change_only_where_quantisation_happens():
 def test_fp8_a16_switch_runs_wo_and_w2_w8a16_at_decode(backend):
     """``fp8_a16`` (opt-in): the FP8 wo and w2 of up to 4 token rows take their 16-bit input as it is (W8A16,
     ``ops.w8a16``; w2's loads compute SiLU-and-mul): no per-token quantisation before either; prefills keep W8A8.
-    The torch backend is the ``ref`` path; the Triton interpreter sums in another order (bf16 rounding apart)."""
+    The torch backend is the ``ref`` path; Triton (the interpreter on the CPU, CUDA on a GPU machine) sums in
+    another order (bf16 rounding apart)."""
     from fastdecode.ops.w8a16 import DECODE_MAX_M
 
-    m = quantize_model_fp8(random_model(CFG, device="cpu", dtype=torch.bfloat16, backend=backend, max_seq_len=64,
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # else the interpreter
+    m = quantize_model_fp8(random_model(CFG, device=dev, dtype=torch.bfloat16, backend=backend, max_seq_len=64,
                                         std=0.08, seed=int(torch.randint(0, 1000, ()))))
-    ids = torch.randint(0, CFG.vocab_size, (2, 7))
-    nxt, pos = torch.randint(0, CFG.vocab_size, (2,)), torch.tensor([7, 7])
+    ids = torch.randint(0, CFG.vocab_size, (2, 7), device=dev)
+    nxt, pos = torch.randint(0, CFG.vocab_size, (2,), device=dev), torch.tensor([7, 7], device=dev)
     logits88, cache = prefill(m, ids)
     step88 = m.decode(nxt, pos, cache)
     assert all(layer.attention.wo.a16_max_rows == 0 for layer in m.layers)  # off by default

@@ -149,14 +149,16 @@ def test_int4_a8_switch_runs_decode_rows_w4a8_and_prefill_w4a16():
 def test_int4_a8_attention_emits_wo_int8_input(backend):
     """``int4_a8`` with head_dim 128: the fused attention kernel emits wo's int8 activation itself (one group of 128
     columns a head), where wo otherwise quantises the bf16 attention output in a kernel of its own: the same decode
-    step, bit for bit (triton: the Triton interpreter on the CPU). Without ``fused_rope`` wo quantises again."""
+    step, bit for bit (triton: the Triton interpreter on the CPU, CUDA on a GPU machine). Without ``fused_rope`` wo
+    quantises again."""
     cfg = CFG.replace(dim=256, n_heads=2, n_kv_heads=1, head_dim=128, intermediate_size=256)  # groups of 128
-    q = quantize_model_int4(random_model(cfg, device="cpu", dtype=torch.bfloat16, backend=backend, max_seq_len=32,
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    q = quantize_model_int4(random_model(cfg, device=dev, dtype=torch.bfloat16, backend=backend, max_seq_len=32,
                                          std=0.08, seed=int(torch.randint(0, 1000, ()))))
     q.set_kernels(int4_a8=True)
     assert all(layer.attention.int8_out for layer in q.layers)
-    ids = torch.randint(0, cfg.vocab_size, (2, 6))
-    nxt, pos = torch.randint(0, cfg.vocab_size, (2,)), torch.tensor([6, 6])
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), device=dev)
+    nxt, pos = torch.randint(0, cfg.vocab_size, (2,), device=dev), torch.tensor([6, 6], device=dev)
     step = q.decode(nxt, pos, prefill(q, ids, T=16)[1])
     for layer in q.layers:
         layer.attention.int8_out = False  # wo's op quantises the attention output
