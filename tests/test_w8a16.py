@@ -80,6 +80,33 @@ def test_config_is_an_fma_one():
         assert cfg["kind"] == "fma" and cfg["BLOCK_M"] >= M and cfg["SPLIT_K"] >= 1
 
 
+def test_tuned_w8a16_section_is_read_per_shape_and_glu(monkeypatch, tmp_path):
+    """A linear table's ``w8a16`` section (``benchmarks/sweep_w8a16.py --table``) gives the config per (N, K, glu)
+    and the nearest tuned M; a shape or glu it lacks falls back to the FP8 table / heuristic; an entry with fewer
+    accumulator rows than M is not taken."""
+    import json
+
+    from fastdecode.ops import _tuned, gemm, w8a16
+
+    pkg = json.loads((_tuned._common.CONFIG_DIR / "linear_nvidia_h200.json").read_text())
+    mine = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 1024, "SPLIT_K": 7, "num_warps": 8, "num_stages": 1}
+    pkg[w8a16.TABLE_SECTION] = {w8a16.table_key(4096, 14336, True): {"1": {"config": mine, "us": 1.0}}}
+    (tmp_path / "linear_nvidia_h200.json").write_text(json.dumps(pkg))
+    monkeypatch.setenv("FASTDECODE_CONFIG_DIR", str(tmp_path))
+    for mod in (w8a16, gemm):
+        monkeypatch.setattr(mod, "device_info", lambda device: ("NVIDIA H200", 132))
+    _tuned.clear_config_cache()
+    try:
+        cuda = torch.device("cuda", 0)  # a name only: the lookup reads tables, nothing runs
+        assert get_w8a16_config(1, 4096, 14336, cuda, glu=True) == mine
+        assert get_w8a16_config(1, 4096, 14336, cuda, glu=False) != mine  # no entry without glu
+        assert get_w8a16_config(2, 4096, 14336, cuda, glu=True)["BLOCK_M"] >= 2  # M = 1's entry holds one row
+        assert get_w8a16_config(1, 4096, 4096, cuda, glu=True)["kind"] == "fma"
+    finally:
+        monkeypatch.undo()
+        _tuned.clear_config_cache()
+
+
 @gpu
 @pytest.mark.parametrize("M", [1, 2, 4])
 @pytest.mark.parametrize("N,K,glu", [(4096, 4096, False), (4096, 14336, True)])

@@ -14,8 +14,8 @@ and the per-channel scale is applied once in the epilogue. So ``wo`` reads the a
 and the activation is not rounded to FP8 at all (the results are closer to the unquantised model than W8A8's).
 
 Up to ``MAX_M`` token rows (the FMA kind keeps one accumulator per row); prefill stays W8A8 on the tensor cores.
-The kernel config is the FP8 table's FMA entry for the shape (``ops.gemm``'s table, section fp8) where it has one,
-else the FMA heuristic.
+The kernel config is the linear table's ``w8a16`` entry (``benchmarks/sweep_w8a16.py --table``), else the FP8
+table's FMA entry for the shape (``ops.gemm``'s table, section fp8) where it has one, else the FMA heuristic.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
 from fastdecode.ops._common import FP8_DTYPE, check_same_device, check_tensor, require_sm
 from fastdecode.ops._registry import define_op
-from fastdecode.ops._tuned import device_info, lookup_cache
+from fastdecode.ops._tuned import device_info, load_table, lookup_cache, nearest_m
 from fastdecode.ops.gemm import (
     _check_weight, _dispatch, _w_scale_vec, check_bias, fma_tile, linear_with_config, run_linear, with_split_k,
 )
@@ -38,14 +38,29 @@ DECODE_MAX_M = 4
 X_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def get_w8a16_config(M: int, N: int, K: int, device=None) -> dict:
-    """The FP8 table's config for (M, N, K) where it is an FMA one (the W8A8 and W8A16 loops stream the same bytes
-    on the CUDA cores), else the FMA heuristic for 1-byte weights (~4 programs an SM)."""
-    return dict(_config(torch.device(device) if device is not None else None, int(M), int(N), int(K)))
+TABLE_SECTION = "w8a16"  # tuned configs: a section of the linear table (benchmarks/sweep_w8a16.py --table)
+
+
+def table_key(N: int, K: int, glu: bool) -> str:
+    """The section's key of a weight (N, K): ``"N,K"``, ``"N,K,glu"`` for SiLU-and-mul in the loads."""
+    return f"{N},{K}" + (",glu" if glu else "")
+
+
+def get_w8a16_config(M: int, N: int, K: int, device=None, glu: bool = False) -> dict:
+    """The launch config of ``linear_w8a16`` for an (M, N, K) call: the GPU's linear table's ``w8a16`` entry (the
+    nearest tuned M, ``ops._tuned.nearest_m``; written by ``benchmarks/sweep_w8a16.py --table``), else the FP8
+    table's W8A8 config where it is an FMA one (the two loops stream the same bytes on the CUDA cores), else the
+    FMA heuristic for 1-byte weights (~4 programs an SM)."""
+    return dict(_config(torch.device(device) if device is not None else None, int(M), int(N), int(K), bool(glu)))
 
 
 @lookup_cache
-def _config(device, M: int, N: int, K: int) -> dict:
+def _config(device, M: int, N: int, K: int, glu: bool) -> dict:
+    if device is not None and device.type == "cuda":
+        table = load_table("linear", device_info(device)[0]) or {}
+        entry = nearest_m(table.get(TABLE_SECTION, {}).get(table_key(N, K, glu)), M)
+        if entry and entry["config"].get("BLOCK_M", 1) >= min(M, MAX_M):
+            return dict(entry["config"])
     _, cfg = _dispatch(M, N, K, FP8_DTYPE, device)
     if cfg.get("kind") == "fma" and cfg.get("BLOCK_M", 1) >= min(M, MAX_M):
         return cfg
@@ -62,7 +77,7 @@ def _linear_w8a16_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         return
     require_sm(x.device, 8, 9, "FP8 linear")  # the conversion of e4m3 (sm_89 and later)
     M, (N, K) = x.shape[0], weight.shape
-    cfg = get_w8a16_config(M, N, K, x.device)
+    cfg = get_w8a16_config(M, N, K, x.device, glu)
     w_mode = SCALE_TENSOR if weight_scale.numel() == 1 else SCALE_VECTOR
     linear_with_config(x, weight, bias, None, SCALE_NONE, weight_scale, w_mode, out, cfg, glu=glu)
 
@@ -116,4 +131,5 @@ def linear_w8a16_ref(x, weight_fp8, weight_scale, bias=None, *, glu: bool = Fals
     return y.to(out_dtype or x.dtype)
 
 
-__all__ = ["DECODE_MAX_M", "MAX_M", "get_w8a16_config", "linear_w8a16", "linear_w8a16_ref"]
+__all__ = ["DECODE_MAX_M", "MAX_M", "TABLE_SECTION", "get_w8a16_config", "linear_w8a16", "linear_w8a16_ref",
+           "table_key"]
