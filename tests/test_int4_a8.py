@@ -49,13 +49,17 @@ def _quant_bound(x, packed):
     return half @ w.t()
 
 
-def _check_quantised(x2, q, s, sums, truncated: bool = False):
+def _check_quantised(x2, q, s, sums, truncated: bool = False, producer: bool = False):
     """Against the reference: scales equal, q within one step where the division rounded apart (``x / s`` is an
     approximate division in compiled Triton), sums those of q; and the dequantised values within half a step.
     ``truncated``: the kernel rounded its values to bf16 first under the interpreter, whose fp32 -> bf16 cast
-    truncates (docs/architecture.md): scales within two bf16 ulps (a residual truncated too), q within 2."""
+    truncates (docs/architecture.md): scales within two bf16 ulps (a residual truncated too), q within 2.
+    ``producer``: x2 is the reference of a producer's output (a norm, SiLU-and-mul), which the kernel computes in
+    another order and may round one ulp of x2.dtype apart: so may a group's maximum, hence its scale (fp16, seed 11:
+    one scale of 96 off by 6e-4)."""
     rq, rs, rsums = A.quantize_act_int8_ref(x2)
-    torch.testing.assert_close(s, rs, rtol=2.0**-6 if truncated else 1e-6, atol=0)
+    rtol = 2.0**-6 if truncated else (torch.finfo(x2.dtype).eps if producer else 1e-6)
+    torch.testing.assert_close(s, rs, rtol=rtol, atol=0)
     d = (q.int() - rq.int()).abs()
     assert int(d.max()) <= (2 if truncated else 1) and float((d > 0).float().mean()) <= (0.5 if truncated else 0.01)
     nat = A.dequantize_act_int8(q, torch.ones_like(s), q.shape[1])  # the integers, natural order, padding included
@@ -116,19 +120,20 @@ def test_norm_and_silu_int8_outputs_match_the_two_kernel_path(H, dtype):
     act = A.rms_norm_int8(x, w, 1e-5, backend="triton")
     assert act[0].shape == (3, 1, packed_cols(H) * 8)
     trunc = dtype == torch.bfloat16 and helpers.interpreter_on()
-    _check_quantised(rms_norm_ref(x, w, 1e-5).reshape(3, H), *[t.reshape(3, -1) for t in act], truncated=trunc)
+    _check_quantised(rms_norm_ref(x, w, 1e-5).reshape(3, H), *[t.reshape(3, -1) for t in act], truncated=trunc,
+                     producer=True)
     r = torch.randn(3, 1, H, device=DEV).to(dtype)
     r_kernel = r.clone()
     act = A.fused_add_rms_norm_int8(x, r_kernel, w, 1e-5, backend="triton")
     ref_act, r_ref = A.fused_add_rms_norm_int8_ref(x, r, w, 1e-5)
     helpers.assert_rounding_equal(r_kernel, r_ref)
     y_ref = rms_norm_ref(r_ref, w, 1e-5)
-    _check_quantised(y_ref.reshape(3, H), *[t.reshape(3, -1) for t in act], truncated=trunc)
+    _check_quantised(y_ref.reshape(3, H), *[t.reshape(3, -1) for t in act], truncated=trunc, producer=True)
     gu = (torch.randn(2, 2 * H, device=DEV) * 2).to(dtype)
     act = A.silu_and_mul_int8(gu, backend="triton")
     from fastdecode.ops.activation import silu_and_mul_ref
 
-    _check_quantised(silu_and_mul_ref(gu), *act, truncated=trunc)
+    _check_quantised(silu_and_mul_ref(gu), *act, truncated=trunc, producer=True)
     # what the GEMV makes of it: an int8 activation in, a bf16 output
     wq = _weight(24, H, H if H % 128 else 128, "zero", dtype)
     y = A.int4_linear_a8(act, wq, backend="triton")
@@ -308,6 +313,7 @@ def test_sm90_loop_is_dp4a_with_no_shared_memory(bm, bn):
 
 
 _COMPILE_PRODUCERS = r"""
+import re
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -345,9 +351,13 @@ for fn, sig, consts in ((_rms_norm_kernel, norm, nc), (_silu_and_mul_kernel, sil
                         (_rope_decode_attention_kernel, attn, ac), (_rope_decode_attention_kernel, attn,
                                                                     dict(ac, NUM_SPLITS=1, MERGE_IN_KERNEL=False)),
                         (_decode_attention_merge_kernel, merge, mc)):
+    # as the launcher specialises them: pointers and the sizes / strides of these shapes divisible by 16
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
+             if t.startswith("*") or (t == "i32" and k not in ("M", "T", "Hq"))}
     sig = dict(sig, **{k: "constexpr" for k in consts})
-    cc = triton.compile(ASTSource(fn, sig, consts), target=T, options={"num_warps": 4})
-    sys.stdout.write(f"{fn.__name__}{consts.get('NUM_SPLITS', '')} {cc.asm['ptx'].count('st.global.b8')}\n")
+    ptx = triton.compile(ASTSource(fn, sig, consts, attrs), target=T, options={"num_warps": 4}).asm["ptx"]
+    stores = re.findall(r"st\.global(\.v\d)?\.b(\d+)", ptx)
+    sys.stdout.write(f"{fn.__name__}{consts.get('NUM_SPLITS', '')} {ptx.count('st.global.b8')} {len(stores)}\n")
 """
 
 
@@ -358,11 +368,15 @@ def test_sm90_compiles_every_int8_producer():
     kernels' int8 outputs for sm_90 ahead of time, and the attention kernel's (one split, and four merged in the
     kernel) and its merge kernel's; each stores bytes."""
     out = sm90_ptx(_COMPILE_PRODUCERS)
-    counts = dict(line.split() for line in out.strip().splitlines())
+    counts = {name: (int(b8), int(n)) for name, b8, n in (line.split() for line in out.strip().splitlines())}
     assert set(counts) == {"_rms_norm_kernel", "_silu_and_mul_kernel", "_act_quant_kernel",
                            "_rope_decode_attention_kernel4", "_rope_decode_attention_kernel1",
                            "_decode_attention_merge_kernel4"}
-    assert all(int(n) > 0 for n in counts.values()), counts
+    # the int8 values leave in whole words: byte stores at scattered addresses made the 8B int8 RMSNorm 6.8 us
+    # against 2.4 us (H100, session 24). The merge kernel holds one value a thread (a head of 128 on 4 warps): its
+    # bytes are contiguous across the warp.
+    assert all(n > 0 for _, n in counts.values()), counts
+    assert all(b8 == 0 for name, (b8, _) in counts.items() if name != "_decode_attention_merge_kernel4"), counts
 
 
 # ----------------------------------------------------------------------------- GPU
