@@ -55,6 +55,11 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               activation's quantisation) against the W4A16 table, the stream-only probe, cuBLAS BF16 and tinygemm,
               8B shapes and head, M = 1, 2, 4, with a config sweep of the GEMV; the best configs into a copy of
               the int4 table (``configs/``) and the 8B int4 step (dense and int4 head) on it.
+* ``w8a16``  ``benchmarks/sweep_w8a16.py``: ``fp8_a16``'s W8A16 GEMV configs (8B wo, w2 with SiLU-and-mul, qkv,
+              gate_up; M = 1, 2, 4) beside the W8A8 kernels they replace; the best into a copy of the linear table
+              (``configs/``, section ``w8a16``) and the 8B FP8 step on it.
+* ``int8-producers`` ``benchmarks/diag_int8_producers.py``: the int8-output RMSNorm / SiLU-and-mul / quantisation
+              of ``int4_a8`` at one token against their native and FP8 forms, with an ablation of the int8 epilogue.
 * ``profile-switches`` ``bench decode --profile``, PDL off: the 8B step's kernel families with each opt-in switch
               (``fp8_a16``, ``int4_a8``) beside the default step (``--formats``: fp8, int4).
 * ``int4-norm-pdl`` ``benchmarks/diag_int4_norm_gemm_pdl.py``: the 8B int4 step with every block on the
@@ -203,6 +208,19 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                 ("decode int4 head a8 tuned", tuned + _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
                                                               "--quant-head", "int4", "--impl", "fastdecode-graph",
                                                               "fastdecode-graph-with-int4_a8"), 300)]
+    if name == "w8a16":
+        # fp8_a16's GEMV configs into a copy of the linear table (main copies it), then the 8B FP8 step on them
+        cfg_dir = out / "configs"
+        tuned = ["env", f"FASTDECODE_CONFIG_DIR={cfg_dir}"]
+        return [("sweep w8a16", [PY, str(ROOT / "benchmarks" / "sweep_w8a16.py"), "--ms", "1", "2", "4",
+                                 "--shapes", "8b_o,8b_down,8b_qkv,8b_gate_up", "--out", str(out / "sweep_w8a16.json"),
+                                 "--table", str(cfg_dir / f"linear_{gpu}.json")], 480),
+                ("decode fp8 w8a16 tuned", tuned + _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
+                                                           "--impl", "fastdecode-graph",
+                                                           "fastdecode-graph-with-fp8_a16"), 300)]
+    if name == "int8-producers":
+        return [("diag int8 producers", [PY, str(ROOT / "benchmarks" / "diag_int8_producers.py"),
+                                         "--out", str(out / "diag_int8_producers.json")], 180)]
     if name == "int4-norm-pdl":
         return [("diag int4 norm pdl", [PY, str(ROOT / "benchmarks" / "diag_int4_norm_gemm_pdl.py"),
                                         "--out", str(out / "diag_int4_norm_gemm_pdl.json")], 540)]
@@ -256,7 +274,7 @@ WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attenti
 SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile",
           "profile-switches", "hf", "serve",
           "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
-          "int4-norm-pdl", "int4-diag", "int4-a8")
+          "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16", "int8-producers")
 
 
 def _ncu() -> str | None:
@@ -593,7 +611,8 @@ def main(argv=None) -> int:
 
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
     # tp: with 2+ GPUs only
-    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl", "int4-diag", "int4-a8", "profile-switches")
+    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl", "int4-diag", "int4-a8", "profile-switches",
+                  "w8a16", "int8-producers")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")
@@ -610,7 +629,7 @@ def main(argv=None) -> int:
                 summary.append(("  FAILED", f["test"], f["message"][:120]))
             worst = max(worst, 1 if bad or r["exit_code"] else 0)
             continue
-        if s in ("tune", "tune-int4", "int4-a8"):  # start from the tables in use: what is not tuned is kept
+        if s in ("tune", "tune-int4", "int4-a8", "w8a16"):  # start from the tables in use: what is not tuned is kept
             import shutil
 
             from fastdecode.ops._common import config_path

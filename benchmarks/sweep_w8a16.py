@@ -8,7 +8,8 @@ or the SiLU computed in every program's loads?
 Per shape and M, median of graph replays, rotated weights (one process, the baselines beside it):
 
 * ``w8a8_pair``: what the default step runs: the activation kernel (per-token FP8 quantisation before ``wo``, FP8
-  SiLU-and-mul before ``w2``) then ``linear_fp8`` (the dispatcher's config);
+  SiLU-and-mul before ``w2``) then ``linear_fp8`` (the dispatcher's config); ``w8a8_gemm``: ``linear_fp8`` alone
+  (for qkv and gate_up the norm emits the FP8 input: no kernel to save there, only the GEMV's time);
 * ``w8a16_dispatch``: ``linear_w8a16`` with its current config (``get_w8a16_config``);
 * ``w8a16`` with each FMA candidate (BLOCK_N, BLOCK_K, warps, split), every one checked against the reference first;
 * ``glu_apart``: for ``w2``, the bf16 SiLU-and-mul kernel then the best W8A16 config without ``glu``: what the
@@ -36,8 +37,10 @@ from fastdecode.ops.quant import quantize_fp8
 from fastdecode.ops.w8a16 import TABLE_SECTION, get_w8a16_config, linear_w8a16, linear_w8a16_ref, table_key
 
 FP8 = torch.float8_e4m3fn
-# name: (N, K, glu): the 8B wo and w2 (w2's input is [gate | up], 2K wide), the 70B-TP2 ones
+# name: (N, K, glu): the 8B wo and w2 (w2's input is [gate | up], 2K wide), the 70B-TP2 ones;
+# and the 8B qkv and gate_up (W8A8 in the step: whether a bf16-input GEMV would stream them faster too)
 SHAPES = {"8b_o": (4096, 4096, False), "8b_down": (4096, 14336, True),
+          "8b_qkv": (6144, 4096, False), "8b_gate_up": (28672, 4096, False),
           "70b_tp2_o": (8192, 4096, False), "70b_tp2_down": (8192, 14336, True)}
 
 
@@ -99,6 +102,8 @@ def main() -> None:
                     q, s = quantize_fp8(xin, per_token=True)
                     return linear_fp8(q, s, w, scale)
             timed("w8a8_pair", [lambda w=w: pair(w) for w in ws])
+            xq, xs = silu_and_mul_fp8(xin) if glu else quantize_fp8(xin, per_token=True)
+            timed("w8a8_gemm", [lambda w=w: linear_fp8(xq, xs, w, scale) for w in ws])  # its input made elsewhere
             cur = get_w8a16_config(M, N, K, dev, glu)
             timed("w8a16_dispatch", [lambda w=w, o=o: linear_w8a16(xin, w, scale, glu=glu, out=o)
                                      for w, o in zip(ws, outs)], config=cur)

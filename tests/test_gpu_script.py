@@ -153,6 +153,21 @@ def test_decode_with_a_quantised_head(gpu, tmp_path):
     assert argv2[argv2.index("--impl") + 1:] == ["fastdecode-graph", "fastdecode-graph-with-int4_a8"]
 
 
+def test_w8a16_suite_sweeps_into_a_table_copy_then_times_the_fp8_step_on_it(gpu, tmp_path):
+    (label, argv, _), (label2, argv2, _) = gpu.suite_commands("w8a16", tmp_path, 1)
+    assert label == "sweep w8a16" and argv[1].endswith("sweep_w8a16.py")
+    assert argv[argv.index("--table") + 1] == str(tmp_path / "configs" / "linear_nvidia_h200.json")
+    assert set(argv[argv.index("--shapes") + 1].split(",")) == {"8b_o", "8b_down", "8b_qkv", "8b_gate_up"}
+    assert argv2[:2] == ["env", f"FASTDECODE_CONFIG_DIR={tmp_path / 'configs'}"]
+    assert argv2[argv2.index("--impl") + 1:] == ["fastdecode-graph", "fastdecode-graph-with-fp8_a16"]
+    [(label, argv, _)] = gpu.suite_commands("int8-producers", tmp_path, 1)
+    assert argv[1].endswith("diag_int8_producers.py")
+    import runpy  # the sweep's shape names exist
+
+    shapes = runpy.run_path(argv[1].replace("diag_int8_producers", "sweep_w8a16"))["SHAPES"]
+    assert {"8b_o", "8b_down", "8b_qkv", "8b_gate_up"} <= set(shapes)
+
+
 def test_profile_switches_profiles_each_opt_in_switch_beside_the_default_step(gpu, tmp_path):
     steps = gpu.suite_commands("profile-switches", tmp_path, 1, formats=("fp8", "int4"))
     assert [label for label, _, _ in steps] == ["profile fp8 fp8_a16", "profile int4 int4_a8"]

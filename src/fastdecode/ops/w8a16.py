@@ -54,14 +54,14 @@ def get_w8a16_config(M: int, N: int, K: int, device=None, glu: bool = False) -> 
 
 
 def heuristic_config(M: int, N: int, K: int, num_sms: int) -> dict:
-    """8 weight rows a program (fewer with more token rows: the same 64 bytes of weight a thread a step), 1024
-    columns a step on 4 warps, split-K only where fewer than ~2 programs an SM would run. The H100 sweep (session 24,
-    ``results/h100/sweep_w8a16_ad28a84.json``, M = 1) put this config within 2.3 % of the best of 98 on the 8B wo
-    (8.55 us) and w2 + SiLU (23.27 us against 22.75), where the FMA default of the W8A8 GEMV (4 rows, 2048 columns)
-    took 9.59 and 25.83 us."""
+    """8 weight rows a program (fewer with more token rows: the same weight bytes a thread a step), 1024 columns a
+    step, 4 warps (8 from K = 8192: long rows), split-K only where fewer than ~2 programs an SM would run. The H100
+    sweep (session 24, ``results/h100/sweep_w8a16_ad28a84.json``, M = 1, 98 configs) found exactly these the best on
+    the 8B wo (8.55 us) and w2 + SiLU (22.75 us), where the FMA default of the W8A8 GEMV (4 rows, 2048 columns, 4
+    warps) took 9.59 and 25.83 us."""
     bm = next_pow2(min(max(M, 1), MAX_M))
-    cfg = {"kind": "fma", "BLOCK_M": bm, "BLOCK_N": max(8 // bm, 1), "BLOCK_K": 1024, "num_warps": 4,
-           "num_stages": 1}
+    cfg = {"kind": "fma", "BLOCK_M": bm, "BLOCK_N": max(8 // bm, 1), "BLOCK_K": 1024,
+           "num_warps": 8 if K >= 8192 else 4, "num_stages": 1}
     return with_split_k(cfg, M, N, K, num_sms, 2)
 
 
