@@ -111,6 +111,48 @@ def test_fp8_a16_switch_runs_wo_and_w2_w8a16_at_decode(backend):
     assert 0 < rel_rms(m.decode(nxt, pos, prefill(m, ids)[1]), step16) < 0.2
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_a16_all_switch_runs_every_projection_w8a16_at_decode(backend):
+    """``fp8_a16_all`` (opt-in): ``fp8_a16``, and the FP8 wqkv and w13 too, their norms emitting 16-bit rows at
+    decode (``RMSNorm.a16_rows``); prefill keeps W8A8 with FP8 norms. No activation is rounded to FP8 at decode: the
+    torch backend's step equals the ``ref`` path's, and Triton's is within bf16 roundings of it."""
+    from fastdecode.ops.w8a16 import DECODE_MAX_M
+
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    m = quantize_model_fp8(random_model(CFG, device=dev, dtype=torch.bfloat16, backend=backend, max_seq_len=64,
+                                        std=0.08, seed=int(torch.randint(0, 1000, ()))))
+    ids = torch.randint(0, CFG.vocab_size, (2, 7), device=dev)
+    nxt, pos = torch.randint(0, CFG.vocab_size, (2,), device=dev), torch.tensor([7, 7], device=dev)
+    logits88, cache = prefill(m, ids)
+    step88 = m.decode(nxt, pos, cache)
+    m.set_kernels(fp8_a16=True)
+    step_out = m.decode(nxt, pos, prefill(m, ids)[1])
+    m.set_kernels(fp8_a16=False, fp8_a16_all=True)
+    for layer in m.layers:
+        lins = (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2)
+        assert all(lin.a16_max_rows == DECODE_MAX_M for lin in lins)
+        assert layer.attention_norm.a16_rows == layer.ffn_norm.a16_rows == DECODE_MAX_M
+    assert m.norm.a16_rows == 0  # the head's norm: untouched (a dense head here)
+    logits16, cache = prefill(m, ids)
+    assert torch.equal(logits16, logits88)  # 14 token rows: W8A8, FP8 norms
+    step16 = m.decode(nxt, pos, cache)
+    assert 0 < rel_rms(step16, step88) < 0.2 and 0 < rel_rms(step16, step_out) < 0.2
+    m.backend = "ref"
+    ref_cache = prefill(m, ids)[1]
+    own_cache = copy.deepcopy(ref_cache)  # one prefill's cache for both: its FP8 norms would flip apart
+    ref = m.decode(nxt, pos, ref_cache)
+    m.backend = backend
+    step16 = m.decode(nxt, pos, own_cache)
+    if backend == "torch":
+        torch.testing.assert_close(step16, ref, atol=0, rtol=0)
+    else:  # bf16 roundings apart only (the interpreter's truncating casts among them): no FP8 rounding to flip;
+        # 0.0096-0.019 over 11 seeds under the interpreter (session 24)
+        assert rel_rms(step16, ref) < 0.04, rel_rms(step16, ref)
+    m.set_kernels(fp8_a16_all=False)
+    assert all(layer.attention.wqkv.a16_max_rows == layer.attention_norm.a16_rows == 0 for layer in m.layers)
+    assert all(layer.attention.wo.a16_max_rows == 0 for layer in m.layers)
+
+
 # ----------------------------------------------------------------------------- same FP8 decisions, op by op
 
 # Why the Triton path is held to the references op by op, on the kernels' own inputs, rather than through the
@@ -482,13 +524,16 @@ def test_eval_accuracy_command_on_tiny_model(tmp_path):
     d, tok = save_tiny_smollm2_vocab(tmp_path / "m")
     out = str(tmp_path / "acc.json")
     assert main(["eval-accuracy", "--model", d, "--device", "cpu", "--max-tokens", "40", "--window", "24",
-                 "--quant", "fp8", "int4", "--fp8-a16", "--out", out]) == 0
+                 "--quant", "fp8", "int4", "--fp8-a16", "--fp8-a16-all", "--out", out]) == 0
     with open(out) as f:
         rows = {r["format"]: r for r in json.load(f)}
-    assert set(rows) == {"reference", FP8_FORMAT, FP8_FORMAT + "+a16", INT4_FORMAT}
-    # W8A16 wo and w2 (their activations unquantised): another function, and not a worse one on this model
-    a16 = rows[FP8_FORMAT + "+a16"]
+    assert set(rows) == {"reference", FP8_FORMAT, FP8_FORMAT + "+a16", FP8_FORMAT + "+a16all", INT4_FORMAT}
+    # W8A16 wo and w2 (their activations unquantised): another function, and not a worse one on this model; every
+    # projection W8A16: no activation rounded to FP8 at all, closer still
+    a16, a16all = rows[FP8_FORMAT + "+a16"], rows[FP8_FORMAT + "+a16all"]
     assert a16["mean_kl"] != rows[FP8_FORMAT]["mean_kl"] and a16["mean_kl"] < 2 * rows[FP8_FORMAT]["mean_kl"]
+    assert a16all["mean_kl"] not in (a16["mean_kl"], rows[FP8_FORMAT]["mean_kl"])
+    assert a16all["mean_kl"] < 2 * a16["mean_kl"]
     ref = rows["reference"]
     assert ref["top1_agreement"] == 1.0 and ref["mean_kl"] == 0.0 and ref["tokens"] == 23 + 15
     for fmt in (FP8_FORMAT, INT4_FORMAT):

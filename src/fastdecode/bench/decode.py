@@ -34,7 +34,8 @@ cuBLAS; int4 models only), ``-no-pdl`` (the graph captured without programmatic 
 ``fastdecode.kernels.pdl``), ``-no-argmax`` (the next tokens from ``torch.argmax`` rather than
 ``fastdecode.argmax``), ``-no-norm_gemm`` (the RMSNorms and residual adds as kernels of their own rather than
 inside the bf16 / int4 GEMMs, ``models.norm_gemm``) and ``fastdecode-eager`` (no CUDA graph);
-``fastdecode-graph-with-<switch>`` turns on a switch that is off by default (``OPT_IN_KERNELS``; none now).
+``fastdecode-graph-with-<switch>`` turns on a switch that is off by default (``OPT_IN_KERNELS``: ``int4_a8``,
+``fp8_a16``, ``fp8_a16_all``).
 The fastdecode rows take the next tokens with
 ``fastdecode.argmax`` (after the graph, as ``Engine``'s greedy sampler does), the torch rows with ``torch.argmax``.
 

@@ -31,7 +31,7 @@ def cmd_eval_accuracy(args) -> int:
     try:  # a KV cache too large for the device is a KVCacheMemoryError (a ValueError): one error line
         quants = args.quant if args.quant is not None else ([] if args.quant_head else ["fp8"])
         rows = eval_accuracy(args.model, quants, head=args.quant_head, int4_a8=args.int4_a8, fp8_a16=args.fp8_a16,
-                             device=args.device,
+                             fp8_a16_all=args.fp8_a16_all, device=args.device,
                              dtype=getattr(torch, args.dtype) if args.dtype else None, window=args.window,
                              max_tokens=args.max_tokens, log=lambda m: print(m, file=sys.stderr, flush=True))
     except USER_ERRORS as e:
@@ -73,6 +73,8 @@ def add_parsers(subparsers) -> None:
     e.add_argument("--fp8-a16", action="store_true",
                    help="also evaluate each fp8 format with the fp8_a16 kernel switch (W8A16 wo and w2: their "
                         "activations not quantised)")
+    e.add_argument("--fp8-a16-all", action="store_true",
+                   help="also evaluate each fp8 format with the fp8_a16_all kernel switch (every projection W8A16)")
     e.add_argument("--device", default=None)
     e.add_argument("--dtype", default=None, choices=DTYPES)
     e.add_argument("--window", type=int, default=512,

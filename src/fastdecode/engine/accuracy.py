@@ -101,27 +101,32 @@ def int4_a8_copy(model):
     return m if lins else None
 
 
-def fp8_a16_copy(model):
-    """A copy of an fp8 ``model`` with the ``fp8_a16`` switch on for every row, not only decode's up to 4: wo and w2
-    then take their 16-bit activations unquantised (W8A16, ``ops.w8a16``; beyond 4 rows its reference), so a
-    window's prefill computes what each decode step of it would."""
+def fp8_a16_copy(model, all_projections: bool = False):
+    """A copy of an fp8 ``model`` with the ``fp8_a16`` switch (``all_projections``: ``fp8_a16_all``) on for every
+    row, not only decode's up to 4: wo and w2 (and wqkv and w13, whose norms then emit 16-bit rows) take their
+    16-bit activations unquantised (W8A16, ``ops.w8a16``; beyond 4 rows its reference), so a window's prefill
+    computes what each decode step of it would."""
     from fastdecode.models.llama import Fp8Linear
+    from fastdecode.models.rmsnorm import RMSNorm
 
     m = copy.deepcopy(model)
-    m.set_kernels(fp8_a16=True)
+    m.set_kernels(**{"fp8_a16_all" if all_projections else "fp8_a16": True})
     for x in m.modules():
         if isinstance(x, Fp8Linear) and x.a16_max_rows:
             x.a16_max_rows = 1 << 30
+        if isinstance(x, RMSNorm) and x.a16_rows:
+            x.a16_rows = 1 << 30
     return m
 
 
 def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), *, head: Optional[str] = None,
-                  int4_a8: bool = False, fp8_a16: bool = False, device=None, dtype=None, window: int = 512,
+                  int4_a8: bool = False, fp8_a16: bool = False, fp8_a16_all: bool = False, device=None, dtype=None,
+                  window: int = 512,
                   max_tokens: Optional[int] = None, text: Optional[str] = None, log=print) -> list[dict]:
     """Load ``path`` unquantised and with each of ``quants`` (and each again with the lm head quantised as
     ``head``, or the head alone when ``quants`` is empty); returns one JSON-ready row per format. ``int4_a8``: each
     int4 format again with int8 activations (``int4_a8_copy``; the row says on how many projections); ``fp8_a16``:
-    each fp8 format again with W8A16 wo and w2 (``fp8_a16_copy``)."""
+    each fp8 format again with W8A16 wo and w2 (``fp8_a16_copy``); ``fp8_a16_all``: with every projection W8A16."""
     from fastdecode.engine.loader import load
     from fastdecode.models.quantize import FORMATS, check_head, quantize_head
 
@@ -159,6 +164,8 @@ def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), 
             models[mh.format_label] = mh
         if fp8_a16 and q == "fp8":
             models[(m.quant_format or FORMATS[q]) + "+a16"] = fp8_a16_copy(m)
+        if fp8_a16_all and q == "fp8":
+            models[(m.quant_format or FORMATS[q]) + "+a16all"] = fp8_a16_copy(m, all_projections=True)
         if int4_a8 and q == "int4":
             for name, base in [(k, v) for k, v in models.items() if v.quant == "int4"]:
                 if name.endswith("+a8"):

@@ -30,6 +30,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype), requires_grad=False)
         self.fp8_out = False
+        self.a16_rows = 0  # fp8_a16_all: up to this many rows stay 16-bit although fp8_out (the consumer runs W8A16)
         self.int8_out = False
         self.fused = True
         self.comm = None
@@ -38,6 +39,9 @@ class RMSNorm(nn.Module):
     def _int8(self, x) -> bool:
         return self.int8_out and self.fused and self.comm is None and x.numel() <= A8.DECODE_MAX_M * x.shape[-1]
 
+    def _fp8(self, x) -> bool:
+        return self.fp8_out and x.numel() > self.a16_rows * x.shape[-1]
+
     def forward(self, x: torch.Tensor, backend: str):
         if not self.fused:
             backend = "ref"
@@ -45,7 +49,7 @@ class RMSNorm(nn.Module):
             if backend == "ref":
                 return A8.rms_norm_int8_ref(x, self.weight, self.eps)
             return A8.rms_norm_int8(x, self.weight, self.eps, backend=backend)
-        if self.fp8_out:
+        if self._fp8(x):
             if backend == "ref":
                 return rms_norm_fp8_ref(x, self.weight, self.eps)
             return rms_norm_fp8(x, self.weight, self.eps, backend=backend)
@@ -62,7 +66,7 @@ class RMSNorm(nn.Module):
             backend = "ref"
         if self.comm is not None:
             if self.fuse_comm and backend != "ref":
-                return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.comm, fp8=self.fp8_out,
+                return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.comm, fp8=self._fp8(x),
                                                backend=backend), residual
             x = all_reduce(x, self.comm)
         if self._int8(x):
@@ -70,10 +74,10 @@ class RMSNorm(nn.Module):
                 return A8.fused_add_rms_norm_int8_ref(x, residual, self.weight, self.eps)
             return A8.fused_add_rms_norm_int8(x, residual, self.weight, self.eps, backend=backend), residual
         if backend == "ref":
-            if self.fp8_out:
+            if self._fp8(x):
                 q, s, r = fused_add_rms_norm_fp8_ref(x, residual, self.weight, self.eps)
                 return (q, s), r
             return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
-        if self.fp8_out:
+        if self._fp8(x):
             return fused_add_rms_norm_fp8(x, residual, self.weight, self.eps, backend=backend), residual
         return fused_add_rms_norm(x, residual, self.weight, self.eps, backend=backend), residual
