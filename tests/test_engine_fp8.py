@@ -73,6 +73,16 @@ def test_fp8_kernel_switches_change_only_where_quantisation_happens():
         quantize_model(copy.deepcopy(m), "int4")
 
 
+def _fp8_decode_case(backend):
+    """A random bf16 FP8 model of the tiny preset on ``backend`` (triton: CUDA on a GPU machine, else the
+    interpreter's CPU tensors), two prompts of 7 tokens and one decode step's tokens and positions."""
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    m = quantize_model_fp8(random_model(CFG, device=dev, dtype=torch.bfloat16, backend=backend, max_seq_len=64,
+                                        std=0.08, seed=int(torch.randint(0, 1000, ()))))
+    ids = torch.randint(0, CFG.vocab_size, (2, 7), device=dev)
+    return m, ids, torch.randint(0, CFG.vocab_size, (2,), device=dev), torch.tensor([7, 7], device=dev)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fp8_a16_switch_runs_wo_and_w2_w8a16_at_decode(backend):
     """``fp8_a16`` (opt-in): the FP8 wo and w2 of up to 4 token rows take their 16-bit input as it is (W8A16,
@@ -81,11 +91,7 @@ def test_fp8_a16_switch_runs_wo_and_w2_w8a16_at_decode(backend):
     another order (bf16 rounding apart)."""
     from fastdecode.ops.w8a16 import DECODE_MAX_M
 
-    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # else the interpreter
-    m = quantize_model_fp8(random_model(CFG, device=dev, dtype=torch.bfloat16, backend=backend, max_seq_len=64,
-                                        std=0.08, seed=int(torch.randint(0, 1000, ()))))
-    ids = torch.randint(0, CFG.vocab_size, (2, 7), device=dev)
-    nxt, pos = torch.randint(0, CFG.vocab_size, (2,), device=dev), torch.tensor([7, 7], device=dev)
+    m, ids, nxt, pos = _fp8_decode_case(backend)
     logits88, cache = prefill(m, ids)
     step88 = m.decode(nxt, pos, cache)
     assert all(layer.attention.wo.a16_max_rows == 0 for layer in m.layers)  # off by default
@@ -118,11 +124,7 @@ def test_fp8_a16_all_switch_runs_every_projection_w8a16_at_decode(backend):
     torch backend's step equals the ``ref`` path's, and Triton's is within bf16 roundings of it."""
     from fastdecode.ops.w8a16 import DECODE_MAX_M
 
-    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-    m = quantize_model_fp8(random_model(CFG, device=dev, dtype=torch.bfloat16, backend=backend, max_seq_len=64,
-                                        std=0.08, seed=int(torch.randint(0, 1000, ()))))
-    ids = torch.randint(0, CFG.vocab_size, (2, 7), device=dev)
-    nxt, pos = torch.randint(0, CFG.vocab_size, (2,), device=dev), torch.tensor([7, 7], device=dev)
+    m, ids, nxt, pos = _fp8_decode_case(backend)
     logits88, cache = prefill(m, ids)
     step88 = m.decode(nxt, pos, cache)
     m.set_kernels(fp8_a16=True)

@@ -53,7 +53,8 @@ def _check_quantised(x2, q, s, sums, truncated: bool = False, producer: bool = F
     """Against the reference: scales equal, q within one step where the division rounded apart (``x / s`` is an
     approximate division in compiled Triton), sums those of q; and the dequantised values within half a step.
     ``truncated``: the kernel rounded its values to bf16 first under the interpreter, whose fp32 -> bf16 cast
-    truncates (docs/architecture.md): scales within two bf16 ulps (a residual truncated too), q within 2.
+    truncates (docs/architecture.md): scales within two bf16 ulps (a residual truncated too), q within 3 (a bf16 ulp
+    is ~1 code near 127: the value's truncation, the residual's, and the scale's move it; 3 was seen once).
     ``producer``: x2 is the reference of a producer's output (a norm, SiLU-and-mul), which the kernel computes in
     another order and may round one ulp of x2.dtype apart: so may a group's maximum, hence its scale (fp16, seed 11:
     one scale of 96 off by 6e-4)."""
@@ -61,7 +62,7 @@ def _check_quantised(x2, q, s, sums, truncated: bool = False, producer: bool = F
     rtol = 2.0**-6 if truncated else (torch.finfo(x2.dtype).eps if producer else 1e-6)
     torch.testing.assert_close(s, rs, rtol=rtol, atol=0)
     d = (q.int() - rq.int()).abs()
-    assert int(d.max()) <= (2 if truncated else 1) and float((d > 0).float().mean()) <= (0.5 if truncated else 0.01)
+    assert int(d.max()) <= (3 if truncated else 1) and float((d > 0).float().mean()) <= (0.5 if truncated else 0.01)
     nat = A.dequantize_act_int8(q, torch.ones_like(s), q.shape[1])  # the integers, natural order, padding included
     assert torch.equal(sums, nat.view(q.shape[0], -1, A.ACT_GROUP).sum(-1).round().int()), "sums are not those of q"
     if not truncated:  # within half a step of x, plus one ulp of x where a producer rounded it apart from the ref
