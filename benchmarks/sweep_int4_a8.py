@@ -178,22 +178,20 @@ def sweep(out_path: Path | None, shapes, ms, quick: bool = False) -> list[dict]:
 
 def write_table(path: Path, rows: list[dict]) -> dict:
     """The sweep's best configs as the ``int4_linear_a8`` section of the int4_linear table at ``path`` (the rest of
-    the table as it was; ``int4_linear_a8_env``: this run's GPU and commit, as the section's own record)."""
-    import json
-
-    from fastdecode.bench.harness import env_info
+    the table as it was, or as the table in use when ``path`` is new; ``int4_linear_a8_env``: this run's GPU and
+    commit, as the section's own record)."""
+    from fastdecode.bench.harness import write_table_section
+    from fastdecode.ops._common import config_path
     from fastdecode.ops.int4 import table_key
 
-    table = json.loads(path.read_text()) if path.is_file() else {}
-    section = table.setdefault(A.TABLE_SECTION, {})
+    entries: dict = {}
     for r in rows:
         if r["op"] == "int4_a8_summary" and r.get("best_config"):
             sh = r["shape"]
-            entries = section.setdefault(table_key(sh["N"], sh["K"], sh["group"]), {})
-            entries[str(sh["M"])] = {"impl": "triton", "config": r["best_config"], "us": r["a8_gemv_best_us"]}
-    table[A.TABLE_SECTION + "_env"] = env_info()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1) + "\n")
+            entries.setdefault(table_key(sh["N"], sh["K"], sh["group"]), {})[str(sh["M"])] = {
+                "impl": "triton", "config": r["best_config"], "us": r["a8_gemv_best_us"]}
+    base = config_path("int4_linear", torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    table = write_table_section(path, A.TABLE_SECTION, entries, base)
     print(f"wrote {path}")
     return table
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 from pathlib import Path
 
 import torch
 
-from fastdecode.bench.harness import make_row, rotation_count, time_cuda, write_rows
+from fastdecode.bench.harness import make_row, rotation_count, time_cuda, write_rows, write_table_section
+from fastdecode.constants import SCALE_NONE, SCALE_VECTOR
+from fastdecode.ops._common import config_path
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8
 from fastdecode.ops.gemm import linear_fp8, linear_with_config
 from fastdecode.ops.quant import quantize_fp8
@@ -111,14 +112,15 @@ def main() -> None:
             for cfg in candidates(M, N, K, sms):
                 try:
                     o = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
-                    linear_with_config(xin, ws[0], None, None, 0, scale, 2, o, cfg, glu=glu)
+                    linear_with_config(xin, ws[0], None, None, SCALE_NONE, scale, SCALE_VECTOR, o, cfg, glu=glu)
                     torch.cuda.synchronize()
                     err = float((o.float() - ref.float()).abs().max() / ref.float().abs().max())
                     if not err < 2e-2:
                         rows.append(make_row("sweep_w8a16", "w8a16", shape, None, error=f"rel err {err}", config=cfg))
                         continue
                     us = timed("w8a16", [lambda w=w, o=o, cfg=cfg: linear_with_config(
-                        xin, w, None, None, 0, scale, 2, o, cfg, glu=glu) for w, o in zip(ws, outs)], config=cfg)
+                        xin, w, None, None, SCALE_NONE, scale, SCALE_VECTOR, o, cfg, glu=glu)
+                        for w, o in zip(ws, outs)], config=cfg)
                     results.append((us, cfg))
                 except Exception as e:  # a config that does not launch (resources): recorded, skipped
                     rows.append(make_row("sweep_w8a16", "w8a16", shape, None, error=repr(e)[:300], config=cfg))
@@ -130,22 +132,15 @@ def main() -> None:
                     bcfg = dict(results[0][1])
                     hs = [torch.empty(M, K, device=dev, dtype=torch.bfloat16) for _ in ws]
                     timed("glu_apart", [lambda w=w, o=o, h=h: (silu_and_mul(xin, out=h), linear_with_config(
-                        h, w, None, None, 0, scale, 2, o, bcfg)) for w, o, h in zip(ws, outs, hs)], config=bcfg)
+                        h, w, None, None, SCALE_NONE, scale, SCALE_VECTOR, o, bcfg)) for w, o, h in zip(ws, outs, hs)],
+                          config=bcfg)
     if a.out:
         write_rows(rows, a.out)
     if a.table and best:
-        if not a.table.exists():  # start from the table in use: the file replaces the package's whole table
-            from fastdecode.ops._common import config_path
-
-            src = config_path("linear", torch.cuda.get_device_name(dev))
-            a.table.parent.mkdir(parents=True, exist_ok=True)
-            a.table.write_text(src.read_text() if src.exists() else "{}")
-        table = json.loads(a.table.read_text())
-        sec = table.setdefault(TABLE_SECTION, {})
+        entries: dict = {}
         for (M, N, K, glu), (us, cfg) in sorted(best.items()):
-            sec.setdefault(table_key(N, K, glu), {})[str(M)] = {"config": cfg, "us": round(us, 3)}
-        a.table.parent.mkdir(parents=True, exist_ok=True)
-        a.table.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            entries.setdefault(table_key(N, K, glu), {})[str(M)] = {"config": cfg, "us": round(us, 3)}
+        write_table_section(a.table, TABLE_SECTION, entries, config_path("linear", torch.cuda.get_device_name(dev)))
         print(f"wrote {len(best)} entries into {a.table} [{TABLE_SECTION}]")
 
 

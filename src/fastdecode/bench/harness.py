@@ -67,6 +67,22 @@ def start_table(path: Path, gpu_name: str, num_sms: int, merge: bool, sections: 
         table.setdefault(name, {})
     return table
 
+def write_table_section(path: Path, section: str, entries: dict, base: Optional[Path] = None) -> dict:
+    """Merge ``entries`` (``{shape key: {M: entry}}``) into ``section`` of the tuned table at ``path`` and write it,
+    with ``<section>_env`` (this run's GPU and commit) as the section's own record. A missing file starts from
+    ``base``, the table in use (``ops._common.config_path``): a table under ``FASTDECODE_CONFIG_DIR`` replaces the
+    package's whole table of its family, so the copy must keep the rest. Returns the table written."""
+    src = path if path.is_file() else base
+    table = json.loads(src.read_text()) if src is not None and src.is_file() else {}
+    sec = table.setdefault(section, {})
+    for key, by_m in entries.items():
+        sec.setdefault(key, {}).update(by_m)
+    table[section + "_env"] = env_info()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return table
+
+
 def l2_bytes() -> int:
     if torch.cuda.is_available():
         return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", L2_BYTES_DEFAULT))

@@ -435,10 +435,11 @@ class Transformer(nn.Module):
             raise ValueError(f"unknown kernel switch {bad[0]!r}; known: {', '.join(KERNELS)}")
         self.kernels.update({k: bool(v) for k, v in flags.items()})
         k = self.kernels
+        a16_in = W8A16_DECODE_MAX_M if k["fp8_a16_all"] else 0  # rows of wqkv / w13 W8A16 at decode
+        a16_out = W8A16_DECODE_MAX_M if k["fp8_a16"] or k["fp8_a16_all"] else 0  # ... of wo / w2
         for layer in self.layers:
             # FP8 output only where the consumer is an Fp8Linear (int4 and bf16 projections take floats)
             a, f = layer.attention, layer.feed_forward
-            a16_in = W8A16_DECODE_MAX_M if k["fp8_a16_all"] else 0
             for norm, consumer in ((layer.attention_norm, a.wqkv), (layer.ffn_norm, f.w13)):
                 norm.fused = k["fused_norm"]
                 norm.fp8_out = isinstance(consumer, Fp8Linear) and k["fused_norm"]
@@ -451,7 +452,7 @@ class Transformer(nn.Module):
             f.fp8_act = isinstance(f.w2, Fp8Linear) and k["fused_act"]
             for lin in (a.wo, f.w2):
                 if isinstance(lin, Fp8Linear):
-                    lin.a16_max_rows = W8A16_DECODE_MAX_M if k["fp8_a16"] or k["fp8_a16_all"] else 0
+                    lin.a16_max_rows = a16_out
         for norm in [self.norm] + [m for layer in self.layers for m in (layer.attention_norm, layer.ffn_norm)]:
             norm.fuse_comm = k["fused_allreduce"]
         self.norm.fused = k["fused_norm"]
