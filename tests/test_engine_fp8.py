@@ -155,6 +155,36 @@ def test_fp8_a16_all_switch_runs_every_projection_w8a16_at_decode(backend):
     assert all(layer.attention.wo.a16_max_rows == 0 for layer in m.layers)
 
 
+def test_fp8_a16_qkv_switch_runs_wqkv_wo_w2_w8a16_and_keeps_w13_w8a8():
+    """``fp8_a16_qkv`` (opt-in): wqkv, wo and w2 run W8A16 at decode, w13 keeps W8A8 with its FP8 norm; the step
+    lies between ``fp8_a16``'s and ``fp8_a16_all``'s assignments and equals the ``ref`` path's exactly (torch)."""
+    from fastdecode.ops.w8a16 import DECODE_MAX_M
+
+    m, ids, nxt, pos = _fp8_decode_case("torch")
+    m.set_kernels(fp8_a16_qkv=True)
+    for layer in m.layers:
+        a, f = layer.attention, layer.feed_forward
+        assert a.wqkv.a16_max_rows == a.wo.a16_max_rows == f.w2.a16_max_rows == DECODE_MAX_M
+        assert layer.attention_norm.a16_rows == DECODE_MAX_M
+        assert f.w13.a16_max_rows == layer.ffn_norm.a16_rows == 0 and layer.ffn_norm.fp8_out
+    step_qkv = m.decode(nxt, pos, prefill(m, ids)[1])
+    outs = {}
+    for k in ("fp8_a16", "fp8_a16_all"):
+        m.set_kernels(fp8_a16_qkv=False, **{k: True})
+        outs[k] = m.decode(nxt, pos, prefill(m, ids)[1])
+        m.set_kernels(**{k: False})
+    assert not torch.equal(step_qkv, outs["fp8_a16"]) and not torch.equal(step_qkv, outs["fp8_a16_all"])
+    m.set_kernels(fp8_a16_qkv=True)
+    m.backend = "ref"
+    ref_cache = prefill(m, ids)[1]
+    own_cache = copy.deepcopy(ref_cache)
+    ref = m.decode(nxt, pos, ref_cache)
+    m.backend = "torch"
+    torch.testing.assert_close(m.decode(nxt, pos, own_cache), ref, atol=0, rtol=0)
+    m.set_kernels(fp8_a16_qkv=False)
+    assert all(layer.attention.wqkv.a16_max_rows == layer.attention.wo.a16_max_rows == 0 for layer in m.layers)
+
+
 # ----------------------------------------------------------------------------- same FP8 decisions, op by op
 
 # Why the Triton path is held to the references op by op, on the kernels' own inputs, rather than through the

@@ -160,6 +160,7 @@ def test_w8a16_suite_sweeps_into_a_table_copy_then_times_the_fp8_step_on_it(gpu,
     assert set(argv[argv.index("--shapes") + 1].split(",")) == {"8b_o", "8b_down", "8b_qkv", "8b_gate_up"}
     assert argv2[:2] == ["env", f"FASTDECODE_CONFIG_DIR={tmp_path / 'configs'}"]
     assert argv2[argv2.index("--impl") + 1:] == ["fastdecode-graph", "fastdecode-graph-with-fp8_a16",
+                                                  "fastdecode-graph-with-fp8_a16_qkv",
                                                   "fastdecode-graph-with-fp8_a16_all"]
     [(label, argv, _)] = gpu.suite_commands("int8-producers", tmp_path, 1)
     assert argv[1].endswith("diag_int8_producers.py")
@@ -171,8 +172,10 @@ def test_w8a16_suite_sweeps_into_a_table_copy_then_times_the_fp8_step_on_it(gpu,
 
 def test_profile_switches_profiles_each_opt_in_switch_beside_the_default_step(gpu, tmp_path):
     steps = gpu.suite_commands("profile-switches", tmp_path, 1, formats=("fp8", "int4"))
-    assert [label for label, _, _ in steps] == ["profile fp8 fp8_a16 fp8_a16_all", "profile int4 int4_a8"]
-    for (_, argv, _), q, switches in zip(steps, ("fp8", "int4"), (("fp8_a16", "fp8_a16_all"), ("int4_a8",))):
+    assert [label for label, _, _ in steps] == ["profile fp8 fp8_a16 fp8_a16_qkv fp8_a16_all",
+                                                  "profile int4 int4_a8"]
+    for (_, argv, _), q, switches in zip(steps, ("fp8", "int4"),
+                                         (("fp8_a16", "fp8_a16_qkv", "fp8_a16_all"), ("int4_a8",))):
         assert argv[:2] == ["env", "FASTDECODE_PDL=0"] and "--profile" in argv
         assert argv[argv.index("--quant") + 1] == q
         assert argv[argv.index("--impl") + 1:argv.index("--out")] == ["fastdecode-graph"] + [

@@ -48,8 +48,9 @@ CUDA, SiLU-and-mul inside a bf16 / fp16 ``w2``'s GEMM (``Linear.forward_glu``); 
 GEMMs; it folds the norm weights into dense wqkv / w13 in place at the first decode). ``int4_a8`` (off by default):
 W4A8 decode with int8 activations (``fastdecode.models.int4.set_int4_switches``). ``fp8_a16`` (off by default): the
 FP8 ``wo`` and ``w2`` of up to 4 token rows run W8A16 (``fastdecode.ops.w8a16``: the attention output unquantised,
-SiLU-and-mul inside w2's loads with ``fused_down``), two launches a layer fewer; ``fp8_a16_all`` (off by default):
-``fp8_a16`` and the same for ``wqkv`` and ``w13``, whose norms then emit 16-bit rows at decode (``RMSNorm.a16_rows``).
+SiLU-and-mul inside w2's loads with ``fused_down``), two launches a layer fewer; ``fp8_a16_qkv`` / ``fp8_a16_all``
+(off by default): ``fp8_a16`` and the same for ``wqkv`` / for ``wqkv`` and ``w13``, whose norms then emit 16-bit rows
+at decode (``RMSNorm.a16_rows``).
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -91,11 +92,11 @@ from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
 KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm", "fused_rope",
-           "norm_gemm", "int4_a8", "fp8_a16", "fp8_a16_all")
+           "norm_gemm", "int4_a8", "fp8_a16", "fp8_a16_qkv", "fp8_a16_all")
 # switches off by default (``bench decode``'s ``-with-<switch>`` rows turn them on): a new kernel waits here until a
 # GPU has measured it (norm_gemm for int4 blocks did, sessions 17-18); int4_a8 also changes the numbers (int8
-# activations), so it would stay a choice even when it wins; fp8_a16 (-all) wait for the H200
-OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16", "fp8_a16_all")
+# activations), so it would stay a choice even when it wins; the fp8_a16 family waits for the H200
+OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16", "fp8_a16_qkv", "fp8_a16_all")
 
 
 def _lead(x) -> tuple:
@@ -435,12 +436,14 @@ class Transformer(nn.Module):
             raise ValueError(f"unknown kernel switch {bad[0]!r}; known: {', '.join(KERNELS)}")
         self.kernels.update({k: bool(v) for k, v in flags.items()})
         k = self.kernels
-        a16_in = W8A16_DECODE_MAX_M if k["fp8_a16_all"] else 0  # rows of wqkv / w13 W8A16 at decode
-        a16_out = W8A16_DECODE_MAX_M if k["fp8_a16"] or k["fp8_a16_all"] else 0  # ... of wo / w2
+        # rows of wqkv, w13, and wo / w2 that run W8A16 at decode: fp8_a16 < fp8_a16_qkv < fp8_a16_all
+        a16_qkv = W8A16_DECODE_MAX_M if k["fp8_a16_qkv"] or k["fp8_a16_all"] else 0
+        a16_w13 = W8A16_DECODE_MAX_M if k["fp8_a16_all"] else 0
+        a16_out = W8A16_DECODE_MAX_M if k["fp8_a16"] or a16_qkv else 0
         for layer in self.layers:
             # FP8 output only where the consumer is an Fp8Linear (int4 and bf16 projections take floats)
             a, f = layer.attention, layer.feed_forward
-            for norm, consumer in ((layer.attention_norm, a.wqkv), (layer.ffn_norm, f.w13)):
+            for norm, consumer, a16_in in ((layer.attention_norm, a.wqkv, a16_qkv), (layer.ffn_norm, f.w13, a16_w13)):
                 norm.fused = k["fused_norm"]
                 norm.fp8_out = isinstance(consumer, Fp8Linear) and k["fused_norm"]
                 norm.a16_rows = a16_in if norm.fp8_out else 0
