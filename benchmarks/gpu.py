@@ -56,7 +56,7 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               8B shapes and head, M = 1, 2, 4, with a config sweep of the GEMV; the best configs into a copy of
               the int4 table (``configs/``) and the 8B int4 step (dense and int4 head) on it.
 * ``w8a16``  ``benchmarks/sweep_w8a16.py``: ``fp8_a16``'s W8A16 GEMV configs (8B wo, w2 with SiLU-and-mul, qkv,
-              gate_up; M = 1, 2, 4) beside the W8A8 kernels they replace; the best into a copy of the linear table
+              gate_up; M = 1, FMA and dot tiles) beside the W8A8 kernels they replace; the best into a copy of the table
               (``configs/``, section ``w8a16``) and the 8B FP8 step on it.
 * ``int8-producers`` ``benchmarks/diag_int8_producers.py``: the int8-output RMSNorm / SiLU-and-mul / quantisation
               of ``int4_a8`` at one token against their native and FP8 forms, with an ablation of the int8 epilogue.
@@ -215,7 +215,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         # fp8_a16's GEMV configs into a copy of the linear table (main copies it), then the 8B FP8 step on them
         cfg_dir = out / "configs"
         tuned = ["env", f"FASTDECODE_CONFIG_DIR={cfg_dir}"]
-        return [("sweep w8a16", [PY, str(ROOT / "benchmarks" / "sweep_w8a16.py"), "--ms", "1", "2", "4",
+        return [("sweep w8a16", [PY, str(ROOT / "benchmarks" / "sweep_w8a16.py"), "--ms", "1",
                                  "--shapes", "8b_o,8b_down,8b_qkv,8b_gate_up", "--out", str(out / "sweep_w8a16.json"),
                                  "--table", str(cfg_dir / f"linear_{gpu}.json")], 480),
                 ("decode fp8 w8a16 tuned", tuned + _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",

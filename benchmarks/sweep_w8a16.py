@@ -11,7 +11,8 @@ Per shape and M, median of graph replays, rotated weights (one process, the base
   SiLU-and-mul before ``w2``) then ``linear_fp8`` (the dispatcher's config); ``w8a8_gemm``: ``linear_fp8`` alone
   (for qkv and gate_up the norm emits the FP8 input: no kernel to save there, only the GEMV's time);
 * ``w8a16_dispatch``: ``linear_w8a16`` with its current config (``get_w8a16_config``);
-* ``w8a16`` with each FMA candidate (BLOCK_N, BLOCK_K, warps, split), every one checked against the reference first;
+* ``w8a16`` with each FMA candidate (BLOCK_N, BLOCK_K, warps, split) and a few tensor-core (dot) tiles, every one
+  checked against the reference first;
 * ``glu_apart``: for ``w2``, the bf16 SiLU-and-mul kernel then the best W8A16 config without ``glu``: what the
   SiLU in the loads costs against a launch of its own.
 
@@ -47,7 +48,7 @@ SHAPES = {"8b_o": (4096, 4096, False), "8b_down": (4096, 14336, True),
 
 def candidates(M: int, N: int, K: int, num_sms: int) -> list[dict]:
     """FMA tiles of 16-byte weight loads: BLOCK_K 512-4096 bytes a row step, BLOCK_N 1-8, 4 or 8 warps, 1-16
-    programs an SM."""
+    programs an SM; and dot tiles of 64 columns, 1-4 splits."""
     bm = 1 if M == 1 else (2 if M == 2 else 4)
     out = []
     for warps, bk, bn in itertools.product((4, 8), (512, 1024, 2048, 4096), (1, 2, 4, 8)):
@@ -62,6 +63,12 @@ def candidates(M: int, N: int, K: int, num_sms: int) -> list[dict]:
                  "num_stages": 1}
             if c not in out:
                 out.append(c)
+    # tensor-core tiles (the FP8 table's W8A8 kind at M = 1 on the larger shapes): the weight widened to bf16, a bf16
+    # MMA of 16 padded rows; 1-4 splits of K
+    for bk, s in itertools.product((128, 256), (1, 2, 3, 4)):
+        if s <= -(-K // bk):
+            out.append({"kind": "dot", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "SPLIT_K": s, "num_warps": 4,
+                        "num_stages": 4, "EVICT": True})
     return out
 
 

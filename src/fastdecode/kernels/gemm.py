@@ -282,9 +282,13 @@ def _skinny_linear_kernel(
                 # the H200 at K = 64. Promoting into the fp32 accumulator after every MMA (K = 32) keeps
                 # the "fp32 accumulation" this kernel promises, as _scaled_mm's default does.
                 acc_t = tl.dot(w, tl.trans(x), acc_t, max_num_imprecise_acc=FP8_PROMOTE_K)
-            elif w.dtype.is_fp8():
+            elif w.dtype.is_fp8() and x.dtype.is_fp8():
                 # e4m3 values are exact in fp16 (max 448, 3 mantissa bits)
                 acc_t = tl.dot(w.to(tl.float16), tl.trans(x.to(tl.float16)), acc_t)
+            elif w.dtype.is_fp8():
+                # W8A16 (ops.w8a16): e4m3 values are exact in bf16 and fp16 alike, so the weight takes x's dtype
+                # (a bf16 x cast to fp16 would overflow beyond 65504)
+                acc_t = tl.dot(w.to(x.dtype), tl.trans(x), acc_t)
             elif w.dtype == tl.float32:
                 acc_t = tl.dot(w, tl.trans(x), acc_t, input_precision="ieee")  # no TF32
             else:
