@@ -61,8 +61,8 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``int8-producers`` ``benchmarks/diag_int8_producers.py``: the int8-output RMSNorm / SiLU-and-mul / quantisation
               of ``int4_a8`` at one token against their native and FP8 forms, with an ablation of the int8 epilogue.
 * ``profile-switches`` ``bench decode --profile``, PDL off: the 8B step's kernel families with each opt-in switch
-              (``fp8_a16``, ``fp8_a16_qkv``, ``fp8_a16_all``, ``int4_a8``) beside the default step (``--formats``:
-              fp8, int4).
+              (``fp8_a16`` off, ``fp8_a16_all`` on, ``int4_a8`` on) beside the default step (``--formats``: fp8,
+              int4).
 * ``int4-norm-pdl`` ``benchmarks/diag_int4_norm_gemm_pdl.py``: the 8B int4 step with every block on the
               ``norm_gemm`` path (tensor-core kinds after a norm kernel, then with the norm inside them too),
               timed beside the unfused step and profiled with and without PDL.
@@ -140,11 +140,10 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
             "bf16": ("decode bf16", _decode(out, "--batch", "1", "--iters", "30", "--impl", "peer-compile",
                                             "torch-compile", *abl, "fastdecode-graph-no-norm_gemm"), 420),
             # quantised: the peer of the same format (the ref-backend torch-compile row would dequantise)
-            # fp8_a16 (opt-in): wo and w2 W8A16 at decode (ops.w8a16)
+            # fp8_a16 (on): wqkv, wo and w2 W8A16 at decode (ops.w8a16); off: W8A8; fp8_a16_all (opt-in): w13 too
             "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8", "--impl",
-                                          "peer-compile", *abl, "fastdecode-graph-with-fp8_a16",
-                                          "fastdecode-graph-with-fp8_a16_qkv", "fastdecode-graph-with-fp8_a16_all"),
-                    420),
+                                          "peer-compile", *abl, "fastdecode-graph-no-fp8_a16",
+                                          "fastdecode-graph-with-fp8_a16_all"), 420),
             # int4_a8 (opt-in): W4A8 with int8 activations at decode
             "int4": ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
                                             "--impl", "peer-compile", *abl, "fastdecode-graph-no-norm_gemm",
@@ -153,7 +152,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
             # the lm head quantised too (issue 18's "the head"; the peers keep a dense head)
             "fp8-head": ("decode fp8 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
                                                     "--quant-head", "fp8", "--impl", "fastdecode-graph",
-                                                    "fastdecode-graph-with-fp8_a16"), 300),
+                                                    "fastdecode-graph-no-fp8_a16"), 300),
             "int4-head": ("decode int4 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
                                                       "--quant-head", "int4", "--impl", "fastdecode-graph",
                                                       "fastdecode-graph-with-int4_a8"), 300),
@@ -174,10 +173,10 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "profile-switches":
         # the opt-in switches against the default step, PDL off for the whole process (durations that do not
         # overlap: the rows record pdl false), so the families say where a switch's gain or loss goes
-        switch = {"fp8": ("fp8_a16", "fp8_a16_qkv", "fp8_a16_all"), "int4": ("int4_a8",)}
+        switch = {"fp8": ("no-fp8_a16", "with-fp8_a16_all"), "int4": ("with-int4_a8",)}
         return [(f"profile {q} {' '.join(switch[q])}", ["env", "FASTDECODE_PDL=0"] + _fd(
                     "bench", "decode", "--preset", "llama-3.1-8b", "--profile", "--quant", q, "--impl",
-                    "fastdecode-graph", *(f"fastdecode-graph-with-{k}" for k in switch[q]),
+                    "fastdecode-graph", *(f"fastdecode-graph-{k}" for k in switch[q]),
                     "--out", str(out / "profile_switches.json")), 180)
                 for q in ("fp8", "int4") if q in formats]
     if name == "hf":
@@ -220,8 +219,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                  "--table", str(cfg_dir / f"linear_{gpu}.json")], 480),
                 ("decode fp8 w8a16 tuned", tuned + _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
                                                            "--impl", "fastdecode-graph",
-                                                           "fastdecode-graph-with-fp8_a16",
-                                                           "fastdecode-graph-with-fp8_a16_qkv",
+                                                           "fastdecode-graph-no-fp8_a16",
                                                            "fastdecode-graph-with-fp8_a16_all"), 300)]
     if name == "int8-producers":
         return [("diag int8 producers", [PY, str(ROOT / "benchmarks" / "diag_int8_producers.py"),

@@ -48,11 +48,19 @@ def test_fp8_model_close_to_fp32_and_ops_equal_ref():
     # through different fp32 sums (decode attention vs SDPA), so an activation on a rounding boundary can
     # land one e4m3 step apart: 2 of 300 seeds, relative RMS error up to 2.3e-3 (an absolute 1e-4 bound
     # failed 1 seed in 300). Decoding one position off gives 0.15 to 0.32 (5 seeds).
+    # The decode step runs W8A16 wqkv / wo / w2 (fp8_a16, on by default) and a prefill W8A8: the fp8_a16 copy
+    # (W8A16 on every row) prefills as the steps decode, the model without the switch as its prefill.
+    from fastdecode.engine.accuracy import fp8_a16_copy
+
     nxt = torch.randint(0, CFG.vocab_size, (2,))
     q.backend = "torch"
+    longer = torch.cat([ids, nxt[:, None]], 1)
+    a16 = fp8_a16_copy(q)
+    step = q.decode(nxt, torch.tensor([13, 13]), prefill(a16, ids)[1])
+    assert rel_rms(step, prefill(a16, longer)[0][:, -1]) < 2e-2
+    q.set_kernels(fp8_a16=False)
     step = q.decode(nxt, torch.tensor([13, 13]), cache)
-    full, _ = prefill(q, torch.cat([ids, nxt[:, None]], 1))
-    assert rel_rms(step, full[:, -1]) < 2e-2
+    assert rel_rms(step, prefill(q, longer)[0][:, -1]) < 2e-2
 
 
 def test_fp8_kernel_switches_change_only_where_quantisation_happens():
@@ -84,52 +92,59 @@ def _fp8_decode_case(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fp8_a16_switch_runs_wo_and_w2_w8a16_at_decode(backend):
-    """``fp8_a16`` (opt-in): the FP8 wo and w2 of up to 4 token rows take their 16-bit input as it is (W8A16,
-    ``ops.w8a16``; w2's loads compute SiLU-and-mul): no per-token quantisation before either; prefills keep W8A8.
-    The torch backend is the ``ref`` path; Triton (the interpreter on the CPU, CUDA on a GPU machine) sums in
-    another order (bf16 rounding apart)."""
+def test_fp8_a16_switch_runs_wqkv_wo_and_w2_w8a16_at_decode(backend):
+    """``fp8_a16`` (on by default): the FP8 wqkv, wo and w2 of up to 4 token rows take their 16-bit input as it is
+    (W8A16, ``ops.w8a16``; the attention norm emits 16-bit rows, w2's loads compute SiLU-and-mul): no per-token
+    quantisation before any of them; w13 keeps W8A8 with its norm's FP8 rows; prefills keep W8A8. Off, every
+    projection is W8A8. The torch backend is the ``ref`` path; Triton (the interpreter on the CPU, CUDA on a GPU
+    machine) sums in another order (bf16 rounding apart)."""
     from fastdecode.ops.w8a16 import DECODE_MAX_M
 
     m, ids, nxt, pos = _fp8_decode_case(backend)
-    logits88, cache = prefill(m, ids)
-    step88 = m.decode(nxt, pos, cache)
-    assert all(layer.attention.wo.a16_max_rows == 0 for layer in m.layers)  # off by default
-    m.set_kernels(fp8_a16=True)
-    assert all(layer.attention.wo.a16_max_rows == layer.feed_forward.w2.a16_max_rows == DECODE_MAX_M
-               for layer in m.layers) and "w8a16" in repr(m.layers[0].attention.wo)
-    assert m.layers[0].attention.wqkv.a16_max_rows == 0  # its input comes from the norm, in FP8
+    for layer in m.layers:  # on by default
+        a, f = layer.attention, layer.feed_forward
+        assert a.wqkv.a16_max_rows == a.wo.a16_max_rows == f.w2.a16_max_rows == DECODE_MAX_M
+        assert layer.attention_norm.a16_rows == DECODE_MAX_M and "w8a16" in repr(a.wo)
+        assert f.w13.a16_max_rows == layer.ffn_norm.a16_rows == 0 and layer.ffn_norm.fp8_out
     logits16, cache = prefill(m, ids)
-    assert torch.equal(logits16, logits88)  # 14 token rows: W8A8
     step16 = m.decode(nxt, pos, cache)
-    assert 0 < rel_rms(step16, step88) < 0.2  # two FP8 activation roundings a layer fewer
+    m.set_kernels(fp8_a16=False)
+    assert all(lin.a16_max_rows == 0 for layer in m.layers for lin in (layer.attention.wqkv, layer.attention.wo,
+                                                                         layer.feed_forward.w2))
+    assert all(layer.attention_norm.a16_rows == 0 for layer in m.layers)
+    logits88, cache = prefill(m, ids)
+    assert torch.equal(logits16, logits88)  # 14 token rows: W8A8 either way
+    step88 = m.decode(nxt, pos, cache)
+    assert 0 < rel_rms(step16, step88) < 0.2  # three FP8 activation roundings a layer fewer
+    m.set_kernels(fp8_a16=True)
     m.backend = "ref"
-    ref = m.decode(nxt, pos, prefill(m, ids)[1])
+    ref_cache = prefill(m, ids)[1]
+    own_cache = copy.deepcopy(ref_cache)  # one prefill's cache for both: its FP8 norms would flip apart
+    ref = m.decode(nxt, pos, ref_cache)
+    m.backend = backend
+    step16 = m.decode(nxt, pos, own_cache)
     if backend == "torch":
         torch.testing.assert_close(step16, ref, atol=0, rtol=0)
     else:
-        # the norms' FP8 roundings flip apart (see below: no whole-step bound tells recipes apart; the op itself is
-        # held to its reference in tests/test_w8a16.py)
+        # w13's FP8 norm rounds apart (see below: no whole-step bound tells recipes apart; the op itself is held to
+        # its reference in tests/test_w8a16.py)
         assert rel_rms(step16, ref) < 0.2, rel_rms(step16, ref)
-    m.backend = backend
-    m.set_kernels(fused_down=False)  # w2 then takes SiLU-and-mul's FP8 pair (W8A8); wo stays W8A16
+    m.set_kernels(fused_down=False)  # w2 then takes SiLU-and-mul's FP8 pair (W8A8); wqkv and wo stay W8A16
     assert m.layers[0].feed_forward.w2.a16_max_rows == DECODE_MAX_M
     assert 0 < rel_rms(m.decode(nxt, pos, prefill(m, ids)[1]), step16) < 0.2
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fp8_a16_all_switch_runs_every_projection_w8a16_at_decode(backend):
-    """``fp8_a16_all`` (opt-in): ``fp8_a16``, and the FP8 wqkv and w13 too, their norms emitting 16-bit rows at
-    decode (``RMSNorm.a16_rows``); prefill keeps W8A8 with FP8 norms. No activation is rounded to FP8 at decode: the
-    torch backend's step equals the ``ref`` path's, and Triton's is within bf16 roundings of it."""
+    """``fp8_a16_all`` (opt-in): ``fp8_a16``, and the FP8 w13 too, its norm emitting 16-bit rows at decode
+    (``RMSNorm.a16_rows``); prefill keeps W8A8 with FP8 norms. No activation is rounded to FP8 at decode: the torch
+    backend's step equals the ``ref`` path's, and Triton's is within bf16 roundings of it."""
     from fastdecode.ops.w8a16 import DECODE_MAX_M
 
     m, ids, nxt, pos = _fp8_decode_case(backend)
     logits88, cache = prefill(m, ids)
-    step88 = m.decode(nxt, pos, cache)
-    m.set_kernels(fp8_a16=True)
-    step_out = m.decode(nxt, pos, prefill(m, ids)[1])
-    m.set_kernels(fp8_a16=False, fp8_a16_all=True)
+    step_default = m.decode(nxt, pos, cache)
+    m.set_kernels(fp8_a16=False, fp8_a16_all=True)  # fp8_a16_all alone: every projection
     for layer in m.layers:
         lins = (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2)
         assert all(lin.a16_max_rows == DECODE_MAX_M for lin in lins)
@@ -138,7 +153,7 @@ def test_fp8_a16_all_switch_runs_every_projection_w8a16_at_decode(backend):
     logits16, cache = prefill(m, ids)
     assert torch.equal(logits16, logits88)  # 14 token rows: W8A8, FP8 norms
     step16 = m.decode(nxt, pos, cache)
-    assert 0 < rel_rms(step16, step88) < 0.2 and 0 < rel_rms(step16, step_out) < 0.2
+    assert 0 < rel_rms(step16, step_default) < 0.2
     m.backend = "ref"
     ref_cache = prefill(m, ids)[1]
     own_cache = copy.deepcopy(ref_cache)  # one prefill's cache for both: its FP8 norms would flip apart
@@ -153,36 +168,8 @@ def test_fp8_a16_all_switch_runs_every_projection_w8a16_at_decode(backend):
     m.set_kernels(fp8_a16_all=False)
     assert all(layer.attention.wqkv.a16_max_rows == layer.attention_norm.a16_rows == 0 for layer in m.layers)
     assert all(layer.attention.wo.a16_max_rows == 0 for layer in m.layers)
-
-
-def test_fp8_a16_qkv_switch_runs_wqkv_wo_w2_w8a16_and_keeps_w13_w8a8():
-    """``fp8_a16_qkv`` (opt-in): wqkv, wo and w2 run W8A16 at decode, w13 keeps W8A8 with its FP8 norm; the step
-    lies between ``fp8_a16``'s and ``fp8_a16_all``'s assignments and equals the ``ref`` path's exactly (torch)."""
-    from fastdecode.ops.w8a16 import DECODE_MAX_M
-
-    m, ids, nxt, pos = _fp8_decode_case("torch")
-    m.set_kernels(fp8_a16_qkv=True)
-    for layer in m.layers:
-        a, f = layer.attention, layer.feed_forward
-        assert a.wqkv.a16_max_rows == a.wo.a16_max_rows == f.w2.a16_max_rows == DECODE_MAX_M
-        assert layer.attention_norm.a16_rows == DECODE_MAX_M
-        assert f.w13.a16_max_rows == layer.ffn_norm.a16_rows == 0 and layer.ffn_norm.fp8_out
-    step_qkv = m.decode(nxt, pos, prefill(m, ids)[1])
-    outs = {}
-    for k in ("fp8_a16", "fp8_a16_all"):
-        m.set_kernels(fp8_a16_qkv=False, **{k: True})
-        outs[k] = m.decode(nxt, pos, prefill(m, ids)[1])
-        m.set_kernels(**{k: False})
-    assert not torch.equal(step_qkv, outs["fp8_a16"]) and not torch.equal(step_qkv, outs["fp8_a16_all"])
-    m.set_kernels(fp8_a16_qkv=True)
-    m.backend = "ref"
-    ref_cache = prefill(m, ids)[1]
-    own_cache = copy.deepcopy(ref_cache)
-    ref = m.decode(nxt, pos, ref_cache)
-    m.backend = "torch"
-    torch.testing.assert_close(m.decode(nxt, pos, own_cache), ref, atol=0, rtol=0)
-    m.set_kernels(fp8_a16_qkv=False)
-    assert all(layer.attention.wqkv.a16_max_rows == layer.attention.wo.a16_max_rows == 0 for layer in m.layers)
+    m.set_kernels(fp8_a16=True)  # back to the default: w13 W8A8 again
+    assert all(layer.feed_forward.w13.a16_max_rows == layer.ffn_norm.a16_rows == 0 for layer in m.layers)
 
 
 # ----------------------------------------------------------------------------- same FP8 decisions, op by op
@@ -357,6 +344,7 @@ def test_fp8_triton_vs_torch_cos_0996_regression_same_decisions_op_by_op(dtype):
         norm.weight.copy_(1 + 0.1 * torch.randn(cfg.dim))  # random_model's are all 1: the weight would go unchecked
     ids = torch.randint(0, cfg.vocab_size, (3, 7))  # 3 rows: the GEMMs take the dot path (the interpreter's fast one)
     cache = KVCache(cfg, 3, 64, dtype=dtype)
+    m.set_kernels(fp8_a16=False)  # every FP8 site of W8A8 at decode too (fp8_a16's W8A16: tests/test_w8a16.py)
     with shadowed_by_refs() as counts:
         m.prefill(ids, cache)
         m.decode(torch.randint(0, cfg.vocab_size, (3,)), torch.tensor([7, 3, 6]), cache)  # ragged lengths
@@ -645,11 +633,13 @@ def test_fp8_llama8b_shapes_triton_graph_equals_torch_gpu():
     pos = torch.tensor([9, 9], device="cuda")
     m.backend = "triton"
     cache = KVCache(m.config, 2, 128, dtype=torch.bfloat16, device="cuda")
+    m.set_kernels(fp8_a16=False)  # every FP8 site of W8A8 at decode too (fp8_a16's W8A16: tests/test_w8a16.py)
     with shadowed_by_refs() as counts:
         m.prefill(ids, cache)
         m.decode(nxt, pos, cache)
     _assert_every_fp8_site_checked(counts, cfg.n_layers)
     assert counts["linear"] == 2  # the bf16 lm head: prefill, decode
+    m.set_kernels(fp8_a16=True)  # the default decode step (W8A16 wqkv, wo, w2) from here on
     out = {}
     for be in ("torch", "triton"):
         m.backend = be

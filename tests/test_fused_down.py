@@ -114,8 +114,8 @@ def test_model_takes_the_fused_path_only_on_cuda():
 
 def test_int4_and_fp8_down_projections_keep_the_two_kernels():
     """The bf16 / fp16 skinny GEMM takes the fused input; int4 (slower fused, measured) runs SiLU-and-mul as its own
-    kernel, and so does FP8 W8A8 (its activation is quantised per token over the whole row first) unless the opt-in
-    ``fp8_a16`` switch makes w2 W8A16 at decode, which computes SiLU-and-mul in its loads."""
+    kernel, and so does FP8 W8A8 (its activation is quantised per token over the whole row first), the path without
+    the ``fp8_a16`` switch (on by default), which makes w2 W8A16 at decode, computing SiLU-and-mul in its loads."""
     from fastdecode.engine.loader import random_model
     from fastdecode.models.config import ModelConfig
     from fastdecode.models.quantize import quantize_model
@@ -128,9 +128,10 @@ def test_int4_and_fp8_down_projections_keep_the_two_kernels():
         if quant == "int4":
             assert getattr(w2, "forward_glu", None) is None
             continue
+        assert w2.forward_glu(h, "torch").shape == (2, 1, w2.out_features)  # fp8_a16 (default): W8A16
+        m.set_kernels(fp8_a16=False)
         assert w2.forward_glu(h, "torch") is None  # W8A8: SiLU-and-mul's FP8 kernel, then the GEMM
         m.set_kernels(fp8_a16=True)
-        assert w2.forward_glu(h, "torch").shape == (2, 1, w2.out_features)
         assert w2.forward_glu(torch.randn(5, 1, 2 * w2.in_features), "torch") is None  # more rows than decode's
 
 

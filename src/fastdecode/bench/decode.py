@@ -33,9 +33,10 @@ then the norm; TP only), ``-no-int4_gemm`` (the int4 projections dequantised int
 cuBLAS; int4 models only), ``-no-pdl`` (the graph captured without programmatic dependent launch,
 ``fastdecode.kernels.pdl``), ``-no-argmax`` (the next tokens from ``torch.argmax`` rather than
 ``fastdecode.argmax``), ``-no-norm_gemm`` (the RMSNorms and residual adds as kernels of their own rather than
-inside the bf16 / int4 GEMMs, ``models.norm_gemm``) and ``fastdecode-eager`` (no CUDA graph);
+inside the bf16 / int4 GEMMs, ``models.norm_gemm``), ``-no-fp8_a16`` (FP8 wqkv, wo and w2 W8A8 at decode, their
+activations quantised; fp8 models only) and ``fastdecode-eager`` (no CUDA graph);
 ``fastdecode-graph-with-<switch>`` turns on a switch that is off by default (``OPT_IN_KERNELS``: ``int4_a8``,
-``fp8_a16``, ``fp8_a16_all``).
+``fp8_a16_all``).
 The fastdecode rows take the next tokens with
 ``fastdecode.argmax`` (after the graph, as ``Engine``'s greedy sampler does), the torch rows with ``torch.argmax``.
 
@@ -67,7 +68,7 @@ import torch
 
 from fastdecode.bench.decode_results import add_speedup_vs_peer
 from fastdecode.models import norm_gemm
-from fastdecode.models.llama import KERNELS, OPT_IN_KERNELS
+from fastdecode.models.llama import KERNELS, OPT_IN_KERNELS, Fp8Linear
 from fastdecode.ops import argmax as fd_argmax, pdl_override
 
 IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdecode-graph-cublas", "fastdecode-graph")
@@ -345,6 +346,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     cache = KVCache(model.config, batch, max_seq, dtype=dtype, device=device)
     wbytes = model.decode_step_bytes(batch)  # weights one step reads (B embedding rows, not the table)
     has_int4 = any(isinstance(m, Int4Linear) for m in model.modules())
+    has_fp8 = any(isinstance(m, Fp8Linear) for m in model.modules())
     # KV bytes read per step, averaged over the decode steps (positions input_len+1 .. max_seq-1)
     kv_avg = cache.bytes_read([batch * (input_len + output_len / 2)])
     peak = peak_bandwidth(device)
@@ -363,6 +365,8 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
             skip = "needs --tp"
         elif impl == "fastdecode-graph-no-int4_gemm" and not has_int4:
             skip = "needs int4 weights (--quant int4)"
+        elif impl in ("fastdecode-graph-no-fp8_a16", "fastdecode-graph-with-fp8_a16_all") and not has_fp8:
+            skip = "needs fp8 weights (--quant fp8)"
         elif impl in ("torch-compile",) + PEER_IMPLS and tp is not None:
             skip = "not with --tp"
         elif impl == "fastdecode-graph-no-norm_gemm" and not norm_gemm_applies:

@@ -71,8 +71,9 @@ def add_parsers(subparsers) -> None:
                    help="also evaluate each int4 format with int8 activations (the int4_a8 kernel switch: W4A8 where "
                         "the weight's groups are multiples of 128 columns)")
     e.add_argument("--fp8-a16", action="store_true",
-                   help="also evaluate each fp8 format with the fp8_a16 kernel switch (W8A16 wo and w2: their "
-                        "activations not quantised)")
+                   help="also evaluate each fp8 format as its decode steps compute it (the fp8_a16 kernel switch, "
+                        "on by default: W8A16 wqkv, wo and w2, their activations not quantised; the plain fp8 row is "
+                        "W8A8, as a prefill computes it)")
     e.add_argument("--fp8-a16-all", action="store_true",
                    help="also evaluate each fp8 format with the fp8_a16_all kernel switch (every projection W8A16)")
     e.add_argument("--device", default=None)

@@ -103,9 +103,9 @@ def int4_a8_copy(model):
 
 def fp8_a16_copy(model, all_projections: bool = False):
     """A copy of an fp8 ``model`` with the ``fp8_a16`` switch (``all_projections``: ``fp8_a16_all``) on for every
-    row, not only decode's up to 4: wo and w2 (and wqkv and w13, whose norms then emit 16-bit rows) take their
-    16-bit activations unquantised (W8A16, ``ops.w8a16``; beyond 4 rows its reference), so a window's prefill
-    computes what each decode step of it would."""
+    row, not only decode's up to 4: wqkv, wo and w2 (and w13) take their 16-bit activations unquantised (W8A16,
+    ``ops.w8a16``; beyond 4 rows its reference; the norms before wqkv (and w13) emit 16-bit rows), so a window's
+    prefill computes what each decode step of it would. The model as it is computes W8A8 on a window's rows."""
     from fastdecode.models.llama import Fp8Linear
     from fastdecode.models.rmsnorm import RMSNorm
 
@@ -126,7 +126,8 @@ def eval_accuracy(path: Optional[str] = None, quants: Sequence[str] = ("fp8",), 
     """Load ``path`` unquantised and with each of ``quants`` (and each again with the lm head quantised as
     ``head``, or the head alone when ``quants`` is empty); returns one JSON-ready row per format. ``int4_a8``: each
     int4 format again with int8 activations (``int4_a8_copy``; the row says on how many projections); ``fp8_a16``:
-    each fp8 format again with W8A16 wo and w2 (``fp8_a16_copy``); ``fp8_a16_all``: with every projection W8A16."""
+    each fp8 format again as its decode steps compute it (W8A16 wqkv, wo and w2: ``fp8_a16_copy``);
+    ``fp8_a16_all``: with every projection W8A16."""
     from fastdecode.engine.loader import load
     from fastdecode.models.quantize import FORMATS, check_head, quantize_head
 

@@ -46,11 +46,11 @@ CUDA, SiLU-and-mul inside a bf16 / fp16 ``w2``'s GEMM (``Linear.forward_glu``); 
 (``fastdecode.ops.glu_linear`` says why). ``fused_rope``: ``fastdecode.models.decode_attention``. ``norm_gemm``:
 ``fastdecode.models.norm_gemm`` (the decode step's norms and residual adds inside the bf16 / fp16 and W4A16 int4
 GEMMs; it folds the norm weights into dense wqkv / w13 in place at the first decode). ``int4_a8`` (off by default):
-W4A8 decode with int8 activations (``fastdecode.models.int4.set_int4_switches``). ``fp8_a16`` (off by default): the
-FP8 ``wo`` and ``w2`` of up to 4 token rows run W8A16 (``fastdecode.ops.w8a16``: the attention output unquantised,
-SiLU-and-mul inside w2's loads with ``fused_down``), two launches a layer fewer; ``fp8_a16_qkv`` / ``fp8_a16_all``
-(off by default): ``fp8_a16`` and the same for ``wqkv`` / for ``wqkv`` and ``w13``, whose norms then emit 16-bit rows
-at decode (``RMSNorm.a16_rows``).
+W4A8 decode with int8 activations (``fastdecode.models.int4.set_int4_switches``). ``fp8_a16`` (on): the FP8
+``wqkv``, ``wo`` and ``w2`` of up to 4 token rows run W8A16 (``fastdecode.ops.w8a16``: the attention norm emits
+16-bit rows (``RMSNorm.a16_rows``), the attention output goes unquantised, SiLU-and-mul inside w2's loads with
+``fused_down``), two launches a layer fewer; ``w13`` keeps W8A8 (its norm emits FP8). ``fp8_a16_all`` (off by
+default): ``w13`` too, its norm then emitting 16-bit rows as well.
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -92,11 +92,13 @@ from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
 KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm", "fused_rope",
-           "norm_gemm", "int4_a8", "fp8_a16", "fp8_a16_qkv", "fp8_a16_all")
+           "norm_gemm", "int4_a8", "fp8_a16", "fp8_a16_all")
 # switches off by default (``bench decode``'s ``-with-<switch>`` rows turn them on): a new kernel waits here until a
 # GPU has measured it (norm_gemm for int4 blocks did, sessions 17-18); int4_a8 also changes the numbers (int8
-# activations), so it would stay a choice even when it wins; the fp8_a16 family waits for the H200
-OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16", "fp8_a16_qkv", "fp8_a16_all")
+# activations), so it would stay a choice even when it wins; fp8_a16 is on since session 25: W8A16 wqkv, wo and w2 were
+# faster than W8A8 in every H100 step measured (3300.7 against 3495.7 us, benchmarks/NOTES.md), with a perplexity
+# closer to the unquantised model's; fp8_a16_all (w13 too) was slower there
+OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16_all")
 
 
 def _lead(x) -> tuple:
@@ -436,14 +438,13 @@ class Transformer(nn.Module):
             raise ValueError(f"unknown kernel switch {bad[0]!r}; known: {', '.join(KERNELS)}")
         self.kernels.update({k: bool(v) for k, v in flags.items()})
         k = self.kernels
-        # rows of wqkv, w13, and wo / w2 that run W8A16 at decode: fp8_a16 < fp8_a16_qkv < fp8_a16_all
-        a16_qkv = W8A16_DECODE_MAX_M if k["fp8_a16_qkv"] or k["fp8_a16_all"] else 0
+        # rows of wqkv, wo, w2 (fp8_a16) and of w13 (fp8_a16_all) that run W8A16 at decode
+        a16 = W8A16_DECODE_MAX_M if k["fp8_a16"] or k["fp8_a16_all"] else 0
         a16_w13 = W8A16_DECODE_MAX_M if k["fp8_a16_all"] else 0
-        a16_out = W8A16_DECODE_MAX_M if k["fp8_a16"] or a16_qkv else 0
         for layer in self.layers:
             # FP8 output only where the consumer is an Fp8Linear (int4 and bf16 projections take floats)
             a, f = layer.attention, layer.feed_forward
-            for norm, consumer, a16_in in ((layer.attention_norm, a.wqkv, a16_qkv), (layer.ffn_norm, f.w13, a16_w13)):
+            for norm, consumer, a16_in in ((layer.attention_norm, a.wqkv, a16), (layer.ffn_norm, f.w13, a16_w13)):
                 norm.fused = k["fused_norm"]
                 norm.fp8_out = isinstance(consumer, Fp8Linear) and k["fused_norm"]
                 norm.a16_rows = a16_in if norm.fp8_out else 0
@@ -455,7 +456,7 @@ class Transformer(nn.Module):
             f.fp8_act = isinstance(f.w2, Fp8Linear) and k["fused_act"]
             for lin in (a.wo, f.w2):
                 if isinstance(lin, Fp8Linear):
-                    lin.a16_max_rows = a16_out
+                    lin.a16_max_rows = a16
         for norm in [self.norm] + [m for layer in self.layers for m in (layer.attention_norm, layer.ffn_norm)]:
             norm.fuse_comm = k["fused_allreduce"]
         self.norm.fused = k["fused_norm"]

@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype), requires_grad=False)
         self.fp8_out = False
-        self.a16_rows = 0  # fp8_a16_all: up to this many rows stay 16-bit although fp8_out (the consumer runs W8A16)
+        self.a16_rows = 0  # fp8_a16(_all): up to this many rows stay 16-bit although fp8_out (the consumer: W8A16)
         self.int8_out = False
         self.fused = True
         self.comm = None
