@@ -47,11 +47,12 @@ SHAPES = {"8b_o": (4096, 4096, False), "8b_down": (4096, 14336, True),
 
 
 def candidates(M: int, N: int, K: int, num_sms: int) -> list[dict]:
-    """FMA tiles of 16-byte weight loads: BLOCK_K 512-4096 bytes a row step, BLOCK_N 1-8, 4 or 8 warps, 1-16
+    """FMA tiles of 16-byte weight loads: BLOCK_K 512-4096 bytes a row step, BLOCK_N 1-16, 4 or 8 warps, 1-16
     programs an SM; and dot tiles of 64 columns, 1-4 splits."""
     bm = 1 if M == 1 else (2 if M == 2 else 4)
     out = []
-    for warps, bk, bn in itertools.product((4, 8), (512, 1024, 2048, 4096), (1, 2, 4, 8)):
+    # BLOCK_N 16: with glu each program computes SiLU-and-mul of the whole row; more columns a program share it
+    for warps, bk, bn in itertools.product((4, 8), (512, 1024, 2048, 4096), (1, 2, 4, 8, 16)):
         if bk < 16 * 32 * warps // 4 or bk > K or bn * bk * bm // (32 * warps) > 256 or bn * bk // (32 * warps) < 16:
             continue
         kb = -(-K // bk)
