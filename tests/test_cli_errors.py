@@ -137,6 +137,40 @@ def test_bad_flags_refused_by_argparse(flag, value, no_load, capsys):
     assert f"error: argument {flag}: " in last and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("value, says", [
+    ("fused_attention=off", "unknown kernel switch 'fused_attention'; known: fused_norm"),
+    ("int4_a8", "'int4_a8': write int4_a8=on or int4_a8=off"),
+    ("fp8_a16=maybe", "'fp8_a16=maybe': write fp8_a16=on or fp8_a16=off"),
+])
+def test_bad_kernel_switches_refused_by_argparse(value, says, no_load, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hi", "--device", "cpu", "--kernels", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --kernels: " + says in err.strip().splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_kernel_switches_reach_the_model_before_the_engine(tiny, monkeypatch, capsys):
+    """``--kernels`` (generate, chat, serve): applied with ``set_kernels`` after loading, before the engine is built
+    (and captures its graphs): an FP8 model decodes W8A8 with ``fp8_a16=off``."""
+    from fastdecode.engine import generate
+
+    seen, orig = [], generate.Engine.__init__
+
+    def spy(self, model, *a, **kw):
+        w = model.layers[0].attention.wo
+        seen.append((dict(model.kernels), w.a16_max_rows))
+        orig(self, model, *a, **kw)
+
+    monkeypatch.setattr(generate.Engine, "__init__", spy)
+    for value, a16 in (("fp8_a16=off,int4_a8=on", 0), (None, 4)):
+        argv = ["generate", "hi", "--model", tiny, "--device", "cpu", "--quant", "fp8", "--max-new-tokens", "2"]
+        assert cli.main(argv + (["--kernels", value] if value else [])) == 0
+        kernels, rows = seen.pop()
+        assert rows == a16 and kernels["fp8_a16"] == (value is None) and kernels["int4_a8"] == (value is not None)
+    capsys.readouterr()
+
+
 # ----------------------------------------------------------------------------- 6. GPU-only commands
 
 

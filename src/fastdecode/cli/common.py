@@ -87,6 +87,31 @@ def add_quant_head_arg(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- validators
 
 
+def kernel_switches(s: str) -> dict:
+    """``--kernels`` value: ``name=on|off`` pairs, comma-separated -> ``{name: bool}`` for ``set_kernels``."""
+    from fastdecode.models.llama import KERNELS
+
+    out = {}
+    for item in s.split(","):
+        name, sep, value = item.strip().partition("=")
+        if name not in KERNELS:
+            raise argparse.ArgumentTypeError(f"unknown kernel switch {name!r}; known: {', '.join(KERNELS)}")
+        if not sep or value.lower() not in ("on", "off", "1", "0", "true", "false"):
+            raise argparse.ArgumentTypeError(f"{item.strip()!r}: write {name}=on or {name}=off")
+        out[name] = value.lower() in ("on", "1", "true")
+    return out
+
+
+def add_kernels_arg(p: argparse.ArgumentParser) -> None:
+    from fastdecode.models.llama import KERNELS, OPT_IN_KERNELS
+
+    on = [k for k in KERNELS if k not in OPT_IN_KERNELS]
+    p.add_argument("--kernels", type=kernel_switches, default=None, metavar="NAME=on|off[,...]",
+                   help=f"turn kernel switches on or off (model.set_kernels), e.g. int4_a8=on (W4A8 decode with "
+                        f"int8 activations) or fp8_a16=off (W8A8 decode); on by default: {', '.join(on)}; off by "
+                        f"default: {', '.join(OPT_IN_KERNELS)}")
+
+
 def check_device(spec: Optional[str]) -> torch.device:
     """The ``--device`` to run on (default: cuda when available); ValueError naming --device for a device this
     torch cannot use (no CUDA build or GPU, an index past the GPUs there are, not cpu / cuda)."""

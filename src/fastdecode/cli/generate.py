@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from fastdecode.cli.common import (DTYPES, USER_ERRORS, add_quant_head_arg, broadcast, check_device, check_text,
-                                   end_tp, fail, finish_tp, nonneg_int, positive_int, temperature, top_p, warn)
+from fastdecode.cli.common import (DTYPES, USER_ERRORS, add_kernels_arg, add_quant_head_arg, broadcast, check_device,
+                                   check_text, end_tp, fail, finish_tp, nonneg_int, positive_int, temperature, top_p,
+                                   warn)
 from fastdecode.quant.formats import METHODS
 
 
@@ -35,6 +36,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, choices=["auto", "triton", "torch"],
                    help="op backend (default: torch on CPU, auto on GPU)")
     p.add_argument("--no-cuda-graph", action="store_true", help="launch the decode step eagerly")
+    add_kernels_arg(p)
     p.add_argument("--tokenizer", default=None,
                    help="a tokenizer.json, a HF directory holding one, or a .gguf whose vocabulary to use "
                         "(default: the model's own; needed for a GGUF without a vocabulary)")
@@ -43,9 +45,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_quant_tp_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None, choices=list(METHODS),
-                   help="fp8: W8A8 (per-channel weights, per-token activations); int4: W4A16 (group-wise int4 "
-                        "weights, RTN group 128); quantised at load unless the checkpoint already is (FP8, GPTQ, "
-                        "AWQ, GGUF Q4_0/Q4_1); default: as stored (GGUF Q4_0/Q4_1 run as int4 on CUDA)")
+                   help="fp8: per-channel FP8 weights, W8A8 with per-token activations (decode steps run wqkv, wo "
+                        "and w2 W8A16: the fp8_a16 switch); int4: W4A16 (group-wise int4 weights, RTN group 128; "
+                        "int4_a8=on: int8 activations at decode); quantised at load unless the checkpoint already "
+                        "is (FP8, GPTQ, AWQ, GGUF Q4_0/Q4_1); default: as stored (GGUF Q4_0/Q4_1 run as int4 on "
+                        "CUDA)")
     add_quant_head_arg(p)
     p.add_argument("--tp", type=positive_int, default=None,
                    help="tensor parallelism over N GPUs (relaunches under torchrun; or run under torchrun yourself)")
@@ -107,6 +111,8 @@ def _engine(args, max_batch=1, need_tokenizer: bool = True):
         device = check_device(args.device)
         dtype = _dtype(args, device)
         loaded = load(args.model, device=device, dtype=dtype, progress=sys.stderr.isatty(), **kw)
+    if getattr(args, "kernels", None):
+        loaded.model.set_kernels(**args.kernels)  # before the engine captures its graphs
     tok = loaded.tokenizer
     if args.tokenizer:
         tok = Tokenizer.from_path(args.tokenizer)
