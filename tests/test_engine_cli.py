@@ -34,6 +34,7 @@ def test_info_json(capsys):
     assert d["backend"].startswith(("torch on", "triton on"))
     if not torch.cuda.is_available():  # the engine's CPU path: the torch reference of every op
         assert d["engine_backends"] == cli.info.engine_backends(None, False)
+    assert "fp8_a16: on" in d["kernel_switches"] and "int4_a8: off" in d["kernel_switches"]
 
 
 def test_bench_decode_tiny_cpu(tmp_path, capsys):
@@ -112,8 +113,10 @@ def test_info_lists_the_backends_each_op_runs_on():
            "linear_nvidia_h200.json)" in h200
     assert "cuBLASLt _scaled_mm" in h200 and "int4_linear_nvidia_h200.json" in h200 and "F.linear" not in h200
     assert "one-shot / two-shot" in h200
+    assert "GEMM fp8 at decode (fp8_a16): W8A16 skinny Triton kernel for wqkv, wo, w2" in h200
     a100 = "\n".join(engine_backends(("NVIDIA A100-SXM4-80GB", (8, 0)), True))
     assert "GEMM fp8 (W8A8): unavailable (needs sm_89+, this GPU is sm_80)" in a100
+    assert "GEMM fp8 at decode (fp8_a16): unavailable" in a100
     assert "heuristic: no tuned table for this GPU" in a100
 
 

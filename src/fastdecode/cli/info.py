@@ -50,6 +50,8 @@ def engine_backends(gpu: Optional[tuple[str, tuple[int, int]]], triton: bool) ->
         "norm, activation, RoPE + KV write, attention: Triton kernels (fused)",
         f"GEMM bf16/fp16: dispatcher, skinny Triton kernel or cuBLAS per shape ({table(gemm.config_path(name))})",
         f"GEMM fp8 (W8A8): {fp8}",
+        "GEMM fp8 at decode (fp8_a16): W8A16 skinny Triton kernel for wqkv, wo, w2 (tuned w8a16 section or heuristic)"
+        if sm >= (8, 9) else "GEMM fp8 at decode (fp8_a16): unavailable",
         ("GEMM int4 (W4A16): dispatcher, Triton fma / tensor-core dot, or dequantise + cuBLAS at large M "
          f"({table(int4.config_path(name))})"),
         ("all-reduce (TP): symmetric-memory one-shot / two-shot fused with add + RMSNorm, NCCL above the "
@@ -83,6 +85,10 @@ def info_dict() -> dict:
         p = torch.cuda.get_device_properties(dev)
         gpu = (p.name, (p.major, p.minor))
     d["engine_backends"] = engine_backends(gpu, resolve_backend(None, dev, "info") == "triton")
+    from fastdecode.models.llama import KERNELS, OPT_IN_KERNELS
+
+    # the model's kernel switches and their defaults (generate / chat / serve --kernels NAME=on|off)
+    d["kernel_switches"] = [f"{k}: {'off' if k in OPT_IN_KERNELS else 'on'}" for k in KERNELS]
     try:
         from fastdecode.engine.checkpoint.detect import default_model_path
 
