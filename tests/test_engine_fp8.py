@@ -91,6 +91,17 @@ def _fp8_decode_case(backend):
     return m, ids, torch.randint(0, CFG.vocab_size, (2,), device=dev), torch.tensor([7, 7], device=dev)
 
 
+def _decode_and_ref(m, ids, nxt, pos, backend):
+    """One decode step on ``backend`` and on the ``ref`` path, both from the same ``ref`` prefill's cache (two
+    prefills' FP8 norms would flip apart): (step, ref)."""
+    m.backend = "ref"
+    ref_cache = prefill(m, ids)[1]
+    own_cache = copy.deepcopy(ref_cache)
+    ref = m.decode(nxt, pos, ref_cache)
+    m.backend = backend
+    return m.decode(nxt, pos, own_cache), ref
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fp8_a16_switch_runs_wqkv_wo_and_w2_w8a16_at_decode(backend):
     """``fp8_a16`` (on by default): the FP8 wqkv, wo and w2 of up to 4 token rows take their 16-bit input as it is
@@ -117,12 +128,7 @@ def test_fp8_a16_switch_runs_wqkv_wo_and_w2_w8a16_at_decode(backend):
     step88 = m.decode(nxt, pos, cache)
     assert 0 < rel_rms(step16, step88) < 0.2  # three FP8 activation roundings a layer fewer
     m.set_kernels(fp8_a16=True)
-    m.backend = "ref"
-    ref_cache = prefill(m, ids)[1]
-    own_cache = copy.deepcopy(ref_cache)  # one prefill's cache for both: its FP8 norms would flip apart
-    ref = m.decode(nxt, pos, ref_cache)
-    m.backend = backend
-    step16 = m.decode(nxt, pos, own_cache)
+    step16, ref = _decode_and_ref(m, ids, nxt, pos, backend)
     if backend == "torch":
         torch.testing.assert_close(step16, ref, atol=0, rtol=0)
     else:
@@ -154,12 +160,7 @@ def test_fp8_a16_all_switch_runs_every_projection_w8a16_at_decode(backend):
     assert torch.equal(logits16, logits88)  # 14 token rows: W8A8, FP8 norms
     step16 = m.decode(nxt, pos, cache)
     assert 0 < rel_rms(step16, step_default) < 0.2
-    m.backend = "ref"
-    ref_cache = prefill(m, ids)[1]
-    own_cache = copy.deepcopy(ref_cache)  # one prefill's cache for both: its FP8 norms would flip apart
-    ref = m.decode(nxt, pos, ref_cache)
-    m.backend = backend
-    step16 = m.decode(nxt, pos, own_cache)
+    step16, ref = _decode_and_ref(m, ids, nxt, pos, backend)
     if backend == "torch":
         torch.testing.assert_close(step16, ref, atol=0, rtol=0)
     else:  # bf16 roundings apart only (the interpreter's truncating casts among them): no FP8 rounding to flip;

@@ -71,7 +71,7 @@ def _config(device, M: int, N: int, K: int, glu: bool) -> dict:
         table = load_table("linear", device_info(device)[0]) or {}
         entry = nearest_m(table.get(TABLE_SECTION, {}).get(table_key(N, K, glu)), M)
         if entry and entry["config"].get("BLOCK_M", 1) >= min(M, MAX_M):
-            return dict(entry["config"])
+            return entry["config"]  # get_w8a16_config hands out copies
     return heuristic_config(M, N, K, device_info(device)[1])
 
 
