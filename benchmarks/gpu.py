@@ -142,8 +142,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
             # quantised: the peer of the same format (the ref-backend torch-compile row would dequantise)
             # fp8_a16 (on): wqkv, wo and w2 W8A16 at decode (ops.w8a16); off: W8A8; fp8_a16_all (opt-in): w13 too
             "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8", "--impl",
-                                          "peer-compile", *abl, "fastdecode-graph-no-fp8_a16",
-                                          "fastdecode-graph-with-fp8_a16_all"), 420),
+                                          "peer-compile", *abl, "fastdecode-graph-no-norm_gemm",
+                                          "fastdecode-graph-no-fp8_a16", "fastdecode-graph-with-fp8_a16_all"), 420),
             # int4_a8 (opt-in): W4A8 with int8 activations at decode
             "int4": ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
                                             "--impl", "peer-compile", *abl, "fastdecode-graph-no-norm_gemm",
@@ -173,7 +173,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "profile-switches":
         # the opt-in switches against the default step, PDL off for the whole process (durations that do not
         # overlap: the rows record pdl false), so the families say where a switch's gain or loss goes
-        switch = {"fp8": ("no-fp8_a16", "with-fp8_a16_all"), "int4": ("with-int4_a8",)}
+        switch = {"fp8": ("no-norm_gemm", "no-fp8_a16", "with-fp8_a16_all"), "int4": ("with-int4_a8",)}
         return [(f"profile {q} {' '.join(switch[q])}", ["env", "FASTDECODE_PDL=0"] + _fd(
                     "bench", "decode", "--preset", "llama-3.1-8b", "--profile", "--quant", q, "--impl",
                     "fastdecode-graph", *(f"fastdecode-graph-{k}" for k in switch[q]),
@@ -219,6 +219,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                  "--table", str(cfg_dir / f"linear_{gpu}.json")], 480),
                 ("decode fp8 w8a16 tuned", tuned + _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
                                                            "--impl", "fastdecode-graph",
+                                                           "fastdecode-graph-no-norm_gemm",
                                                            "fastdecode-graph-no-fp8_a16",
                                                            "fastdecode-graph-with-fp8_a16_all"), 300)]
     if name == "int8-producers":

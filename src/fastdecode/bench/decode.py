@@ -353,7 +353,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     shape = {"model": model_label(cfg, layers), "batch": batch, "input_len": input_len,
              "output_len": output_len, "dtype": str(dtype).replace("torch.", ""),
              "quant": quant_label(quant, quant_head), "tp": tp[1] if tp else 1}
-    norm_gemm_applies = norm_gemm.applies(model)  # the default switches, as built
+    norm_gemm_applies = norm_gemm.applies(model, batch)  # the default switches, as built
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     last_peer = max((i for i, impl in enumerate(impls) if impl in PEER_IMPLS), default=-1)
@@ -370,8 +370,8 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         elif impl in ("torch-compile",) + PEER_IMPLS and tp is not None:
             skip = "not with --tp"
         elif impl == "fastdecode-graph-no-norm_gemm" and not norm_gemm_applies:
-            skip = ("the default step has no norm_gemm here: bf16 / fp16 or W4A16 projections on one GPU "
-                    "(models.norm_gemm)")
+            skip = ("the default step has no norm_gemm here: bf16 / fp16, W4A16 or (fp8_a16, up to 4 rows) W8A16 "
+                    "projections on one GPU (models.norm_gemm)")
         if skip:
             log(f"{impl}: skipped ({skip})")
             rows.append({"op": "decode", "impl": impl, "shape": shape, "skipped": skip, **env_info()})

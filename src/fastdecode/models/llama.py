@@ -44,9 +44,9 @@ skinny_gemm=..., fused_allreduce=..., int4_gemm=..., fused_rope=..., norm_gemm=.
 a switched-off fusion runs as separate plain-PyTorch ops (an int4 GEMM as dequantise + cuBLAS). ``fused_down``: on
 CUDA, SiLU-and-mul inside a bf16 / fp16 ``w2``'s GEMM (``Linear.forward_glu``); off, apart, as always for int4
 (``fastdecode.ops.glu_linear`` says why). ``fused_rope``: ``fastdecode.models.decode_attention``. ``norm_gemm``:
-``fastdecode.models.norm_gemm`` (the decode step's norms and residual adds inside the bf16 / fp16 and W4A16 int4
-GEMMs; it folds the norm weights into dense wqkv / w13 in place at the first decode). ``int4_a8`` (off by default):
-W4A8 decode with int8 activations (``fastdecode.models.int4.set_int4_switches``). ``fp8_a16`` (on): the FP8
+``fastdecode.models.norm_gemm`` (the decode step's norms and residual adds inside the bf16 / fp16, W4A16 int4 and
+W8A16 FP8 GEMMs; it folds the norm weights into dense wqkv / w13 in place at the first decode). ``int4_a8`` (off
+by default): W4A8 decode with int8 activations (``fastdecode.models.int4.set_int4_switches``). ``fp8_a16`` (on): the FP8
 ``wqkv``, ``wo`` and ``w2`` of up to 4 token rows run W8A16 (``fastdecode.ops.w8a16``: the attention norm emits
 16-bit rows (``RMSNorm.a16_rows``), the attention output goes unquantised, SiLU-and-mul inside w2's loads with
 ``fused_down``), two launches a layer fewer; ``w13`` keeps W8A8 (its norm emits FP8). ``fp8_a16_all`` (off by
@@ -403,7 +403,7 @@ class Transformer(nn.Module):
         B = tokens.shape[0]
         be = self.backend
         seq_lens = None if self.kernels["fused_rope"] else (input_pos + 1).to(torch.int32)  # once, for every layer
-        if norm_gemm.applies(self):
+        if norm_gemm.applies(self, B):
             return norm_gemm.decode(self, tokens, input_pos, cache, seq_lens)
         residual = self._embed(tokens.view(B, 1))  # [B, 1, dim]; fresh, updated in place below
         x = self.layers[0].attention_norm(residual, be)

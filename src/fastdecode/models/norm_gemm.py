@@ -10,10 +10,17 @@ It applies where the switch and ``fused_norm`` are on, where fastdecode's Triton
 CUDA, or ``"triton"``; not the ``"torch"`` backend, nor the ``"ref"`` baseline), on one GPU (under TP the norm
 owns the all-reduce), not while ``torch.compile`` traces the decode step, and where each of the four projections
 of every block is a plain ``Linear`` (bf16 / fp16 / fp32) or, in a bf16 / fp16 model, a W4A16 ``Int4Linear`` for
-which the int4 table picks the FMA kernel at one token (an ``Fp8Linear`` wants its norm to quantise). The int4
-projections take the int4 ops of ``ops.int4_norm_linear`` (the norm weight stays in their kernels: it cannot be
-folded into int4 weights), and w2 takes SiLU-and-mul as a kernel of its own, as on the unfused path: 6 kernels a
-block instead of 8.
+which the int4 table picks the FMA kernel at one token, or, in a bf16 / fp16 model, an ``Fp8Linear`` that runs
+W8A16 at the step's batch (``fp8_a16``, up to 4 rows). The int4 projections take the int4 ops of
+``ops.int4_norm_linear`` (the norm weight stays in their kernels: it cannot be folded into int4 weights), and w2
+takes SiLU-and-mul as a kernel of its own, as on the unfused path: 6 kernels a block instead of 8.
+
+FP8 blocks (session 26) take ``ops.w8a16``'s ``rms_norm_linear_w8a16`` / ``add_linear_w8a16_``: the attention norm
+inside wqkv's W8A16 GEMV, the residual adds in wo's and w2's epilogues (SiLU-and-mul in w2's loads). w13 keeps W8A8
+after its norm kernel (FP8 output; the residual add has moved into wo), or with ``fp8_a16_all`` takes the norm
+inside its W8A16 GEMV too: 5 kernels a block (4 with ``fp8_a16_all``) instead of 6. The norm weights stay in the
+kernels, as for int4: folding them into FP8 weights would round those weights to FP8 a second time. Beyond the
+W8A16 rows (batch > 4, or ``fp8_a16`` off) an FP8 model keeps the unfused step.
 
 Why FMA only (session 18, H200, c13d239): every program of a fused int4 kernel first sums its rows' squares over
 the whole of K. In the FMA kernel (few tokens a program) that pass paid for itself: SmolLM2 Q4_1 shapes at M = 1
@@ -48,6 +55,7 @@ import torch
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref
 from fastdecode.ops.int4_norm_linear import int4_add_linear_, int4_rms_norm_linear
 from fastdecode.ops.norm_linear import add_linear_, fold_norm_weight, rms_norm_linear
+from fastdecode.ops.w8a16 import add_linear_w8a16_, rms_norm_linear_w8a16
 
 
 def _projections(layer):
@@ -61,20 +69,33 @@ def _dense(proj) -> bool:
     return isinstance(proj, Linear)
 
 
-def _supported(proj, dtype) -> bool:
+def _supported(proj, dtype, batch: int, norm_in: bool) -> bool:
+    """Whether the projection takes this path at ``batch`` rows. ``norm_in``: it follows a norm (wqkv, w13)."""
     from fastdecode.models.int4 import INT4_ACT_DTYPES, Int4Linear
+    from fastdecode.models.llama import Fp8Linear
     from fastdecode.ops.int4 import get_int4_config
+    from fastdecode.ops.w8a16 import X_DTYPES as W8A16_X_DTYPES
 
     if _dense(proj):
         return True
+    if isinstance(proj, Fp8Linear):
+        # W8A16 (fp8_a16) for these rows; a W8A8 w13 keeps its norm kernel (FP8 output), the residual add moves
+        return dtype in W8A16_X_DTYPES and (_a16(proj, batch) or norm_in)
     if not (isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES) or proj.act_int8:
         return False  # W4A8 (int4_a8) quantises its activation: the W4A16 norm ops do not apply
     impl, cfg = get_int4_config(1, proj.out_features, proj.in_features, proj.group_size, proj.qweight.device)
     return impl == "triton" and cfg["kind"] == "fma"  # the kind where the fused norm pays (module docstring)
 
 
-def applies(model) -> bool:
-    """Whether ``model.decode`` takes this path (module docstring)."""
+def _a16(proj, batch: int) -> bool:
+    """An ``Fp8Linear`` that runs W8A16 at ``batch`` rows (the ``fp8_a16`` switches)."""
+    from fastdecode.ops.w8a16 import MAX_M
+
+    return 0 < batch <= min(proj.a16_max_rows, MAX_M)
+
+
+def applies(model, batch: int = 1) -> bool:
+    """Whether ``model.decode`` of ``batch`` sequences takes this path (module docstring)."""
     k = model.kernels
     if not (k["norm_gemm"] and k["fused_norm"]) or model.tp is not None:
         return False
@@ -86,7 +107,8 @@ def applies(model) -> bool:
     if not (model.backend == "triton" or (model.backend == "auto" and on_cuda)):
         return False
     dtype = model.tok_embeddings.weight.dtype
-    return all(_supported(p, dtype) for layer in model.layers for p in _projections(layer))
+    return all(_supported(p, dtype, batch, i in (0, 2)) for layer in model.layers
+               for i, p in enumerate(_projections(layer)))
 
 
 def _pairs(layer):
@@ -129,19 +151,32 @@ def _folded(model) -> bool:
 
 def _norm_linear(h, norm, proj, be):
     """The norm, then the projection, as one kernel: a dense weight has the norm weight folded in (a norm without
-    weight), an int4 weight takes it in the kernel."""
+    weight), an int4 or FP8 weight takes it in the kernel; a W8A8 projection takes the norm kernel's FP8 output."""
     if _dense(proj):
         return rms_norm_linear(h, None, proj.weight, proj.bias, eps=norm.eps, backend=be, impl=proj.gemm_impl)
+    if _fp8(proj):
+        if not _a16(proj, h.shape[0]):
+            return proj(norm(h, be), be)  # W8A8 w13 (fp8_a16 without fp8_a16_all): the norm emits FP8
+        return rms_norm_linear_w8a16(h, norm.weight, proj.weight, proj.weight_scale, proj.bias, eps=norm.eps,
+                                     backend=be)
     return int4_rms_norm_linear(h, norm.weight, proj.packed, proj.bias, eps=norm.eps, backend=be,
                                 impl=proj.impl if h.is_cuda else None)
 
 
 def _add_linear(h, x, proj, be, glu: bool = False) -> None:
-    """h += proj(x) in place (``glu``: x is ``[gate | up]``, dense projections only)."""
+    """h += proj(x) in place (``glu``: x is ``[gate | up]``, dense and FP8 projections only)."""
     if _dense(proj):
         add_linear_(h, x, proj.weight, proj.bias, glu=glu, backend=be, impl=proj.gemm_impl)
+    elif _fp8(proj):
+        add_linear_w8a16_(h, x, proj.weight, proj.weight_scale, proj.bias, glu=glu, backend=be)
     else:
         int4_add_linear_(h, x, proj.packed, proj.bias, backend=be, impl=proj.impl if h.is_cuda else None)
+
+
+def _fp8(proj) -> bool:
+    from fastdecode.models.llama import Fp8Linear
+
+    return isinstance(proj, Fp8Linear)
 
 
 def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens) -> torch.Tensor:
@@ -161,7 +196,7 @@ def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens
         o = a.attend(qkv, model.rope, cache.k[i], cache.v[i], input_pos, seq_lens, be)
         _add_linear(h, o, wo, be)
         gu = _norm_linear(h, layer.ffn_norm, w13, be)
-        if f.fuse_down and f.fused and _dense(w2):  # SiLU-and-mul in w2's loads
+        if f.fuse_down and f.fused and (_dense(w2) or _fp8(w2)):  # SiLU-and-mul in w2's loads
             _add_linear(h, gu, w2, be, glu=True)
         else:
             _add_linear(h, silu_and_mul(gu, backend=be) if f.fused else silu_and_mul_ref(gu), w2, be)

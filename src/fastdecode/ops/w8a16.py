@@ -25,11 +25,13 @@ from typing import Optional
 import torch
 
 from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
-from fastdecode.ops._common import FP8_DTYPE, check_same_device, check_tensor, next_pow2, require_sm
+from fastdecode.ops._common import (
+    FP8_DTYPE, as_rows, check_eps, check_same_device, check_tensor, next_pow2, require_sm,
+)
 from fastdecode.ops._registry import define_op
 from fastdecode.ops._tuned import device_info, load_table, lookup_cache, nearest_m
 from fastdecode.ops.gemm import (
-    _check_weight, _w_scale_vec, check_bias, linear_with_config, run_linear, with_split_k,
+    _check_weight, _resolve_impl, _w_scale_vec, check_bias, linear_with_config, run_linear, with_split_k,
 )
 
 MAX_M = 4  # token rows: the FMA kind's accumulators
@@ -131,13 +133,173 @@ def linear_w8a16_ref(x, weight_fp8, weight_scale, bias=None, *, glu: bool = Fals
     from fastdecode.ops.activation import silu_and_mul_ref
 
     xin = silu_and_mul_ref(x) if glu else x
-    ws = weight_scale.float()
-    ws = ws.reshape(()) if ws.numel() == 1 and ws.dim() <= 1 else ws.reshape(-1)
-    y = (xin.float() @ weight_fp8.float().t()) * ws
+    y = (xin.float() @ weight_fp8.float().t()) * _ref_scale(weight_scale)
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype)
 
 
-__all__ = ["DECODE_MAX_M", "MAX_M", "TABLE_SECTION", "get_w8a16_config", "heuristic_config", "linear_w8a16",
-           "linear_w8a16_ref", "table_key"]
+# ----------------------------------------------------------------------------- the norm and the residual add inside
+#
+# The FP8 projections of the ``norm_gemm`` decode step (``fastdecode.models.norm_gemm``), as ``ops.norm_linear`` is
+# for dense ones and ``ops.int4_norm_linear`` for int4 ones:
+#
+#     rms_norm_linear_w8a16(h, g, Wq, s):  rms_norm(h, g, eps) @ (Wq * s).T + bias
+#     add_linear_w8a16_(r, x, Wq, s):      r += x @ (Wq * s).T + bias      (in place; glu: x = [gate | up])
+#
+# The norm weight g stays in the kernel (``h * g`` rounded to h's dtype, as the norm kernel rounds its output): it
+# cannot be folded into an FP8 weight without rounding that weight to FP8 a second time. Each program of the FMA
+# kind streams its whole x row anyway (one split), so it sums the row's squares beside its products and scales the
+# fp32 sums by ``rsqrt(mean(h^2) + eps)`` at the end (``kernels.gemm``'s X_NORM). Where the config is not a
+# one-split FMA tile, the norm kernel runs first (two kernels). The residual add is the fp32 product added to the
+# residual in the epilogue, one rounding (ACCUMULATE), on any config.
+
+
+@define_op("rms_norm_linear_w8a16", mutates_args=("out",))
+def _rms_norm_linear_w8a16_op(h: torch.Tensor, norm_weight: Optional[torch.Tensor], weight: torch.Tensor,
+                              weight_scale: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, eps: float,
+                              impl: str) -> None:
+    """h (M, K) unit stride in K; norm_weight (K,) contiguous or None; weight (N, K) fp8; weight_scale (N,) or (1,)
+    fp32; out (M, N)."""
+    from fastdecode.ops.norm import rms_norm
+    from fastdecode.ops.norm_linear import _fma_one_split, _ones
+
+    if impl == "torch":
+        out.copy_(rms_norm_linear_w8a16_ref(h, norm_weight, weight, weight_scale, bias, eps=eps))
+        return
+    require_sm(h.device, 8, 9, "FP8 linear")
+    M, (N, K) = h.shape[0], weight.shape
+    cfg = get_w8a16_config(M, N, K, h.device)
+    w_mode = SCALE_TENSOR if weight_scale.numel() == 1 else SCALE_VECTOR
+    if _fma_one_split(cfg, K):
+        linear_with_config(h, weight, bias, None, SCALE_NONE, weight_scale, w_mode, out, cfg,
+                           norm_weight=norm_weight, eps=eps, x_norm=True)
+        return
+    g = norm_weight if norm_weight is not None else _ones(K, h.dtype, h.device)
+    linear_with_config(rms_norm(h, g, eps, backend="triton"), weight, bias, None, SCALE_NONE, weight_scale, w_mode,
+                       out, cfg)
+
+
+@_rms_norm_linear_w8a16_op.register_fake
+def _(h, norm_weight, weight, weight_scale, bias, out, eps, impl):
+    return None
+
+
+@define_op("add_linear_w8a16_", mutates_args=("residual",))
+def _add_linear_w8a16_op(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: Optional[torch.Tensor], glu: bool, impl: str) -> None:
+    """residual (M, N) contiguous; x (M, K) or, with glu, (M, 2K), unit stride in its last dimension."""
+    if impl == "torch":
+        residual.copy_(add_linear_w8a16_ref(residual, x, weight, weight_scale, bias, glu=glu))
+        return
+    require_sm(x.device, 8, 9, "FP8 linear")
+    M, (N, K) = x.shape[0], weight.shape
+    cfg = get_w8a16_config(M, N, K, x.device, glu)
+    w_mode = SCALE_TENSOR if weight_scale.numel() == 1 else SCALE_VECTOR
+    linear_with_config(x, weight, bias, None, SCALE_NONE, weight_scale, w_mode, residual, cfg, glu=glu,
+                       accumulate=True)
+
+
+@_add_linear_w8a16_op.register_fake
+def _(residual, x, weight, weight_scale, bias, glu, impl):
+    return None
+
+
+def _check_rows(name: str, x, max_m: int) -> int:
+    M = x.numel() // max(x.shape[-1], 1)
+    if M > max_m:
+        raise ValueError(f"{name} takes at most {max_m} token rows (decode), got {M}")
+    return M
+
+
+def rms_norm_linear_w8a16(h, norm_weight, weight_fp8, weight_scale, bias=None, *, eps: float = 1e-6, out=None,
+                          backend: Optional[str] = None) -> torch.Tensor:
+    """``rms_norm(h, norm_weight, eps) @ (weight_fp8 * weight_scale).T + bias``, the norm inside the W8A16 GEMV.
+
+    h: (..., K) bf16 / fp16, at most ``MAX_M`` rows (may be strided); norm_weight: (K,) h's dtype, or None (a norm
+    without weight); weight_fp8 / weight_scale / bias: as :func:`linear_w8a16`. The product ``h * norm_weight`` is
+    rounded to h's dtype, the sums are fp32, scaled by each row's ``rsqrt(mean(h^2) + eps)``; one rounding to h's
+    dtype. Returns (..., N) (or ``out``).
+    """
+    from fastdecode.ops.norm_linear import check_norm_weight
+
+    check_tensor("h", h, dtypes=X_DTYPES)
+    if h.dim() == 0:
+        raise ValueError("h must have at least 1 dimension (..., K), got a scalar")
+    check_tensor("weight_fp8", weight_fp8, dtypes=(FP8_DTYPE,), ndim=2)
+    K = h.shape[-1]
+    check_norm_weight(norm_weight, K, h.dtype)
+    check_eps(eps)
+    N = _check_weight(weight_fp8, K, (FP8_DTYPE,), "weight_fp8", "h")
+    _check_rows("rms_norm_linear_w8a16", h, MAX_M)
+    bias = check_bias(bias, N, (h.dtype,), "weight_fp8")
+    check_same_device(h=h, norm_weight=norm_weight, weight_fp8=weight_fp8, bias=bias)
+    ws = _w_scale_vec(weight_scale, N, h.device)
+    nw = norm_weight.contiguous() if norm_weight is not None else None
+    return run_linear("rms_norm_linear_w8a16", "h", h, K, N, bias, out, None, backend,
+                      lambda h2, out2, impl_s: _rms_norm_linear_w8a16_op(h2, nw, weight_fp8, ws, bias, out2,
+                                                                         float(eps), impl_s))
+
+
+def add_linear_w8a16_(residual, x, weight_fp8, weight_scale, bias=None, *, glu: bool = False,
+                      backend: Optional[str] = None) -> torch.Tensor:
+    """``residual += x @ (weight_fp8 * weight_scale).T + bias`` in place (fp32 sum, one rounding); returns
+    residual. ``glu``: x is ``[gate | up]`` (..., 2K) and the input ``silu(gate) * up``.
+
+    residual: (..., N) contiguous, x's dtype; x: (..., K) (or (..., 2K)) bf16 / fp16, at most ``MAX_M`` rows;
+    weight_fp8 / weight_scale / bias: as :func:`linear_w8a16`. Nothing is written when the arguments are rejected.
+    """
+    from fastdecode.ops.norm_linear import check_residual
+
+    check_tensor("x", x, dtypes=X_DTYPES)
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dimension (..., K), got a scalar")
+    check_tensor("weight_fp8", weight_fp8, dtypes=(FP8_DTYPE,), ndim=2)
+    K = weight_fp8.shape[1]
+    if x.shape[-1] != (2 * K if glu else K):
+        want = f"(..., 2 * K) = (..., {2 * K}) ([gate | up] with glu=True)" if glu else f"(..., {K})"
+        raise ValueError(f"x must have shape {want} for a weight of shape {tuple(weight_fp8.shape)}, "
+                         f"got {tuple(x.shape)}")
+    N = _check_weight(weight_fp8, K, (FP8_DTYPE,), "weight_fp8", "x")
+    _check_rows("add_linear_w8a16_", x, MAX_M)
+    bias = check_bias(bias, N, (x.dtype,), "weight_fp8")
+    check_residual(residual, (*x.shape[:-1], N), x.dtype)
+    check_same_device(x=x, weight_fp8=weight_fp8, bias=bias, residual=residual)
+    ws = _w_scale_vec(weight_scale, N, x.device)
+    impl_s = _resolve_impl(None, backend, x.device, "add_linear_w8a16_")
+    x2 = as_rows("x", x)
+    if x2.shape[0] == 0 or N == 0:
+        return residual
+    if K == 0:
+        return residual.add_(bias) if bias is not None else residual
+    _add_linear_w8a16_op(residual.view(-1, N), x2, weight_fp8, ws, bias, bool(glu), impl_s)
+    return residual
+
+
+def rms_norm_linear_w8a16_ref(h, norm_weight, weight_fp8, weight_scale, bias=None, *, eps: float = 1e-6):
+    """Reference of :func:`rms_norm_linear_w8a16`, the fused recipe: ``h * g`` rounded to h's dtype (h itself
+    without g), its fp32 product with the fp32 FP8 weight times each row's ``rsqrt(mean(h^2) + eps)`` and the
+    weight's scale, plus the bias; one rounding to h's dtype."""
+    rstd = torch.rsqrt(h.float().pow(2).mean(dim=-1, keepdim=True) + eps)
+    a = (h.float() * norm_weight.float()).to(h.dtype) if norm_weight is not None else h
+    y = (a.float() @ weight_fp8.float().t()) * rstd * _ref_scale(weight_scale)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(h.dtype)
+
+
+def add_linear_w8a16_ref(residual, x, weight_fp8, weight_scale, bias=None, *, glu: bool = False) -> torch.Tensor:
+    """Reference of :func:`add_linear_w8a16_` (out of place): ``residual + a @ (Wq * s).T + b`` in fp32, one
+    rounding; ``a`` is x, or with glu ``silu_and_mul_ref(x)``."""
+    y = linear_w8a16_ref(x, weight_fp8, weight_scale, bias, glu=glu, out_dtype=torch.float32) + residual.float()
+    return y.to(residual.dtype)
+
+
+def _ref_scale(weight_scale) -> torch.Tensor:
+    ws = weight_scale.float()
+    return ws.reshape(()) if ws.numel() == 1 and ws.dim() <= 1 else ws.reshape(-1)
+
+
+__all__ = ["DECODE_MAX_M", "MAX_M", "TABLE_SECTION", "add_linear_w8a16_", "add_linear_w8a16_ref",
+           "get_w8a16_config", "heuristic_config", "linear_w8a16", "linear_w8a16_ref", "rms_norm_linear_w8a16",
+           "rms_norm_linear_w8a16_ref", "table_key"]
