@@ -159,8 +159,8 @@ def test_w8a16_suite_sweeps_into_a_table_copy_then_times_the_fp8_step_on_it(gpu,
     assert argv[argv.index("--table") + 1] == str(tmp_path / "configs" / "linear_nvidia_h200.json")
     assert set(argv[argv.index("--shapes") + 1].split(",")) == {"8b_o", "8b_down", "8b_qkv", "8b_gate_up"}
     assert argv2[:2] == ["env", f"FASTDECODE_CONFIG_DIR={tmp_path / 'configs'}"]
-    assert argv2[argv2.index("--impl") + 1:] == ["fastdecode-graph", "fastdecode-graph-no-fp8_a16",
-                                                  "fastdecode-graph-with-fp8_a16_all"]
+    assert argv2[argv2.index("--impl") + 1:] == ["fastdecode-graph", "fastdecode-graph-no-norm_gemm",
+                                                  "fastdecode-graph-no-fp8_a16", "fastdecode-graph-with-fp8_a16_all"]
     [(label, argv, _)] = gpu.suite_commands("int8-producers", tmp_path, 1)
     assert argv[1].endswith("diag_int8_producers.py")
     import runpy  # the sweep's shape names exist
@@ -171,8 +171,9 @@ def test_w8a16_suite_sweeps_into_a_table_copy_then_times_the_fp8_step_on_it(gpu,
 
 def test_profile_switches_profiles_each_opt_in_switch_beside_the_default_step(gpu, tmp_path):
     steps = gpu.suite_commands("profile-switches", tmp_path, 1, formats=("fp8", "int4"))
-    assert [label for label, _, _ in steps] == ["profile fp8 no-fp8_a16 with-fp8_a16_all", "profile int4 with-int4_a8"]
-    for (_, argv, _), q, switches in zip(steps, ("fp8", "int4"), (("no-fp8_a16", "with-fp8_a16_all"),
+    assert [label for label, _, _ in steps] == ["profile fp8 no-norm_gemm no-fp8_a16 with-fp8_a16_all",
+                                                "profile int4 with-int4_a8"]
+    for (_, argv, _), q, switches in zip(steps, ("fp8", "int4"), (("no-norm_gemm", "no-fp8_a16", "with-fp8_a16_all"),
                                                                   ("with-int4_a8",))):
         assert argv[:2] == ["env", "FASTDECODE_PDL=0"] and "--profile" in argv
         assert argv[argv.index("--quant") + 1] == q
