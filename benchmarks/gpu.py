@@ -60,6 +60,8 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               (``configs/``, section ``w8a16``) and the 8B FP8 step on it.
 * ``int8-producers`` ``benchmarks/diag_int8_producers.py``: the int8-output RMSNorm / SiLU-and-mul / quantisation
               of ``int4_a8`` at one token against their native and FP8 forms, with an ablation of the int8 epilogue.
+* ``test-bounds`` ``benchmarks/diag_norm_gemm_test_bounds.py``: the int4 norm_gemm step against the unfused step
+              on the tiny model over 150 seeds (the distribution behind ``test_int4_norm_linear``'s bounds).
 * ``profile-switches`` ``bench decode --profile``, PDL off: the 8B step's kernel families with each opt-in switch
               (``fp8_a16`` off, ``fp8_a16_all`` on, ``int4_a8`` on) beside the default step (``--formats``: fp8,
               int4).
@@ -222,6 +224,10 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                                            "fastdecode-graph-no-norm_gemm",
                                                            "fastdecode-graph-no-fp8_a16",
                                                            "fastdecode-graph-with-fp8_a16_all"), 300)]
+    if name == "test-bounds":
+        diag = str(ROOT / "benchmarks" / "diag_norm_gemm_test_bounds.py")
+        return [("diag norm_gemm test bounds", [PY, diag, "--seeds", "150",
+                                                "--out", str(out / "diag_norm_gemm_test_bounds.json")], 240)]
     if name == "int8-producers":
         return [("diag int8 producers", [PY, str(ROOT / "benchmarks" / "diag_int8_producers.py"),
                                          "--out", str(out / "diag_int8_producers.json")], 180)]
@@ -278,7 +284,7 @@ WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attenti
 SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile",
           "profile-switches", "hf", "serve",
           "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
-          "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16", "int8-producers")
+          "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16", "int8-producers", "test-bounds")
 
 
 def _ncu() -> str | None:
@@ -616,7 +622,7 @@ def main(argv=None) -> int:
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
     # tp: with 2+ GPUs only
     not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl", "int4-diag", "int4-a8", "profile-switches",
-                  "w8a16", "int8-producers")
+                  "w8a16", "int8-producers", "test-bounds")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")
