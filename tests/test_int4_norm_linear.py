@@ -291,16 +291,16 @@ def _assert_rows_close(got, ref):
     apart on every input, spread through two layers. On the H200 (94408b9, session 18) the logits differed by
     0.038 of their rms at most (0.02 failed); the bf16 norm_gemm step is as far from its unfused path (0.037-0.049,
     tests/test_engine_gpu.py allows 0.1). Rows never written stay zero on both sides. A wrong scale or row moves
-    whole rows: the cosine catches it. The largest |difference| of a row over its rms catches one wrong element:
-    0.25 (it failed once at 0.1, on an H100 in session 26: 0.132; the cache rows hold 16 values, so one value's
-    rounding is a large share of the row's rms; benchmarks/diag_norm_gemm_test_bounds.py measures the distribution
-    over seeds, benchmarks/NOTES.md session 26)."""
+    whole rows: the cosine catches it, and the largest |difference| of a row over its rms one wrong element. The
+    bounds come from the distribution over 150 seeds on the H200 (session 26, benchmarks/diag_norm_gemm_test_bounds.py,
+    results/archive/diag_norm_gemm_test_bounds_271331f.json): smallest cosine 0.99799 (a K cache row of 16 values),
+    largest max-|diff| / rms 0.156; the old bounds (0.999, 0.1) failed once in the suite on an H100 (0.132)."""
     got, ref = got.float(), ref.float()
     live = ref.abs().amax(-1) > 0  # cache rows not written yet: zero on both sides
     assert torch.equal(got[~live], ref[~live])
     got, ref = got[live], ref[live]
     cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
-    assert cos.min() > 0.999, cos.min()
+    assert cos.min() > 0.995, cos.min()
     err = ((got - ref).abs().amax(-1) / ref.pow(2).mean(-1).sqrt().clamp_min(1e-6)).max().item()
     assert err < 0.25, err
 
