@@ -259,6 +259,37 @@ def sm90_ptx(snippet: str, *argv: str) -> str:
     return r.stdout
 
 
+_W8A16_PTX = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastdecode.kernels.gemm import _skinny_linear_kernel
+
+a = json.loads(sys.argv[1])
+sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
+       "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "nw_ptr": "*bf16", "eps": "fp32", "M": "i32",
+       "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_part": "i32",
+       "split_k": "i32"}
+consts = a["consts"]
+sig.update({k: "constexpr" for k in consts})
+cc = triton.compile(ASTSource(_skinny_linear_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": a["num_warps"], "num_stages": a["num_stages"]})
+sys.stdout.write(cc.asm["ptx"])
+"""
+
+
+def w8a16_ptx(num_warps: int = 4, num_stages: int = 1, **consts) -> str:
+    """sm_90 PTX (``sm90_ptx``) of the skinny GEMM with FP8 weights and a bf16 x (``ops.w8a16``): the FMA kind,
+    one row, 4 weight rows a program, PDL and the weight prefetch, split-K allowed, unless ``consts`` says
+    otherwise (the kernel's constexpr names)."""
+    base = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=2, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
+                USE_PDL=True, PREFETCH=True, W_EVICT=False, X_GLU=False, X_NORM=False, NORM_VEC=8, NORM_AFFINE=False,
+                ACCUMULATE=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT=True)
+    return sm90_ptx(_W8A16_PTX, json.dumps({"consts": {**base, **consts}, "num_warps": num_warps,
+                                            "num_stages": num_stages}))
+
+
 def k_loop(ptx: str, nth: int = 0) -> str:
     """The body of the first loop of the PTX (a label closed by a backward branch): a kernel's K loop. ``nth``:
     the loop after that many others (a kernel with a loop before its K loop, as X_NORM's pass over the rows)."""

@@ -105,6 +105,12 @@ def test_int4_norm_gemm_graph_decode_matches_the_unfused_step():
             n.weight.copy_(1 + 0.2 * torch.randn_like(n.weight, dtype=torch.float32))
     quantize_model_int4(model, group_size=32)
     assert norm_gemm.applies(model)
+    _graph_steps_against_the_unfused_eager_step(model, _assert_logits_close)
+
+
+def _graph_steps_against_the_unfused_eager_step(model, check_step):
+    """Batches of 1 and 3 (graph buckets 1 and 4): prefill, then 4 decode steps replayed in CUDA graphs, each checked
+    by ``check_step(graph, eager)`` against a copy of the model with ``norm_gemm`` off, run eagerly."""
     unfused = copy.deepcopy(model)
     unfused.set_kernels(norm_gemm=False)
     cfg = model.config
@@ -112,11 +118,11 @@ def test_int4_norm_gemm_graph_decode_matches_the_unfused_step():
     ref = Engine(unfused, None, max_batch=4, max_seq_len=64, cuda_graph=False)
     for B in (1, 3):
         prompts = [torch.randint(0, cfg.vocab_size, (5,)).tolist() for _ in range(B)]
-        _assert_logits_close(eng.prefill(prompts), ref.prefill(prompts))
+        _assert_logits_close(eng.prefill(prompts), ref.prefill(prompts))  # the same unfused kernels
         pos = torch.full((B,), 5, device=DEV)
         for _ in range(4):
             nxt = torch.randint(0, cfg.vocab_size, (B,), device=DEV)
-            _assert_logits_close(eng.decode(nxt, pos).clone(), ref.decode(nxt, pos))
+            check_step(eng.decode(nxt, pos).clone(), ref.decode(nxt, pos))
             pos += 1
 
 
@@ -139,24 +145,12 @@ def test_fp8_norm_gemm_graph_decode_matches_the_unfused_step(a16_all):
     quantize_model_fp8(model)
     model.set_kernels(fp8_a16_all=a16_all)
     assert norm_gemm.applies(model, 1) and norm_gemm.applies(model, 4) and not norm_gemm.applies(model, 5)
-    unfused = copy.deepcopy(model)
-    unfused.set_kernels(norm_gemm=False)
-    cfg = model.config
-    eng = Engine(model, None, max_batch=4, max_seq_len=64, cuda_graph=True, batch_buckets=[1, 4])
-    ref = Engine(unfused, None, max_batch=4, max_seq_len=64, cuda_graph=False)
-    for B in (1, 3):
-        prompts = [torch.randint(0, cfg.vocab_size, (5,)).tolist() for _ in range(B)]
-        _assert_logits_close(eng.prefill(prompts), ref.prefill(prompts))  # both W8A8, unfused
-        pos = torch.full((B,), 5, device=DEV)
-        for _ in range(4):
-            nxt = torch.randint(0, cfg.vocab_size, (B,), device=DEV)
-            got, want = eng.decode(nxt, pos).clone(), ref.decode(nxt, pos)
-            if a16_all:
-                _assert_logits_close(got, want)
-            else:
-                cos = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)
-                assert cos.min().item() > 0.99, f"cosine similarity {cos.min().item():.5f}"
-            pos += 1
+
+    def fp8_step_close(got, want):
+        cos = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)
+        assert cos.min().item() > 0.99, f"cosine similarity {cos.min().item():.5f}"
+
+    _graph_steps_against_the_unfused_eager_step(model, _assert_logits_close if a16_all else fp8_step_close)
 
 
 def test_llama8b_shaped_fp32_matches_transformers():

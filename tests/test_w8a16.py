@@ -151,36 +151,13 @@ def test_gpu_llama8b_wo_and_w2(N, K, glu, M):
     torch.testing.assert_close(out, y, atol=0, rtol=0)
 
 
-_COMPILE = r"""
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from fastdecode.kernels.gemm import _skinny_linear_kernel
-
-sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
-       "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "nw_ptr": "*bf16", "eps": "fp32", "M": "i32",
-       "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_part": "i32",
-       "split_k": "i32"}
-dot = len(sys.argv) > 2 and sys.argv[2] == "dot"
-consts = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=2, USE_DOT=dot, DOT_FP8=False, EVEN_K=True,
-              USE_PDL=True, PREFETCH=not dot, W_EVICT=False, X_GLU=sys.argv[1] == "glu", X_NORM=False, NORM_VEC=8,
-              NORM_AFFINE=False, ACCUMULATE=False, BLOCK_M=16 if dot else 1, BLOCK_N=64 if dot else 4,
-              BLOCK_K=128 if dot else 2048, SPLIT=True)
-sig.update({k: "constexpr" for k in consts})
-cc = triton.compile(ASTSource(_skinny_linear_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                    options={"num_warps": 4, "num_stages": 4 if dot else 1})
-sys.stdout.write(cc.asm["ptx"])
-"""
-
-
 @pytest.mark.parametrize("glu", ["plain", "glu"])
 def test_sm90_compiles_the_fp8_weight_with_a_bf16_activation(glu):
     """No GPU needed: the FMA kind with FP8 weights and a bf16 x (and its SiLU-and-mul loads) compiles for sm_90,
     and converts the weight bytes with the paired e4m3 conversion (2 values an instruction)."""
-    from helpers import k_loop, sm90_ptx
+    from helpers import k_loop, w8a16_ptx
 
-    body = k_loop(sm90_ptx(_COMPILE, glu))
+    body = k_loop(w8a16_ptx(X_GLU=glu == "glu"))
     assert "cvt.rn.f16x2.e4m3x2" in body
     assert ("ex2.approx" in body) == (glu == "glu")  # SiLU's exp in the loads
 
@@ -189,9 +166,9 @@ def test_sm90_dot_kind_multiplies_bf16_on_the_tensor_cores():
     """No GPU needed: the dot kind (a tuned ``w8a16`` entry may pick it) widens the FP8 weight to bf16 and runs a
     bf16 MMA with fp32 accumulation; x is never cast to fp16 (no bf16 -> f16 conversion in the loop). The
     interpreter cannot check its values (its bf16 ``tl.dot`` is wrong: ``test_dot_kind_keeps_x_in_its_own_dtype``)."""
-    from helpers import k_loop, sm90_ptx
+    from helpers import k_loop, w8a16_ptx
 
-    body = k_loop(sm90_ptx(_COMPILE, "plain", "dot"))
+    body = k_loop(w8a16_ptx(num_stages=4, USE_DOT=True, PREFETCH=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))
     assert re.search(r"(mma|wgmma)[\w.]*\.bf16\.bf16", body), "no bf16 MMA in the K loop"
     assert not re.search(r"cvt\.rn\.f16\.bf16|cvt\.rn\.f16\.f32", body)
     assert "e4m3x2" in body  # the weight bytes' paired conversion

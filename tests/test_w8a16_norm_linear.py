@@ -228,36 +228,15 @@ def test_gpu_llama8b_shapes_under_a_graph(M, N, K, glu):
     torch.testing.assert_close(out, y, atol=0, rtol=0)
 
 
-_COMPILE = r"""
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from fastdecode.kernels.gemm import _skinny_linear_kernel
-
-sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
-       "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "nw_ptr": "*bf16", "eps": "fp32", "M": "i32",
-       "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_part": "i32",
-       "split_k": "i32"}
-norm = sys.argv[1] == "norm"
-consts = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=2, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
-              USE_PDL=True, PREFETCH=True, W_EVICT=False, X_GLU=not norm, X_NORM=norm, NORM_VEC=8,
-              NORM_AFFINE=norm, ACCUMULATE=not norm, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, SPLIT=False)
-sig.update({k: "constexpr" for k in consts})
-cc = triton.compile(ASTSource(_skinny_linear_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                    options={"num_warps": 4, "num_stages": 1})
-sys.stdout.write(cc.asm["ptx"])
-"""
-
-
 @pytest.mark.parametrize("which", ["norm", "add_glu"])
 def test_sm90_compiles_the_norm_and_the_residual_add_on_fp8_weights(which):
     """No GPU needed: the FMA kind with FP8 weights and the norm in its loads (or SiLU-and-mul in its loads and the
     residual add in its epilogue) compiles for sm_90; the weight bytes keep the paired e4m3 conversion, and the
     norm's rsqrt comes after the K loop, once."""
-    from helpers import k_loop, sm90_ptx
+    from helpers import k_loop, w8a16_ptx
 
-    ptx = sm90_ptx(_COMPILE, which)
+    norm = which == "norm"
+    ptx = w8a16_ptx(X_GLU=not norm, X_NORM=norm, NORM_AFFINE=norm, ACCUMULATE=not norm, BLOCK_K=1024, SPLIT=False)
     body = k_loop(ptx)
     assert "cvt.rn.f16x2.e4m3x2" in body
     assert "rsqrt" not in body

@@ -178,11 +178,7 @@ def add_linear_(residual, x, weight, bias=None, *, glu: bool = False, backend: O
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dimension (..., K), got a scalar")
     check_tensor("weight", weight, dtypes=LINEAR_DTYPES, ndim=2)
-    K = weight.shape[1]
-    if x.shape[-1] != (2 * K if glu else K):
-        want = f"(..., 2 * K) = (..., {2 * K}) ([gate | up] with glu=True)" if glu else f"(..., {K})"
-        raise ValueError(f"x must have shape {want} for a weight of shape {tuple(weight.shape)}, "
-                         f"got {tuple(x.shape)}")
+    K = check_glu_input(x, weight, glu)
     N = _check_weight(weight, K, LINEAR_DTYPES, x_name="x")
     if weight.dtype != x.dtype:
         raise ValueError(f"weight must have the dtype of x ({x.dtype}), got {weight.dtype}")
@@ -190,12 +186,29 @@ def add_linear_(residual, x, weight, bias=None, *, glu: bool = False, backend: O
     check_residual(residual, (*x.shape[:-1], N), x.dtype)
     check_same_device(x=x, weight=weight, bias=bias, residual=residual)
     impl_s = _resolve_impl(impl, backend, x.device, "add_linear_")
+    return run_add_linear(residual, x, K, N, bias, lambda r2, x2: _add_linear_op(r2, x2, weight, bias, bool(glu),
+                                                                                  impl_s))
+
+
+def check_glu_input(x, weight, glu: bool) -> int:
+    """x's last dimension against a weight (N, K): K, or 2K with ``glu`` (``[gate | up]``); returns K."""
+    K = weight.shape[1]
+    if x.shape[-1] != (2 * K if glu else K):
+        want = f"(..., 2 * K) = (..., {2 * K}) ([gate | up] with glu=True)" if glu else f"(..., {K})"
+        raise ValueError(f"x must have shape {want} for a weight of shape {tuple(weight.shape)}, "
+                         f"got {tuple(x.shape)}")
+    return K
+
+
+def run_add_linear(residual, x, K: int, N: int, bias, call) -> torch.Tensor:
+    """The tail the checked residual-add ops share: nothing to add for no rows or N = 0, the bias alone for K = 0,
+    else ``call(residual_rows, x_rows)`` on 2-D views; returns residual."""
     x2 = as_rows("x", x)
     if x2.shape[0] == 0 or N == 0:
         return residual
     if K == 0:
         return residual.add_(bias) if bias is not None else residual
-    _add_linear_op(residual.view(-1, N), x2, weight, bias, bool(glu), impl_s)
+    call(residual.view(-1, N), x2)
     return residual
 
 

@@ -26,7 +26,7 @@ import torch
 
 from fastdecode.constants import SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
 from fastdecode.ops._common import (
-    FP8_DTYPE, as_rows, check_eps, check_same_device, check_tensor, next_pow2, require_sm,
+    FP8_DTYPE, check_eps, check_same_device, check_tensor, next_pow2, require_sm,
 )
 from fastdecode.ops._registry import define_op
 from fastdecode.ops._tuned import device_info, load_table, lookup_cache, nearest_m
@@ -249,17 +249,13 @@ def add_linear_w8a16_(residual, x, weight_fp8, weight_scale, bias=None, *, glu: 
     residual: (..., N) contiguous, x's dtype; x: (..., K) (or (..., 2K)) bf16 / fp16, at most ``MAX_M`` rows;
     weight_fp8 / weight_scale / bias: as :func:`linear_w8a16`. Nothing is written when the arguments are rejected.
     """
-    from fastdecode.ops.norm_linear import check_residual
+    from fastdecode.ops.norm_linear import check_glu_input, check_residual, run_add_linear
 
     check_tensor("x", x, dtypes=X_DTYPES)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dimension (..., K), got a scalar")
     check_tensor("weight_fp8", weight_fp8, dtypes=(FP8_DTYPE,), ndim=2)
-    K = weight_fp8.shape[1]
-    if x.shape[-1] != (2 * K if glu else K):
-        want = f"(..., 2 * K) = (..., {2 * K}) ([gate | up] with glu=True)" if glu else f"(..., {K})"
-        raise ValueError(f"x must have shape {want} for a weight of shape {tuple(weight_fp8.shape)}, "
-                         f"got {tuple(x.shape)}")
+    K = check_glu_input(x, weight_fp8, glu)
     N = _check_weight(weight_fp8, K, (FP8_DTYPE,), "weight_fp8", "x")
     _check_rows("add_linear_w8a16_", x, MAX_M)
     bias = check_bias(bias, N, (x.dtype,), "weight_fp8")
@@ -267,13 +263,8 @@ def add_linear_w8a16_(residual, x, weight_fp8, weight_scale, bias=None, *, glu: 
     check_same_device(x=x, weight_fp8=weight_fp8, bias=bias, residual=residual)
     ws = _w_scale_vec(weight_scale, N, x.device)
     impl_s = _resolve_impl(None, backend, x.device, "add_linear_w8a16_")
-    x2 = as_rows("x", x)
-    if x2.shape[0] == 0 or N == 0:
-        return residual
-    if K == 0:
-        return residual.add_(bias) if bias is not None else residual
-    _add_linear_w8a16_op(residual.view(-1, N), x2, weight_fp8, ws, bias, bool(glu), impl_s)
-    return residual
+    return run_add_linear(residual, x, K, N, bias,
+                          lambda r2, x2: _add_linear_w8a16_op(r2, x2, weight_fp8, ws, bias, bool(glu), impl_s))
 
 
 def rms_norm_linear_w8a16_ref(h, norm_weight, weight_fp8, weight_scale, bias=None, *, eps: float = 1e-6):
