@@ -194,6 +194,38 @@ def test_quantised_linears(linear):
     assert greedy(q, ids, n=3).shape == (2, 3)
 
 
+def test_fp8_decode_rows_take_w8a16_and_prefill_w8a8(monkeypatch):
+    """bf16, linear="fp8": a prefill (9 token rows) quantises every projection's input (W8A8, ``linear_fp8``); a decode
+    step (2 sequences, one row each) takes the 16-bit rows as they are (``linear_w8a16``, down_proj with SiLU-and-mul
+    in its loads: no ``silu_and_mul_fp8``, no ``quantize_fp8``), as the engine's default decode; ``a16_max_rows = 0``
+    gives W8A8 again. Both within FP8 noise of the unquantised model."""
+    import fastdecode.integrations.transformers as T
+    import fastdecode.models.llama as L
+
+    ref = tiny("qwen2").to(torch.bfloat16)
+    q = apply(copy.deepcopy(ref), linear="fp8", backend="torch")
+    calls = []
+    for mod, names in ((L, ("linear_fp8", "linear_w8a16", "quantize_fp8")), (T, ("silu_and_mul_fp8",))):
+        for name in names:
+            real = getattr(mod, name)
+            monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: (calls.append(_n), _r(*a, **k))[1])
+    ids = torch.randint(0, TINY["vocab_size"], (2, 9))
+    with torch.no_grad():
+        q(ids)
+        assert set(calls) == {"linear_fp8", "quantize_fp8", "silu_and_mul_fp8"} and "linear_w8a16" not in calls
+        calls.clear()
+        step = q(ids[:, -1:]).logits  # one row per sequence, no cache: a decode-shaped call
+        assert calls == ["linear_w8a16"] * (6 * TINY["num_hidden_layers"]), calls
+        for m in q.modules():
+            if isinstance(m, HFFp8Linear):
+                m.a16_max_rows = 0
+        calls.clear()
+        step8 = q(ids[:, -1:]).logits
+        assert "linear_w8a16" not in calls and "quantize_fp8" in calls
+        want = ref(ids[:, -1:]).logits
+    assert cos_rows(step, want).min() > TINY_COS["fp8"] and cos_rows(step8, want).min() > TINY_COS["fp8"]
+
+
 # ----------------------------------------------------------------------------- torch.compile, the Triton path
 
 
@@ -217,7 +249,8 @@ def test_compile_fullgraph_static_cache(linear):
     got = greedy(compiled, ids, n=6, cache_implementation="static", disable_compile=True)
     assert torch.equal(got, want)
     assert {"fastdecode.rms_norm.default", "fastdecode.silu_and_mul.default"} <= seen, sorted(seen)
-    if linear == "fp8":
+    if linear == "fp8":  # the 5-token prefill W8A8; the one-token steps W8A16, whose fp32 rows (this model's) run the
+        # reference (traced as PyTorch ops); bf16 rows run the op (test_fp8_decode_rows_take_w8a16)
         assert "fastdecode.linear_fp8.default" in seen
 
 

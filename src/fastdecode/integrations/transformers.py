@@ -2,7 +2,7 @@
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     apply(model)                        # fused add + RMSNorm, RMSNorm, SiLU-and-mul
-    apply(model, linear="fp8")          # ... and every block projection W8A8 (FP8 weights per output channel)
+    apply(model, linear="fp8")          # ... and every block projection FP8 (weights per output channel)
     model.generate(ids, max_new_tokens=128, cache_implementation="static")   # compiled by transformers on CUDA
 
 Supported: ``LlamaForCausalLM`` / ``LlamaModel`` and the same two classes of Mistral, Qwen2 and Qwen3
@@ -19,9 +19,10 @@ Supported: ``LlamaForCausalLM`` / ``LlamaModel`` and the same two classes of Mis
   [gate | up]: one GEMM instead of two) followed by ``fastdecode.ops.silu_and_mul`` (``silu_and_mul_fp8`` when
   ``down_proj`` is FP8, so that the activation reaches it quantised). The two old modules are removed.
 * ``linear="fp8"`` / ``"int4"``: every ``nn.Linear`` inside the decoder layers (q, k, v, o, gate | up, down;
-  not the lm head, not the embedding) becomes ``HFFp8Linear`` (W8A8: per-channel FP8 weights, activations
-  quantised per token at run time) or ``HFInt4Linear`` (W4A16, RTN group 128 with zero points), quantised
-  here, by ``fastdecode.quant`` as ``fastdecode quantize`` does.
+  not the lm head, not the embedding) becomes ``HFFp8Linear`` (per-channel FP8 weights; activations quantised per
+  token at run time (W8A8), except at up to 4 token rows (decode), where the 16-bit activation goes in as it is
+  (W8A16, SiLU-and-mul inside ``down_proj``'s loads), as the engine's default decode does) or ``HFInt4Linear``
+  (W4A16, RTN group 128 with zero points), quantised here, by ``fastdecode.quant`` as ``fastdecode quantize`` does.
 
 Module *instances* are patched (bound ``forward`` methods and replaced children of this model); transformers'
 classes are untouched, so another model of the same class in the process runs as before. ``apply`` records what
@@ -50,6 +51,7 @@ from fastdecode.models.quantize import quantize_weight_int4
 from fastdecode.ops._common import BACKENDS, resolve_backend
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8
 from fastdecode.ops.norm import fused_add_rms_norm, rms_norm
+from fastdecode.ops.w8a16 import DECODE_MAX_M as W8A16_DECODE_MAX_M
 from fastdecode.quant.fp8 import quantize_weight_fp8
 
 log = logging.getLogger("fastdecode")
@@ -87,7 +89,10 @@ def supported_classes() -> list[str]:
 
 class HFFp8Linear(Fp8Linear):
     """``Fp8Linear`` called as an ``nn.Linear`` (``module(x)``): ``y = (x_fp8 @ W_fp8.T) * x_scale * w_scale (+ b)``;
-    x is a float tensor (quantised per token here) or the ``(fp8, scale)`` pair of ``silu_and_mul_fp8``."""
+    x is a float tensor (quantised per token here) or the ``(fp8, scale)`` pair of ``silu_and_mul_fp8``. Up to
+    ``a16_max_rows`` token rows (decode; 4 unless set) a 16-bit x is not quantised: W8A16 (``ops.w8a16``), as the
+    engine's default ``fp8_a16`` decode, one kernel instead of two and closer to the unquantised model; set
+    ``a16_max_rows = 0`` for W8A8 at every size."""
 
     backend: Optional[str] = None  # the ops' backend argument (None: FASTDECODE_BACKEND, else "auto")
 
@@ -101,6 +106,7 @@ class HFFp8Linear(Fp8Linear):
         if lin.bias is not None:
             m.bias = nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
         m.backend = backend
+        m.a16_max_rows = W8A16_DECODE_MAX_M
         return m
 
     def forward(self, x):
@@ -161,6 +167,10 @@ def _layer_forward(arg_names: tuple, backend):
 def _mlp_forward(backend, fp8: bool):
     def forward(self, x):
         gate_up = self.gate_up_proj(x)  # [..., 2I] = gate | up
+        if fp8:  # decode rows: W8A16 with SiLU-and-mul in down_proj's loads (None: W8A8 after silu_and_mul_fp8)
+            y = self.down_proj.forward_glu(gate_up, self.down_proj.backend)
+            if y is not None:
+                return y
         h = silu_and_mul_fp8(gate_up, backend=backend) if fp8 else silu_and_mul(gate_up, backend=backend)
         return self.down_proj(h)
     return forward
