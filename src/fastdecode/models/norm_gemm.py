@@ -72,13 +72,12 @@ def _dense(proj) -> bool:
 def _supported(proj, dtype, batch: int, norm_in: bool) -> bool:
     """Whether the projection takes this path at ``batch`` rows. ``norm_in``: it follows a norm (wqkv, w13)."""
     from fastdecode.models.int4 import INT4_ACT_DTYPES, Int4Linear
-    from fastdecode.models.llama import Fp8Linear
     from fastdecode.ops.int4 import get_int4_config
     from fastdecode.ops.w8a16 import X_DTYPES as W8A16_X_DTYPES
 
     if _dense(proj):
         return True
-    if isinstance(proj, Fp8Linear):
+    if _fp8(proj):
         # W8A16 (fp8_a16) for these rows; a W8A8 w13 keeps its norm kernel (FP8 output), the residual add moves
         return dtype in W8A16_X_DTYPES and (_a16(proj, batch) or norm_in)
     if not (isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES) or proj.act_int8:

@@ -77,6 +77,25 @@ def _config(device, M: int, N: int, K: int, glu: bool) -> dict:
     return heuristic_config(M, N, K, device_info(device)[1])
 
 
+def _check_rows(name: str, x, hint: str = "") -> None:
+    """At most ``MAX_M`` token rows (the FMA kind's accumulators)."""
+    M = x.numel() // max(x.shape[-1], 1)
+    if M > MAX_M:
+        raise ValueError(f"{name} takes at most {MAX_M} token rows (decode), got {M}{hint}")
+
+
+def _config_for(x, weight, glu: bool = False) -> dict:
+    """The checked device (e4m3 conversion: sm_89 and later) and the launch config of a W8A16 call on 2-D x."""
+    require_sm(x.device, 8, 9, "FP8 linear")
+    return get_w8a16_config(x.shape[0], weight.shape[0], weight.shape[1], x.device, glu)
+
+
+def _launch(x, weight, weight_scale, bias, out, cfg, **kw) -> None:
+    """The skinny kernel on FP8 weights with their per-tensor or per-channel scale, a 16-bit x without scale."""
+    w_mode = SCALE_TENSOR if weight_scale.numel() == 1 else SCALE_VECTOR
+    linear_with_config(x, weight, bias, None, SCALE_NONE, weight_scale, w_mode, out, cfg, **kw)
+
+
 @define_op("linear_w8a16", mutates_args=("out",))
 def _linear_w8a16_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      bias: Optional[torch.Tensor], out: torch.Tensor, glu: bool, impl: str) -> None:
@@ -85,11 +104,7 @@ def _linear_w8a16_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     if impl == "torch":
         out.copy_(linear_w8a16_ref(x, weight, weight_scale, bias, glu=glu, out_dtype=out.dtype))
         return
-    require_sm(x.device, 8, 9, "FP8 linear")  # the conversion of e4m3 (sm_89 and later)
-    M, (N, K) = x.shape[0], weight.shape
-    cfg = get_w8a16_config(M, N, K, x.device, glu)
-    w_mode = SCALE_TENSOR if weight_scale.numel() == 1 else SCALE_VECTOR
-    linear_with_config(x, weight, bias, None, SCALE_NONE, weight_scale, w_mode, out, cfg, glu=glu)
+    _launch(x, weight, weight_scale, bias, out, _config_for(x, weight, glu), glu=glu)
 
 
 @_linear_w8a16_op.register_fake
@@ -116,9 +131,7 @@ def linear_w8a16(x, weight_fp8, weight_scale, bias=None, *, glu: bool = False, o
                          f"a weight of shape {tuple(weight_fp8.shape)}, got {tuple(x.shape)}")
     N = _check_weight(weight_fp8, x.shape[-1] // 2 if glu else x.shape[-1], (FP8_DTYPE,), "weight_fp8",
                       "x's gate half" if glu else "x")
-    M = x.numel() // max(x.shape[-1], 1)
-    if M > MAX_M:
-        raise ValueError(f"linear_w8a16 takes at most {MAX_M} token rows (decode), got {M}; use linear_fp8")
+    _check_rows("linear_w8a16", x, "; use linear_fp8")
     bias = check_bias(bias, N, (x.dtype,), "weight_fp8")
     check_same_device(x=x, weight_fp8=weight_fp8, bias=bias)
     ws = _w_scale_vec(weight_scale, N, x.device)
@@ -167,17 +180,13 @@ def _rms_norm_linear_w8a16_op(h: torch.Tensor, norm_weight: Optional[torch.Tenso
     if impl == "torch":
         out.copy_(rms_norm_linear_w8a16_ref(h, norm_weight, weight, weight_scale, bias, eps=eps))
         return
-    require_sm(h.device, 8, 9, "FP8 linear")
-    M, (N, K) = h.shape[0], weight.shape
-    cfg = get_w8a16_config(M, N, K, h.device)
-    w_mode = SCALE_TENSOR if weight_scale.numel() == 1 else SCALE_VECTOR
+    cfg = _config_for(h, weight)
+    K = h.shape[1]
     if _fma_one_split(cfg, K):
-        linear_with_config(h, weight, bias, None, SCALE_NONE, weight_scale, w_mode, out, cfg,
-                           norm_weight=norm_weight, eps=eps, x_norm=True)
+        _launch(h, weight, weight_scale, bias, out, cfg, norm_weight=norm_weight, eps=eps, x_norm=True)
         return
     g = norm_weight if norm_weight is not None else _ones(K, h.dtype, h.device)
-    linear_with_config(rms_norm(h, g, eps, backend="triton"), weight, bias, None, SCALE_NONE, weight_scale, w_mode,
-                       out, cfg)
+    _launch(rms_norm(h, g, eps, backend="triton"), weight, weight_scale, bias, out, cfg)
 
 
 @_rms_norm_linear_w8a16_op.register_fake
@@ -192,24 +201,12 @@ def _add_linear_w8a16_op(residual: torch.Tensor, x: torch.Tensor, weight: torch.
     if impl == "torch":
         residual.copy_(add_linear_w8a16_ref(residual, x, weight, weight_scale, bias, glu=glu))
         return
-    require_sm(x.device, 8, 9, "FP8 linear")
-    M, (N, K) = x.shape[0], weight.shape
-    cfg = get_w8a16_config(M, N, K, x.device, glu)
-    w_mode = SCALE_TENSOR if weight_scale.numel() == 1 else SCALE_VECTOR
-    linear_with_config(x, weight, bias, None, SCALE_NONE, weight_scale, w_mode, residual, cfg, glu=glu,
-                       accumulate=True)
+    _launch(x, weight, weight_scale, bias, residual, _config_for(x, weight, glu), glu=glu, accumulate=True)
 
 
 @_add_linear_w8a16_op.register_fake
 def _(residual, x, weight, weight_scale, bias, glu, impl):
     return None
-
-
-def _check_rows(name: str, x, max_m: int) -> int:
-    M = x.numel() // max(x.shape[-1], 1)
-    if M > max_m:
-        raise ValueError(f"{name} takes at most {max_m} token rows (decode), got {M}")
-    return M
 
 
 def rms_norm_linear_w8a16(h, norm_weight, weight_fp8, weight_scale, bias=None, *, eps: float = 1e-6, out=None,
@@ -231,7 +228,7 @@ def rms_norm_linear_w8a16(h, norm_weight, weight_fp8, weight_scale, bias=None, *
     check_norm_weight(norm_weight, K, h.dtype)
     check_eps(eps)
     N = _check_weight(weight_fp8, K, (FP8_DTYPE,), "weight_fp8", "h")
-    _check_rows("rms_norm_linear_w8a16", h, MAX_M)
+    _check_rows("rms_norm_linear_w8a16", h)
     bias = check_bias(bias, N, (h.dtype,), "weight_fp8")
     check_same_device(h=h, norm_weight=norm_weight, weight_fp8=weight_fp8, bias=bias)
     ws = _w_scale_vec(weight_scale, N, h.device)
@@ -257,7 +254,7 @@ def add_linear_w8a16_(residual, x, weight_fp8, weight_scale, bias=None, *, glu: 
     check_tensor("weight_fp8", weight_fp8, dtypes=(FP8_DTYPE,), ndim=2)
     K = check_glu_input(x, weight_fp8, glu)
     N = _check_weight(weight_fp8, K, (FP8_DTYPE,), "weight_fp8", "x")
-    _check_rows("add_linear_w8a16_", x, MAX_M)
+    _check_rows("add_linear_w8a16_", x)
     bias = check_bias(bias, N, (x.dtype,), "weight_fp8")
     check_residual(residual, (*x.shape[:-1], N), x.dtype)
     check_same_device(x=x, weight_fp8=weight_fp8, bias=bias, residual=residual)
