@@ -224,6 +224,13 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                                            "fastdecode-graph-no-norm_gemm",
                                                            "fastdecode-graph-no-fp8_a16",
                                                            "fastdecode-graph-with-fp8_a16_all"), 300)]
+    if name == "l2-prefetch":
+        # the attention kernel warming wo's weight in L2 (l2_prefetch), several sizes, FP8 / W4A16 / W4A8 steps; FP8
+        # also on the tables with session 26's H200 w8a16 section (archived, not in the package)
+        w8a16 = ROOT / "benchmarks" / "results" / "archive" / "configs_h200_271331f" / "linear_nvidia_h200.json"
+        return [("diag l2 prefetch", [PY, str(ROOT / "benchmarks" / "diag_l2_prefetch.py"), "--formats", "fp8",
+                                      "int4", "int4_a8", "--limits", "off", "8", "all", "--w8a16-table", str(w8a16),
+                                      "--out", str(out / "diag_l2_prefetch.json")], 560)]
     if name == "test-bounds":
         diag = str(ROOT / "benchmarks" / "diag_norm_gemm_test_bounds.py")
         return [("diag norm_gemm test bounds", [PY, diag, "--seeds", "150",
@@ -284,7 +291,7 @@ WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attenti
 SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile",
           "profile-switches", "hf", "serve",
           "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
-          "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16", "int8-producers", "test-bounds")
+          "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16", "int8-producers", "test-bounds", "l2-prefetch")
 
 
 def _ncu() -> str | None:
@@ -622,7 +629,7 @@ def main(argv=None) -> int:
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
     # tp: with 2+ GPUs only
     not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl", "int4-diag", "int4-a8", "profile-switches",
-                  "w8a16", "int8-producers", "test-bounds")
+                  "w8a16", "int8-producers", "test-bounds", "l2-prefetch")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")

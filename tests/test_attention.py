@@ -378,3 +378,90 @@ def test_rope_decode_attention_llama8b_shapes_gpu(T):
     got = rope_decode_attention(qkv, rope, pos, k, v, 32, backend="triton")
     assert_close(got, rope_decode_attention_ref(qkv, rope, pos, k2, v2, 32))
     torch.testing.assert_close(v, v2, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------- the L2 prefetch of the next weight
+
+
+def test_rope_decode_attention_prefetch_changes_nothing():
+    """``prefetch`` (the next projection's weight, warmed into L2 on sm_90+; ignored by the interpreter and CPUs)
+    leaves the output and the caches exactly as without it; a byte slice at a multiple of 16 is accepted too."""
+    B, Hq, Hkv, T, D = 2, 8, 2, 70, 64
+    qkv, rope, pos, k, v = _fused_inputs(B, Hq, Hkv, T, D, torch.float16)
+    k2, v2 = k.clone(), v.clone()
+    w = torch.randn(96, 40, device=DEV).to(torch.float16)  # 7680 bytes: not a multiple of 16 lanes' chunks
+    want = rope_decode_attention(qkv, rope, pos, k2, v2, Hq, num_splits=2, backend="triton")
+    for pf in (w, w.view(-1).view(torch.uint8)[16:4016]):
+        k3, v3 = k.clone(), v.clone()
+        got = rope_decode_attention(qkv, rope, pos, k3, v3, Hq, num_splits=2, prefetch=pf, backend="triton")
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        torch.testing.assert_close(k3, k2, atol=0, rtol=0)
+        torch.testing.assert_close(v3, v2, atol=0, rtol=0)
+    torch_be = [rope_decode_attention(qkv, rope, pos, k.clone(), v.clone(), Hq, prefetch=pf, backend="torch")
+                for pf in (None, w)]
+    torch.testing.assert_close(torch_be[1], torch_be[0], atol=0, rtol=0)
+
+
+def test_rope_decode_attention_prefetch_argument_errors():
+    qkv, rope, pos, k, v = _fused_inputs(1, 4, 2, 30, 16, torch.float32)
+    w = torch.randn(64, 64, device=DEV)
+    with pytest.raises(ValueError, match="prefetch must be contiguous and 16-byte aligned"):
+        rope_decode_attention(qkv, rope, pos, k, v, 4, prefetch=w.t())
+    with pytest.raises(ValueError, match="prefetch must be contiguous and 16-byte aligned"):
+        rope_decode_attention(qkv, rope, pos, k, v, 4, prefetch=w.view(-1)[1:])  # 4 bytes in
+    with pytest.raises(TypeError, match="prefetch must be a tensor or None"):
+        rope_decode_attention(qkv, rope, pos, k, v, 4, prefetch=[w])
+    with pytest.raises(ValueError, match="prefetch must be on"):
+        rope_decode_attention(qkv, rope, pos, k, v, 4, prefetch=torch.empty(64, device="meta"))
+
+
+def test_prefetch_plan_covers_the_range_in_16_byte_chunks():
+    from fastdecode.kernels.prefetch import prefetch_plan
+
+    for nbytes, threads in ((16 * 2**20, 1024), (7680, 256), (7690, 256), (48, 1024), (0, 128)):
+        n, chunk = prefetch_plan(nbytes, threads)
+        assert n == nbytes // 16 * 16 and chunk % 16 == 0 and chunk >= 16
+        assert chunk * threads >= n and (chunk - 16) * threads < max(n, 16)  # covered, the chunk no larger
+
+
+_ATTN_PTX = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastdecode.kernels.attention import _rope_decode_attention_kernel
+
+a = json.loads(sys.argv[1])
+ptrs = {"qkv_ptr": "*bf16", "rope_ptr": "*fp32", "pos_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16",
+        "o_ptr": "*bf16", "o_part_ptr": "*fp32", "lse_ptr": "*fp32", "lock_ptr": "*i32", "q8_ptr": "*bf16",
+        "s8_ptr": "*bf16", "sum8_ptr": "*bf16"}
+ints = ["stride_qkv", "stride_rope_t", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh", "stride_vt",
+        "stride_ob", "stride_oh", "stride_q8", "stride_s8", "T"]
+sig = {**ptrs, "scale": "fp32", **{n: "i32" for n in ints}, "pf_ptr": "*u8", "pf_bytes": "i64", "pf_chunk": "i32"}
+consts = dict(HQ=32, HKV=8, GROUP=4, BLOCK_G=16, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=1,
+              MERGE_IN_KERNEL=False, USE_DOT=True, LOG2E=1.4426950408889634, OUT_INT8=False, USE_PDL=True,
+              L2_PF=a["pf"], PF_LANES=128)
+sig.update({k: "constexpr" for k in consts})
+cc = triton.compile(ASTSource(_rope_decode_attention_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": 4, "num_stages": 1})
+sys.stdout.write(cc.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("pf", [True, False])
+def test_sm90_attention_prefetches_before_the_pdl_wait(pf):
+    """Compiled ahead of time for sm_90 (8B heads, PDL): with L2_PF every thread issues one bulk L2 prefetch
+    (``cp.async.bulk.prefetch.L2.global``) before ``griddepcontrol.wait``, so it runs while the qkv GEMV drains;
+    without it there is none."""
+    import json
+    import re
+
+    from helpers import sm90_ptx
+
+    ptx = sm90_ptx(_ATTN_PTX, json.dumps({"pf": pf}))
+    head = ptx[:ptx.index("griddepcontrol.wait")]
+    n = len(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx))
+    if pf:
+        assert n == 1 and "cp.async.bulk.prefetch.L2.global" in head
+    else:
+        assert n == 0

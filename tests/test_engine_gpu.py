@@ -153,6 +153,37 @@ def test_fp8_norm_gemm_graph_decode_matches_the_unfused_step(a16_all):
     _graph_steps_against_the_unfused_eager_step(model, _assert_logits_close if a16_all else fp8_step_close)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "int4_a8", "bf16"])
+def test_l2_prefetch_changes_no_graph_step(fmt):
+    """``l2_prefetch`` (the attention kernel warming wo's weight in L2, every format's norm_gemm step; int4_a8: the
+    attention that emits wo's int8 activation) is a hint: replayed in CUDA graphs with PDL at batch 1 and 3, the
+    step equals the same graph step without it (the split-K GEMVs sum their partials in arrival order, so equal up
+    to bf16 roundings, not bitwise)."""
+    from fastdecode.models import norm_gemm
+    from fastdecode.models.quantize import quantize_model
+
+    model = _llama8b("triton")
+    if fmt != "bf16":
+        quantize_model(model, fmt.split("_")[0])
+    model.set_kernels(int4_a8=fmt == "int4_a8")
+    assert norm_gemm.applies(model, 1)
+    plain = copy.deepcopy(model)
+    model.set_kernels(l2_prefetch=True)
+    for layer in model.layers:  # a part of wo (int4), the whole of it (the other formats)
+        layer.attention.l2_prefetch_limit = 3 * 2**20 + 16 if fmt == "int4" else None
+    engines = [Engine(m, None, max_batch=4, max_seq_len=64, cuda_graph=True, batch_buckets=[1, 4])
+               for m in (model, plain)]
+    for B in (1, 3):
+        prompts = [torch.randint(0, model.config.vocab_size, (5,)).tolist() for _ in range(B)]
+        _assert_logits_close(*(e.prefill(prompts) for e in engines))
+        pos = torch.full((B,), 5, device=DEV)
+        for _ in range(4):
+            nxt = torch.randint(0, model.config.vocab_size, (B,), device=DEV)
+            got, want = (e.decode(nxt, pos).clone() for e in engines)
+            _assert_logits_close(got, want)
+            pos += 1
+
+
 def test_llama8b_shaped_fp32_matches_transformers():
     """fp32 weights and math on the GPU against transformers with the same weights: the model code
     itself, at real Llama-3.1-8B shapes (llama3 RoPE scaling, GQA 4, D 128), to fp32 rounding."""

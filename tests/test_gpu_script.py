@@ -169,6 +169,23 @@ def test_w8a16_suite_sweeps_into_a_table_copy_then_times_the_fp8_step_on_it(gpu,
     assert {"8b_o", "8b_down", "8b_qkv", "8b_gate_up"} <= set(shapes)
 
 
+def test_l2_prefetch_suite_runs_its_diagnosis_on_the_archived_w8a16_table(gpu, tmp_path):
+    [(label, argv, timeout)] = gpu.suite_commands("l2-prefetch", tmp_path, 1)
+    assert label == "diag l2 prefetch" and argv[1].endswith("diag_l2_prefetch.py") and timeout < 600
+    assert argv[argv.index("--out") + 1] == str(tmp_path / "diag_l2_prefetch.json")
+    table = argv[argv.index("--w8a16-table") + 1]
+    import json
+    from pathlib import Path
+
+    assert "w8a16" in json.loads(Path(table).read_text())  # the archived table has the section it is run for
+    import runpy
+
+    diag = runpy.run_path(argv[1])
+    assert diag["_impl"]("int4_a8", "8") == "fastdecode-graph-with-int4_a8+l2_prefetch"
+    assert diag["_impl"]("fp8", "off") == "fastdecode-graph"
+    assert set(argv[argv.index("--formats") + 1:argv.index("--limits")]) <= set(diag["QUANT"])
+
+
 def test_profile_switches_profiles_each_opt_in_switch_beside_the_default_step(gpu, tmp_path):
     steps = gpu.suite_commands("profile-switches", tmp_path, 1, formats=("fp8", "int4"))
     assert [label for label, _, _ in steps] == ["profile fp8 no-norm_gemm no-fp8_a16 with-fp8_a16_all",

@@ -341,9 +341,11 @@ attn = {"qkv_ptr": ptr("bf16"), "rope_ptr": ptr("fp32"), "pos_ptr": ptr("i64"), 
         "v_ptr": ptr("bf16"), "o_ptr": ptr("bf16"), "o_part_ptr": ptr("fp32"), "lse_ptr": ptr("fp32"),
         "lock_ptr": ptr("i32"), "q8_ptr": ptr("i8"), "s8_ptr": ptr("fp32"), "sum8_ptr": ptr("i32"), "scale": "fp32",
         **{k: "i32" for k in ("stride_qkv", "stride_rope_t", "stride_kb", "stride_kh", "stride_kt", "stride_vb",
-                              "stride_vh", "stride_vt", "stride_ob", "stride_oh", "stride_q8", "stride_s8", "T")}}
+                              "stride_vh", "stride_vt", "stride_ob", "stride_oh", "stride_q8", "stride_s8", "T")},
+        "pf_ptr": ptr("u8"), "pf_bytes": "i32", "pf_chunk": "i32"}
 ac = dict(HQ=32, HKV=8, GROUP=4, BLOCK_G=16, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=4,
-          MERGE_IN_KERNEL=True, USE_DOT=True, LOG2E=1.4426950408889634, OUT_INT8=True, USE_PDL=True)
+          MERGE_IN_KERNEL=True, USE_DOT=True, LOG2E=1.4426950408889634, OUT_INT8=True, USE_PDL=True, L2_PF=True,
+          PF_LANES=128)
 merge = {"o_part_ptr": ptr("fp32"), "lse_ptr": ptr("fp32"), "o_ptr": ptr("bf16"), "stride_ob": "i32",
          "stride_oh": "i32", "Hq": "i32", "q8_ptr": ptr("i8"), "s8_ptr": ptr("fp32"), "sum8_ptr": ptr("i32"),
          "stride_q8": "i32", "stride_s8": "i32"}

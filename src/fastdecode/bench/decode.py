@@ -36,7 +36,7 @@ cuBLAS; int4 models only), ``-no-pdl`` (the graph captured without programmatic 
 inside the bf16 / int4 GEMMs, ``models.norm_gemm``), ``-no-fp8_a16`` (FP8 wqkv, wo and w2 W8A8 at decode, their
 activations quantised; fp8 models only) and ``fastdecode-eager`` (no CUDA graph);
 ``fastdecode-graph-with-<switch>`` turns on a switch that is off by default (``OPT_IN_KERNELS``: ``int4_a8``,
-``fp8_a16_all``).
+``fp8_a16_all``, ``l2_prefetch``), ``-with-<a>+<b>`` several (``-with-int4_a8+l2_prefetch``).
 The fastdecode rows take the next tokens with
 ``fastdecode.argmax`` (after the graph, as ``Engine``'s greedy sampler does), the torch rows with ``torch.argmax``.
 
@@ -79,7 +79,8 @@ PEER_IMPLS = ("peer-compile", "peer-eager")
 CPU_IMPLS = ("torch-eager", "peer-eager")
 ABLATIONS = (("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in KERNELS if k not in OPT_IN_KERNELS)
              + ("fastdecode-graph-no-pdl", "fastdecode-graph-no-argmax")
-             + tuple(f"fastdecode-graph-with-{k}" for k in OPT_IN_KERNELS))
+             + tuple(f"fastdecode-graph-with-{k}" for k in OPT_IN_KERNELS)
+             + ("fastdecode-graph-with-int4_a8+l2_prefetch",))
 # what to lower when the KV cache would not fit (the hint of check_kv_memory's message)
 KV_FIX = "lower --batch, --input-len or --output-len"
 # Peak HBM bandwidth by GPU name fragment, bytes/s (vendor figures); the copy anchor is 4.24 TB/s on H200
@@ -123,12 +124,14 @@ class DecodeRunner:
                 raise ValueError(f"unknown ablation {impl!r}")
             model.backend = "triton"
             model.set_kernels(**{k: False})
-        elif impl.startswith("fastdecode-graph-with-"):  # an opt-in switch on
-            k = impl[len("fastdecode-graph-with-"):]
-            if k not in OPT_IN_KERNELS:
-                raise ValueError(f"unknown opt-in kernel switch in {impl!r}; known: {', '.join(OPT_IN_KERNELS)}")
+        elif impl.startswith("fastdecode-graph-with-"):  # opt-in switches on ("+" between several)
+            ks = impl[len("fastdecode-graph-with-"):].split("+")
+            bad = [k for k in ks if k not in OPT_IN_KERNELS]
+            if bad:
+                raise ValueError(f"unknown opt-in kernel switch {bad[0]!r} in {impl!r}; "
+                                 f"known: {', '.join(OPT_IN_KERNELS)}")
             model.backend = "triton"
-            model.set_kernels(**{k: True})
+            model.set_kernels(**{k: True for k in ks})
         elif impl == "fastdecode-eager":
             model.backend = "triton"
         elif impl in ("torch-eager", "torch-graph"):

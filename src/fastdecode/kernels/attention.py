@@ -14,6 +14,7 @@ import triton.language as tl
 from fastdecode.kernels.host import next_pow2
 from fastdecode.kernels.int4_a8 import _store_act_int8
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
+from fastdecode.kernels.prefetch import l2_prefetch_range, prefetch_plan
 
 LOG2E = 1.4426950408889634
 
@@ -296,11 +297,11 @@ def _rope_decode_attention_kernel(
     stride_qkv, stride_rope_t,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_oh, stride_q8, stride_s8, T,
+    stride_ob, stride_oh, stride_q8, stride_s8, T, pf_ptr, pf_bytes, pf_chunk,
     HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr, USE_DOT: tl.constexpr, LOG2E: tl.constexpr, OUT_INT8: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, L2_PF: tl.constexpr, PF_LANES: tl.constexpr,
 ):
     """``_rope_kv_write_kernel`` and ``_decode_attention_kernel`` in one program per (sequence, kv head, split),
     with ``seq_len = pos + 1``: the split whose range holds ``pos`` rotates this kv head's new k, writes k and v
@@ -315,10 +316,15 @@ def _rope_decode_attention_kernel(
     ``kernels.pdl``'s contract: neither the previous kernel (the qkv GEMM, or the q / k norm) writes them; the
     positions below ``pos`` were written by earlier steps (or the prefill), and ``pos`` by a kernel before the
     previous one, both complete when this kernel starts (the previous one started only after its own wait).
+
+    L2_PF (sm_90+): first of all, each thread prefetches its share of the byte range ``[pf_ptr, + pf_bytes)`` (the
+    next GEMV's weight: wo) into L2 (``kernels.prefetch``); weights are never written by the step's kernels.
     """
     b = tl.program_id(0)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
+    if L2_PF:
+        l2_prefetch_range(pf_ptr, pf_bytes, pf_chunk, (b * HKV + hkv) * NUM_SPLITS + split, PF_LANES)
     b64 = b.to(tl.int64)
     D: tl.constexpr = 2 * HALF
 
@@ -413,14 +419,17 @@ def _rope_decode_attention_kernel(
 
 
 def launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse, n_q_heads: int,
-                                 scale: float, config: dict, pdl: bool = False, locks=None, int8_out=None):
+                                 scale: float, config: dict, pdl: bool = False, locks=None, int8_out=None,
+                                 prefetch=None):
     """qkv: [B, (Hq + 2 Hkv) * D] rows (unit inner stride); rope [T, D/2, 2] fp32; input_pos [B]; caches
     [B, Hkv, T, D]; out [B, Hq, D]; o_part [B, Hq, S, BLOCK_D] fp32 and lse [B, Hq, S] fp32 when
     config["NUM_SPLITS"] > 1 (else unused). config: ``ops.attention.decode_attention_config``'s, and optionally
     ``MERGE_IN_KERNEL`` (with more than one split: the last split of each (sequence, kv head) merges, no merge
     kernel; ``locks``: B * Hkv zeroed int32 counters, which the kernel leaves at 0). ``int8_out``: ``(q8, s8,
     sum8)`` rows of an int8 activation (``kernels.int4_a8``; contiguous [B, >= Hq * 128], [B, >= Hq]) written
-    instead of ``out`` (then None), head_dim 128: each head one group of 128 columns."""
+    instead of ``out`` (then None), head_dim 128: each head one group of 128 columns. ``prefetch``: a contiguous
+    1-D uint8 tensor, 16-byte aligned (the next GEMV's weight bytes), prefetched into L2 by the kernel's threads
+    (sm_90+ only: inline PTX; ``kernels.prefetch``)."""
     B = qkv.shape[0]
     Hkv, D = k_cache.shape[1], k_cache.shape[3]
     splits = config["NUM_SPLITS"]
@@ -439,16 +448,19 @@ def launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, out, o_
     else:
         q8 = s8 = sum8 = out
         strides_o, strides_8 = (out.stride(0), out.stride(1)), (0, 0)
+    lanes = 32 * config["num_warps"]
+    pf_bytes, pf_chunk = prefetch_plan(prefetch.numel(), B * Hkv * splits * lanes) if prefetch is not None else (0, 16)
     _rope_decode_attention_kernel[(B, Hkv, splits)](
         qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse, locks if merge_in_kernel else out, q8, s8, sum8,
         scale,
         qkv.stride(0), rope.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *strides_o, *strides_8, k_cache.shape[2],
+        *strides_o, *strides_8, k_cache.shape[2], prefetch if prefetch is not None else out, pf_bytes, pf_chunk,
         HQ=n_q_heads, HKV=Hkv, GROUP=n_q_heads // Hkv, BLOCK_G=config["BLOCK_G"], HALF=half, BLOCK_HALF=block_half,
         BLOCK_D=block_d, BLOCK_N=config["BLOCK_N"], NUM_SPLITS=splits, MERGE_IN_KERNEL=merge_in_kernel,
         USE_DOT=config["USE_DOT"], LOG2E=LOG2E, OUT_INT8=int8_out is not None, USE_PDL=pdl,
+        L2_PF=prefetch is not None and pf_bytes > 0, PF_LANES=lanes,
         num_warps=config["num_warps"], num_stages=1, **launch_kwargs(pdl),
     )
     if splits > 1 and not merge_in_kernel:

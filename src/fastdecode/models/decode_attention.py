@@ -6,6 +6,9 @@ kernel under split-KV). With ``int8`` (the ``int4_a8`` switch on a W4A8 ``wo``) 
 activation itself (``ops.int4_a8.rope_decode_attention_int8``). Off (ablation): ``rope_kv_write``, then
 ``decode_attention`` over ``seq_lens``. The ``"ref"`` backend calls the plain-PyTorch references of the same ops, for
 ``torch.compile``.
+
+``l2_prefetch`` (opt-in, ``Attention.attend``): the fused kernel also prefetches wo's weight (``wo_prefetch``) into L2
+while the qkv GEMV drains and the attention itself leaves the memory bus idle (``fastdecode.kernels.prefetch``).
 """
 
 from __future__ import annotations
@@ -21,20 +24,32 @@ from fastdecode.ops.attention import (
 from fastdecode.ops.int4_a8 import rope_decode_attention_int8, rope_decode_attention_int8_ref
 
 
+def wo_prefetch(wo, limit: Optional[int] = None) -> torch.Tensor:
+    """The bytes of ``wo``'s weight that the attention kernel prefetches into L2 (the ``l2_prefetch`` switch,
+    ``fastdecode.kernels.prefetch``): a uint8 view of the dense or FP8 weight, or of an ``Int4Linear``'s packed words
+    (its scales are small), whole or its first ``limit`` bytes (rounded down to 16)."""
+    w = wo.qweight if hasattr(wo, "qweight") else wo.weight
+    w = w.reshape(-1).view(torch.uint8)
+    return w if limit is None or limit >= w.numel() else w[:max(16, limit // 16 * 16)]
+
+
 def decode_attend(qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, seq_lens: Optional[torch.Tensor], n_heads: int, scale: float, fused: bool,
-                  backend: str, int8: bool = False):
+                  backend: str, int8: bool = False, prefetch: Optional[torch.Tensor] = None):
     """qkv [B, (Hq + 2 Hkv) * D] -> attention output [B, Hq, D]; writes k / v at input_pos. seq_lens [B] int32
     (= input_pos + 1) is read only when not ``fused``, and computed here when None. ``int8`` (with ``fused``): the
-    output as an int8 activation ``(q, scales, sums)`` of B rows instead."""
+    output as an int8 activation ``(q, scales, sums)`` of B rows instead. ``prefetch`` (with ``fused``; a hint): the
+    next projection's weight bytes, which the attention kernel prefetches into L2 (``kernels.prefetch``)."""
     if fused and int8:
         if backend == "ref":
             return rope_decode_attention_int8_ref(qkv, rope, input_pos, k_cache, v_cache, n_heads, scale)
-        return rope_decode_attention_int8(qkv, rope, input_pos, k_cache, v_cache, n_heads, scale, backend=backend)
+        return rope_decode_attention_int8(qkv, rope, input_pos, k_cache, v_cache, n_heads, scale, prefetch=prefetch,
+                                          backend=backend)
     if fused:
         if backend == "ref":
             return rope_decode_attention_ref(qkv, rope, input_pos, k_cache, v_cache, n_heads, scale)
-        return rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_heads, scale, backend=backend)
+        return rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_heads, scale, prefetch=prefetch,
+                                     backend=backend)
     if seq_lens is None:
         seq_lens = (input_pos + 1).to(torch.int32)
     if backend == "ref":

@@ -50,7 +50,8 @@ by default): W4A8 decode with int8 activations (``fastdecode.models.int4.set_int
 ``wqkv``, ``wo`` and ``w2`` of up to 4 token rows run W8A16 (``fastdecode.ops.w8a16``: the attention norm emits
 16-bit rows (``RMSNorm.a16_rows``), the attention output goes unquantised, SiLU-and-mul inside w2's loads with
 ``fused_down``), two launches a layer fewer; ``w13`` keeps W8A8 (its norm emits FP8). ``fp8_a16_all`` (off by
-default): ``w13`` too, its norm then emitting 16-bit rows as well.
+default): ``w13`` too, its norm then emitting 16-bit rows as well. ``l2_prefetch`` (off by default): the decode
+attention kernel prefetches wo's weight into L2 (``Attention.l2_prefetch_limit`` bytes of it; None: all).
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -73,7 +74,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdecode.models.config import ModelConfig
-from fastdecode.models.decode_attention import decode_attend
+from fastdecode.models.decode_attention import decode_attend, wo_prefetch
 from fastdecode.models import norm_gemm
 from fastdecode.models.int4 import Int4Linear, set_int4_switches
 from fastdecode.models.qk_norm import norm_heads, norm_qk_rows
@@ -92,13 +93,13 @@ from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
 KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm", "fused_rope",
-           "norm_gemm", "int4_a8", "fp8_a16", "fp8_a16_all")
+           "norm_gemm", "int4_a8", "fp8_a16", "fp8_a16_all", "l2_prefetch")
 # switches off by default (``bench decode``'s ``-with-<switch>`` rows turn them on): a new kernel waits here until a
 # GPU has measured it (norm_gemm for int4 blocks did, sessions 17-18); int4_a8 also changes the numbers (int8
 # activations), so it would stay a choice even when it wins; fp8_a16 is on since session 25: W8A16 wqkv, wo and w2 were
 # faster than W8A8 in every H100 step measured (3300.7 against 3495.7 us, benchmarks/NOTES.md), with a perplexity
 # closer to the unquantised model's; fp8_a16_all (w13 too) was slower there
-OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16_all")
+OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16_all", "l2_prefetch")
 
 
 def _lead(x) -> tuple:
@@ -214,6 +215,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device=device, dtype=dtype) if cfg.qk_norm else None
         self.fused_rope = True  # decode: RoPE + KV write inside the attention kernel (models/decode_attention.py)
         self.int8_out = False  # ... which, up to 2 rows, emits the int8 activation of a W4A8 Int4Linear wo (int4_a8)
+        self.l2_prefetch, self.l2_prefetch_limit = False, None  # ... and warms wo's weight (bytes; None: all) in L2
 
     def _qkv(self, x, cs, backend):
         B, S = _lead(x)
@@ -242,14 +244,16 @@ class Attention(nn.Module):
         return self.wo(self.attend(qkv, rope, k_cache, v_cache, input_pos, seq_lens, backend), backend)
 
     def attend(self, qkv, rope, k_cache, v_cache, input_pos, seq_lens, backend):
-        """The attention of ``decode`` between its two projections: qkv [B, 1, (Hq + 2 Hkv) * D] -> [B, 1, Hq * D]."""
+        """The attention of ``decode`` between its two projections: qkv [B, 1, (Hq + 2 Hkv) * D] -> [B, 1, Hq * D]
+        (``l2_prefetch``: the kernel warms wo's weight in L2, ``wo_prefetch``)."""
         B = qkv.shape[0]
         qkv = qkv.view(B, -1)  # [B, (Hq + 2 Hkv) * D]
         if self.q_norm is not None:
             qkv = norm_qk_rows(qkv, self.q_norm, self.k_norm, self.n_heads, self.n_kv_heads, backend)
         k_cache, v_cache = k_cache[:B], v_cache[:B]
         o = decode_attend(qkv, rope, input_pos, k_cache, v_cache, seq_lens, self.n_heads, self.scale, self.fused_rope,
-                          backend, int8=self.int8_out and B <= A8.DECODE_MAX_M)
+                          backend, int8=self.int8_out and B <= A8.DECODE_MAX_M,
+                          prefetch=wo_prefetch(self.wo, self.l2_prefetch_limit) if self.l2_prefetch else None)
         return tuple(t.reshape(B, 1, -1) for t in o) if isinstance(o, tuple) else o.reshape(B, 1, -1)
 
 
@@ -452,7 +456,7 @@ class Transformer(nn.Module):
                     consumer.a16_max_rows = a16_in
             f.fused = k["fused_act"]
             f.fuse_down = k["fused_down"]
-            a.fused_rope = k["fused_rope"]
+            a.fused_rope, a.l2_prefetch = k["fused_rope"], k["l2_prefetch"]
             f.fp8_act = isinstance(f.w2, Fp8Linear) and k["fused_act"]
             for lin in (a.wo, f.w2):
                 if isinstance(lin, Fp8Linear):

@@ -46,6 +46,9 @@ The prefill keeps the unfused kernels, so the K / V a decode step writes differ 
 tokens writes by a few bf16 ulps (the normed activation not rounded, the folded weights; session 17, H200,
 ``benchmarks/diag_norm_gemm.py``: up to 0.039 on 8B-shaped layer-1 rows of rms ~1.3, logits within 0.049 of their
 rms; a replayed step equals the eager step exactly).
+
+``l2_prefetch`` (opt-in; ``Attention.attend``, on this path and the unfused one): the attention kernel prefetches wo's
+weight bytes into L2 (``fastdecode.models.decode_attention.wo_prefetch``).
 """
 
 from __future__ import annotations

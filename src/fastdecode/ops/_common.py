@@ -119,6 +119,31 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     return _sm_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
 
 
+def check_prefetch(prefetch: Optional[torch.Tensor], device: torch.device) -> None:
+    """An op's ``prefetch`` argument (``kernels.prefetch``): None, or a tensor on ``device``, contiguous and 16-byte
+    aligned (a weight, or a slice of its bytes starting at a multiple of 16)."""
+    if prefetch is None:
+        return
+    if not isinstance(prefetch, torch.Tensor):
+        raise TypeError(f"prefetch must be a tensor or None, got {type(prefetch).__name__}")
+    if prefetch.device != device:
+        raise ValueError(f"prefetch must be on {device}, got {prefetch.device}")
+    if not prefetch.is_contiguous() or (not is_tracing() and prefetch.data_ptr() % 16):
+        raise ValueError("prefetch must be contiguous and 16-byte aligned (a weight tensor, or a slice of its "
+                         "bytes starting at a multiple of 16)")
+
+
+def l2_prefetch_bytes(prefetch: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A kernel's L2 prefetch range (``kernels.prefetch``): ``prefetch``'s bytes as a 1-D uint8 view, or None when
+    there is none or the kernel runs where the prefetch cannot (a CPU, the interpreter, a GPU below sm_90). It is a
+    hint and changes no result."""
+    if prefetch is None or prefetch.device.type != "cuda" or interpreter_on():
+        return None
+    if _sm_major(prefetch.device.index if prefetch.device.index is not None else torch.cuda.current_device()) < 9:
+        return None
+    return prefetch.reshape(-1).view(torch.uint8)
+
+
 _logged_once: set[str] = set()
 _log_lock = threading.Lock()
 

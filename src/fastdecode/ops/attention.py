@@ -16,7 +16,8 @@ import torch
 from fastdecode.ops._registry import define_op
 from fastdecode.ops._common import (
     pdl_enabled,
-    check_out, check_same_device, check_tensor, interpreter_on, is_tracing, next_pow2, resolve_backend,
+    check_out, check_prefetch, check_same_device, check_tensor, interpreter_on, is_tracing, l2_prefetch_bytes,
+    next_pow2, resolve_backend,
 )
 
 MAX_SPLITS = 64
@@ -260,7 +261,7 @@ def rope_kv_write_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int) ->
 @define_op("rope_decode_attention", mutates_args=("out", "k_cache", "v_cache"))
 def _rope_decode_attention_op(
     qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    out: torch.Tensor, n_q_heads: int, scale: float, num_splits: int, backend: str,
+    out: torch.Tensor, n_q_heads: int, scale: float, num_splits: int, prefetch: Optional[torch.Tensor], backend: str,
 ) -> None:
     if backend == "triton":
         from fastdecode.kernels.attention import launch_rope_decode_attention
@@ -272,18 +273,19 @@ def _rope_decode_attention_op(
         cfg = decode_attention_config(B, n_q_heads, Hkv, T, D, qkv.dtype, qkv.device, num_splits or None)
         o_part, lse = _split_buffers(B, n_q_heads, cfg, out)
         launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, out, o_part, lse, n_q_heads, scale,
-                                     cfg, pdl=pdl_enabled(qkv))
+                                     cfg, pdl=pdl_enabled(qkv), prefetch=l2_prefetch_bytes(prefetch))
         return
     out.copy_(rope_decode_attention_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads, scale))
 
 
 @_rope_decode_attention_op.register_fake
-def _(qkv, rope, input_pos, k_cache, v_cache, out, n_q_heads, scale, num_splits, backend):
+def _(qkv, rope, input_pos, k_cache, v_cache, out, n_q_heads, scale, num_splits, prefetch, backend):
     return None
 
 
 def rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int, scale: Optional[float] = None, *,
-                          num_splits: Optional[int] = None, out=None, backend: Optional[str] = None) -> torch.Tensor:
+                          num_splits: Optional[int] = None, out=None, prefetch: Optional[torch.Tensor] = None,
+                          backend: Optional[str] = None) -> torch.Tensor:
     """:func:`rope_kv_write` then :func:`decode_attention` over ``seq_lens = input_pos + 1``, in one kernel (plus
     the split merge when split-KV has more than one split): rotate q and k at ``input_pos``, write k and v into
     the caches there, attend over positions ``0..input_pos``.
@@ -292,6 +294,10 @@ def rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int
     caches [B, Hkv, T_cache, D] written in place; here the caches must have qkv's dtype), scale and num_splits
     as :func:`decode_attention`. Returns out [B, Hq, D] in qkv.dtype. The rotated q is rounded to qkv's dtype
     before the scores, as the two ops round it.
+
+    ``prefetch`` (a hint; no result changes): a contiguous, 16-byte aligned tensor on qkv's device, typically the
+    next projection's weight (wo), whose bytes the kernel's threads prefetch into L2 while the memory bus would
+    idle (``fastdecode.kernels.prefetch``; Triton backend on sm_90+, ignored elsewhere).
     """
     B, D = _check_rope_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads)
     if k_cache.dtype != qkv.dtype:
@@ -299,10 +305,12 @@ def rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int
     _check_num_splits(num_splits)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     check_out("out", out, (B, n_q_heads, D), qkv.dtype, qkv.device)
+    check_prefetch(prefetch, qkv.device)
     be = resolve_backend(backend, qkv.device, "rope_decode_attention")
     out = torch.empty((B, n_q_heads, D), dtype=qkv.dtype, device=qkv.device) if out is None else out
     if B > 0:
-        _rope_decode_attention_op(qkv, rope, input_pos, k_cache, v_cache, out, n_q_heads, scale, num_splits or 0, be)
+        _rope_decode_attention_op(qkv, rope, input_pos, k_cache, v_cache, out, n_q_heads, scale, num_splits or 0,
+                                  prefetch, be)
     return out
 
 

@@ -28,7 +28,8 @@ import torch
 
 from fastdecode.constants import INT8_MIN_SCALE
 from fastdecode.ops._common import (
-    as_rows, cdiv, check_eps, check_out, check_same_device, check_tensor, next_pow2, pdl_enabled, resolve_backend,
+    as_rows, cdiv, check_eps, check_out, check_prefetch, check_same_device, check_tensor, l2_prefetch_bytes, next_pow2,
+    pdl_enabled, resolve_backend,
 )
 from fastdecode.ops._registry import define_op
 from fastdecode.ops._tuned import DEFAULT_NUM_SMS, device_info, load_table, lookup_cache, nearest_m, split_k_workspace
@@ -354,7 +355,8 @@ def silu_and_mul_int8(x, *, backend: Optional[str] = None):
 @define_op("rope_decode_attention_int8", mutates_args=("k_cache", "v_cache", "q", "scales", "sums"))
 def _rope_attention_int8_op(qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor,
-                            n_q_heads: int, scale: float, num_splits: int, backend: str) -> None:
+                            n_q_heads: int, scale: float, num_splits: int, prefetch: Optional[torch.Tensor],
+                            backend: str) -> None:
     """qkv (B, (Hq + 2 Hkv) * 128) rows; q (B, Kp), scales / sums (B, Kp // 128); caches written in place."""
     from fastdecode.ops.attention import _split_buffers, decode_attention_config, rope_decode_attention_ref
 
@@ -370,7 +372,8 @@ def _rope_attention_int8_op(qkv: torch.Tensor, rope: torch.Tensor, input_pos: to
         cfg = decode_attention_config(B, Hq, Hkv, T, ACT_GROUP, qkv.dtype, qkv.device, num_splits or None)
         o_part, lse = _split_buffers(B, Hq, cfg, qkv)
         launch_rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, None, o_part, lse, Hq, scale, cfg,
-                                     pdl=pdl_enabled(qkv), int8_out=(q, scales, sums))
+                                     pdl=pdl_enabled(qkv), int8_out=(q, scales, sums),
+                                     prefetch=l2_prefetch_bytes(prefetch))
         return
     o = rope_decode_attention_ref(qkv, rope, input_pos, k_cache, v_cache, Hq, scale).reshape(B, -1)
     for t, v in zip((q, scales, sums), quantize_act_int8_ref(o)):
@@ -378,17 +381,18 @@ def _rope_attention_int8_op(qkv: torch.Tensor, rope: torch.Tensor, input_pos: to
 
 
 @_rope_attention_int8_op.register_fake
-def _(qkv, rope, input_pos, k_cache, v_cache, q, scales, sums, n_q_heads, scale, num_splits, backend):
+def _(qkv, rope, input_pos, k_cache, v_cache, q, scales, sums, n_q_heads, scale, num_splits, prefetch, backend):
     return None
 
 
 def rope_decode_attention_int8(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int, scale: Optional[float] = None,
-                               *, num_splits: Optional[int] = None, backend: Optional[str] = None):
+                               *, num_splits: Optional[int] = None, prefetch: Optional[torch.Tensor] = None,
+                               backend: Optional[str] = None):
     """``ops.attention.rope_decode_attention`` (rounded to qkv's dtype) as wo's int8 activation ``(q, scales, sums)``
     for ``int4_linear_a8``: ``quantize_act_int8(attention.reshape(B, Hq * 128))`` in the attention kernel itself (or
     its split merge), each head one group of 128 columns. Arguments as ``rope_decode_attention``; head_dim 128 and
     qkv bf16 / fp16. Returns q int8 (B, Kp), scales fp32 and sums int32 (B, Kp // 128), Kp = Hq * 128 rounded up
-    to 256 (the padding group 0)."""
+    to 256 (the padding group 0). ``prefetch``: as ``rope_decode_attention``'s (wo's packed weight)."""
     from fastdecode.ops.attention import _check_num_splits, _check_rope_args
 
     check_tensor("qkv", qkv, dtypes=(torch.bfloat16, torch.float16))
@@ -399,10 +403,12 @@ def rope_decode_attention_int8(qkv, rope, input_pos, k_cache, v_cache, n_q_heads
         raise ValueError(f"k_cache and v_cache must have qkv's dtype {qkv.dtype}, got {k_cache.dtype}")
     _check_num_splits(num_splits)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    check_prefetch(prefetch, qkv.device)
     be = resolve_backend(backend, qkv.device, "rope_decode_attention_int8")
     act = _act_buffers((B,), n_q_heads * D, qkv.device)
     if B > 0:
-        _rope_attention_int8_op(qkv, rope, input_pos, k_cache, v_cache, *act, n_q_heads, scale, num_splits or 0, be)
+        _rope_attention_int8_op(qkv, rope, input_pos, k_cache, v_cache, *act, n_q_heads, scale, num_splits or 0,
+                                prefetch, be)
     return act
 
 

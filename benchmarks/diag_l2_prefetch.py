@@ -1,0 +1,132 @@
+"""Does warming the L2 with wo's weight from the attention kernel pay (the ``l2_prefetch`` switch), and how much of
+the weight should it cover? And does the W8A16 section tuned on the H200 (session 26) beat the package's for FP8?
+
+One process, one model per format (8B shapes, random weights, batch 1, 1 in / 128 out, as ``bench decode``): the
+graph step without the prefetch and with it, capped at each ``--limits`` size in MB (``all``: the whole of wo's
+weight; ``Attention.l2_prefetch_limit``), the variants interleaved ``--repeats`` times so that drift hits them alike.
+``--w8a16-table`` (FP8 only): the same variants again on a copy of the tables in use whose linear table takes that
+file's ``w8a16`` section (in-process: ``FASTDECODE_CONFIG_DIR`` and ``clear_config_cache``).
+
+One JSON row per format, table and limit: the median of the decode step over every generate of every repeat, p10 /
+p90, and the gain against ``off`` on the same table; a summary on stdout.
+
+    python benchmarks/diag_l2_prefetch.py --formats fp8 int4 int4_a8 --limits off 4 8 all --out l2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+QUANT = {"bf16": None, "fp8": "fp8", "int4": "int4", "int4_a8": "int4"}
+
+
+def _impl(fmt: str, limit: str) -> str:
+    on = [] if limit == "off" else ["l2_prefetch"]
+    switches = (["int4_a8"] if fmt == "int4_a8" else []) + on
+    return "fastdecode-graph" + (f"-with-{'+'.join(switches)}" if switches else "")
+
+
+def w8a16_config_dir(section_table: str) -> str:
+    """A temporary copy of the tables in use for this GPU whose linear table takes ``section_table``'s ``w8a16``
+    section (and its ``w8a16_env``)."""
+    from fastdecode.ops._common import config_path, gpu_key
+
+    name = torch.cuda.get_device_name(0)
+    d = Path(tempfile.mkdtemp(prefix="fd_w8a16_tables_"))
+    for family in ("linear", "int4_linear", "allreduce"):
+        src = config_path(family, name)
+        if src.is_file():
+            shutil.copy(src, d / f"{family}_{gpu_key(name)}.json")
+    lin = d / f"linear_{gpu_key(name)}.json"
+    table = json.loads(lin.read_text())
+    extra = json.loads(Path(section_table).read_text())
+    for key in ("w8a16", "w8a16_env"):
+        if key in extra:
+            table[key] = extra[key]
+    lin.write_text(json.dumps(table, indent=1))
+    return str(d)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", nargs="+", default=["fp8", "int4", "int4_a8"], choices=sorted(QUANT))
+    p.add_argument("--limits", nargs="+", default=["off", "4", "8", "all"],
+                   help="'off', 'all' or MB of wo's weight to prefetch")
+    p.add_argument("--w8a16-table", default=None, help="fp8: also run on a linear table with this file's w8a16 "
+                                                       "section")
+    p.add_argument("--iters", type=int, default=10, help="generates of 1 in / 128 out per variant and repeat")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--preset", default="llama-3.1-8b")
+    p.add_argument("--out", default="diag_l2_prefetch.json")
+    a = p.parse_args()
+
+    from fastdecode.bench.decode import DecodeRunner, build_bench_model
+    from fastdecode.bench.harness import env_info
+    from fastdecode.engine.kv_cache import KVCache
+    from fastdecode.ops._tuned import clear_config_cache
+
+    base_dir = os.environ.get("FASTDECODE_CONFIG_DIR")
+    tables = {"in use": base_dir}
+    if a.w8a16_table:
+        tables["w8a16 section"] = w8a16_config_dir(a.w8a16_table)
+    rows = []
+    for fmt in a.formats:
+        built = build_bench_model(a.preset, batch=1, max_seq=129, quant=QUANT[fmt])
+        model, cfg, device = built.model, built.config, built.device
+        cache = KVCache(model.config, 1, 129, dtype=torch.bfloat16, device=device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        fmt_tables = tables if fmt == "fp8" else {"in use": base_dir}
+        times: dict[tuple[str, str], list[float]] = {}
+        for rep in range(a.repeats):
+            for tname, tdir in fmt_tables.items():
+                if tdir is None:
+                    os.environ.pop("FASTDECODE_CONFIG_DIR", None)
+                else:
+                    os.environ["FASTDECODE_CONFIG_DIR"] = tdir
+                clear_config_cache()
+                for limit in a.limits:
+                    for layer in model.layers:
+                        layer.attention.l2_prefetch_limit = (None if limit in ("off", "all")
+                                                             else int(float(limit) * 2**20))
+                    runner = DecodeRunner(_impl(fmt, limit), model, cache, 1)
+                    prompts = [torch.randint(0, cfg.vocab_size, (1, 1), device=device, generator=gen)
+                               for _ in range(a.iters + 1)]
+                    runner.generate(prompts[0], 128)  # warm-up
+                    for pr in prompts[1:]:
+                        _, dec = runner.generate(pr, 128)
+                        times.setdefault((tname, limit), []).append(dec / 127 * 1e6)
+                    del runner
+                    torch.cuda.synchronize()
+                    print(f"{fmt} [{tname}] {limit}: rep {rep} median so far "
+                          f"{statistics.median(times[(tname, limit)]):.1f} us", flush=True)
+        for (tname, limit), ts in times.items():
+            ts = sorted(ts)
+            off = statistics.median(times[(tname, "off")]) if (tname, "off") in times else None
+            med = statistics.median(ts)
+            rows.append({"op": "diag_l2_prefetch", "format": fmt, "table": tname, "limit_mb": limit,
+                         "impl": _impl(fmt, limit), "median_us": round(med, 2), "p10_us": round(ts[len(ts) // 10], 2),
+                         "p90_us": round(ts[(9 * len(ts)) // 10], 2), "n": len(ts),
+                         "vs_off_us": round(med - off, 2) if off is not None else None, **env_info()})
+        del model, cache, built
+        torch.cuda.empty_cache()
+    if base_dir is None:
+        os.environ.pop("FASTDECODE_CONFIG_DIR", None)
+    else:
+        os.environ["FASTDECODE_CONFIG_DIR"] = base_dir
+    with open(a.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    for r in rows:
+        print(f"{r['format']:<8} {r['table']:<14} {r['limit_mb']:>4}  {r['median_us']:8.1f} us  "
+              f"(p10 {r['p10_us']:.1f}, p90 {r['p90_us']:.1f}, n {r['n']})  vs off {r['vs_off_us']}")
+
+
+if __name__ == "__main__":
+    main()

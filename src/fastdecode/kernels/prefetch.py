@@ -1,0 +1,42 @@
+"""L2 prefetch of a byte range (sm_90+, ``cp.async.bulk.prefetch.L2``): warm the L2 with the next GEMV's weights
+from a kernel that reads little memory itself.
+
+A decode layer alternates memory-bound GEMVs with kernels that barely use the memory bus (the decode attention reads
+a few hundred KB of KV cache): while those run, and while the GEMV before them drains, the bus idles. A kernel that
+takes a prefetch range issues, in every one of its threads, one bulk prefetch of ``chunk`` bytes of the range (the
+copy engine fetches them into L2; nothing returns to the SM), so the GEMV after it finds some or all of its weight
+in L2. Weights are never written by the step's kernels, so the prefetch may run before the PDL wait
+(``kernels.pdl``'s contract). It is a hint: it changes no result.
+
+The range is split over ``programs * LANES`` threads (``prefetch_plan``); each thread's chunk is a multiple of 16
+bytes from a 16-byte aligned base, as the instruction requires.
+"""
+
+import triton
+import triton.language as tl
+
+_BULK_PREFETCH = tl.constexpr("""{
+.reg .pred p;
+setp.gt.s32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}""")
+
+
+@triton.jit
+def l2_prefetch_range(base_ptr, nbytes, chunk, prog, LANES: tl.constexpr):
+    """Thread ``lane`` of program ``prog`` prefetches bytes ``[(prog * LANES + lane) * chunk, + chunk)`` of the
+    range ``[base_ptr, base_ptr + nbytes)`` (a byte pointer) into L2, clipped to the range (nothing past it)."""
+    lane = tl.arange(0, LANES)
+    off = (prog * LANES + lane).to(tl.int64) * chunk
+    size = tl.maximum(tl.minimum(nbytes - off, chunk), 0).to(tl.int32)
+    tl.inline_asm_elementwise(_BULK_PREFETCH, "=r,l,r", [base_ptr + off, size], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+def prefetch_plan(nbytes: int, threads: int) -> tuple[int, int]:
+    """``(nbytes, chunk)`` for ``l2_prefetch_range`` over ``threads`` threads in all: the range cut to a multiple of
+    16 bytes and each thread's chunk, a multiple of 16 that covers it."""
+    nbytes = nbytes // 16 * 16
+    per = -(-nbytes // max(threads, 1))
+    return nbytes, max(16, -(-per // 16) * 16)

@@ -1,0 +1,91 @@
+"""The ``l2_prefetch`` switch: the decode attention kernel warms wo's weight in L2 (``fastdecode.kernels.prefetch``).
+A hint: the step's numbers do not change. The kernel side: tests/test_attention.py (the op, its sm_90 PTX); the GPU
+graph step with and without it: tests/test_engine_gpu.py."""
+
+import copy
+
+import pytest
+import torch
+
+import fastdecode.models.llama as L
+from fastdecode.engine.kv_cache import KVCache
+from fastdecode.engine.loader import random_model
+from fastdecode.models.config import ModelConfig
+from fastdecode.models.decode_attention import wo_prefetch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _model(fmt):
+    from fastdecode.models.quantize import quantize_model
+
+    cfg = ModelConfig.from_preset("tiny").replace(n_layers=2)
+    m = random_model(cfg, device=DEV, dtype=torch.bfloat16, backend="triton", max_seq_len=64, std=0.08,
+                     seed=int(torch.randint(0, 2**31, ())))
+    return quantize_model(m, None if fmt == "bf16" else fmt)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
+def test_wo_prefetch_is_the_weight_bytes_whole_or_capped(fmt):
+    wo = _model(fmt).layers[0].attention.wo
+    w = wo.qweight if fmt == "int4" else wo.weight
+    full = wo_prefetch(wo)
+    assert full.dtype == torch.uint8 and full.data_ptr() == w.data_ptr()
+    assert full.numel() == w.numel() * w.element_size()
+    assert torch.equal(wo_prefetch(wo, 10**9), full)
+    part = wo_prefetch(wo, 1000)
+    assert part.data_ptr() == w.data_ptr() and part.numel() == 992  # rounded down to 16
+    assert wo_prefetch(wo, 3).numel() == 16
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
+def test_switch_passes_wo_to_the_attention_and_changes_no_step(monkeypatch, fmt):
+    """On (``set_kernels(l2_prefetch=True)``), every decode attention of the step gets its layer's wo bytes (capped by
+    ``Attention.l2_prefetch_limit``), on the norm_gemm step and on the unfused one; off, none. Logits and caches
+    equal the step without the switch exactly (the interpreter and CPUs ignore the hint; a GPU's graph step:
+    tests/test_engine_gpu.py)."""
+    import fastdecode.models.decode_attention as DA
+
+    m = _model(fmt)
+    plain = copy.deepcopy(m)
+    seen = []
+    real = DA.rope_decode_attention
+    monkeypatch.setattr(DA, "rope_decode_attention",
+                        lambda *a, prefetch=None, **kw: (seen.append(prefetch), real(*a, prefetch=prefetch, **kw))[1])
+    cfg = m.config
+    toks = torch.randint(0, cfg.vocab_size, (2, 7), device=DEV)
+    caches = [KVCache(cfg, 2, 16, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    for c, model in zip(caches, (m, plain)):
+        model.prefill(toks[:, :4], c)
+    m.set_kernels(l2_prefetch=True)
+    m.layers[1].attention.l2_prefetch_limit = 256
+    for norm_gemm in (True, False):
+        m.set_kernels(norm_gemm=norm_gemm)
+        plain.set_kernels(norm_gemm=norm_gemm)
+        for t in (4, 5):
+            pos = torch.tensor([t, t - 2], device=DEV)
+            seen.clear()
+            got = m.decode(toks[:, t], pos, caches[0])
+            assert [p.data_ptr() for p in seen] == [wo_prefetch(layer.attention.wo).data_ptr() for layer in m.layers]
+            assert [p.numel() for p in seen] == [wo_prefetch(m.layers[0].attention.wo).numel(), 256]
+            seen.clear()
+            want = plain.decode(toks[:, t], pos, caches[1])
+            assert seen == [None, None]
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+            torch.testing.assert_close(caches[0].k, caches[1].k, atol=0, rtol=0)
+    assert "l2_prefetch" in L.OPT_IN_KERNELS and not plain.kernels["l2_prefetch"]
+
+
+def test_bench_rows_take_several_opt_in_switches():
+    """``fastdecode-graph-with-<a>+<b>`` turns each on (the graph itself needs CUDA); an unknown one is named."""
+    from fastdecode.bench.decode import ABLATIONS, DecodeRunner
+
+    assert "fastdecode-graph-with-int4_a8+l2_prefetch" in ABLATIONS
+    m = _model("int4")
+    cache = KVCache(m.config, 1, 16, dtype=torch.bfloat16, device=DEV)
+    if DEV == "cpu":
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            DecodeRunner("fastdecode-graph-with-int4_a8+l2_prefetch", m, cache, 1)
+        assert m.kernels["int4_a8"] and m.kernels["l2_prefetch"]
+    with pytest.raises(ValueError, match="unknown opt-in kernel switch 'norm_gemm'"):
+        DecodeRunner("fastdecode-graph-with-l2_prefetch+norm_gemm", m, cache, 1)
