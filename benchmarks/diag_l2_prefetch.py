@@ -1,16 +1,19 @@
-"""Does warming the L2 with wo's weight from the attention kernel pay (the ``l2_prefetch`` switch), and how much of
-the weight should it cover? And does the W8A16 section tuned on the H200 (session 26) beat the package's for FP8?
+"""Does warming the L2 pay? Two ways: the attention kernel prefetches wo's weight (the ``l2_prefetch`` switch; how
+much of it?), and every GEMV prefetches its own weight slab before its PDL wait (``weight_prefetch``, a launch
+policy: ``fastdecode.ops.set_weight_prefetch``). And does the W8A16 section tuned on the H200 (session 26) beat the
+package's for FP8?
 
 One process, one model per format (8B shapes, random weights, batch 1, 1 in / 128 out, as ``bench decode``): the
-graph step without the prefetch and with it, capped at each ``--limits`` size in MB (``all``: the whole of wo's
-weight; ``Attention.l2_prefetch_limit``), the variants interleaved ``--repeats`` times so that drift hits them alike.
+graph step for each ``--limits`` size of the attention's prefetch in MB (``off``; ``all``: the whole of wo's weight;
+``Attention.l2_prefetch_limit``), each without and with the slabs (``--slabs``), the variants interleaved
+``--repeats`` times so that drift hits them alike.
 ``--w8a16-table`` (FP8 only): the same variants again on a copy of the tables in use whose linear table takes that
 file's ``w8a16`` section (in-process: ``FASTDECODE_CONFIG_DIR`` and ``clear_config_cache``).
 
-One JSON row per format, table and limit: the median of the decode step over every generate of every repeat, p10 /
-p90, and the gain against ``off`` on the same table; a summary on stdout.
+One JSON row per format, table, limit and slab setting: the median of the decode step over every generate of every
+repeat, p10 / p90, and the difference to ``off`` without slabs on the same table; a summary on stdout.
 
-    python benchmarks/diag_l2_prefetch.py --formats fp8 int4 int4_a8 --limits off 4 8 all --out l2.json
+    python benchmarks/diag_l2_prefetch.py --formats fp8 int4 int4_a8 --limits off 8 all --slabs --out l2.json
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ import torch
 QUANT = {"bf16": None, "fp8": "fp8", "int4": "int4", "int4_a8": "int4"}
 
 
-def _impl(fmt: str, limit: str) -> str:
-    on = [] if limit == "off" else ["l2_prefetch"]
-    switches = (["int4_a8"] if fmt == "int4_a8" else []) + on
+def _impl(fmt: str, limit: str, slabs: bool = False) -> str:
+    switches = (["int4_a8"] if fmt == "int4_a8" else []) + ([] if limit == "off" else ["l2_prefetch"])
+    switches += ["weight_prefetch"] if slabs else []
     return "fastdecode-graph" + (f"-with-{'+'.join(switches)}" if switches else "")
 
 
@@ -60,6 +63,7 @@ def main() -> None:
     p.add_argument("--formats", nargs="+", default=["fp8", "int4", "int4_a8"], choices=sorted(QUANT))
     p.add_argument("--limits", nargs="+", default=["off", "4", "8", "all"],
                    help="'off', 'all' or MB of wo's weight to prefetch")
+    p.add_argument("--slabs", action="store_true", help="each variant also with the GEMVs' weight-slab prefetch")
     p.add_argument("--w8a16-table", default=None, help="fp8: also run on a linear table with this file's w8a16 "
                                                        "section")
     p.add_argument("--iters", type=int, default=10, help="generates of 1 in / 128 out per variant and repeat")
@@ -84,7 +88,7 @@ def main() -> None:
         cache = KVCache(model.config, 1, 129, dtype=torch.bfloat16, device=device)
         gen = torch.Generator(device=device).manual_seed(0)
         fmt_tables = tables if fmt == "fp8" else {"in use": base_dir}
-        times: dict[tuple[str, str], list[float]] = {}
+        times: dict[tuple[str, str, bool], list[float]] = {}
         for rep in range(a.repeats):
             for tname, tdir in fmt_tables.items():
                 if tdir is None:
@@ -92,27 +96,29 @@ def main() -> None:
                 else:
                     os.environ["FASTDECODE_CONFIG_DIR"] = tdir
                 clear_config_cache()
-                for limit in a.limits:
+                for limit, slabs in ((lim, sl) for lim in a.limits for sl in ((False, True) if a.slabs else (False,))):
                     for layer in model.layers:
                         layer.attention.l2_prefetch_limit = (None if limit in ("off", "all")
                                                              else int(float(limit) * 2**20))
-                    runner = DecodeRunner(_impl(fmt, limit), model, cache, 1)
+                    runner = DecodeRunner(_impl(fmt, limit, slabs), model, cache, 1)
                     prompts = [torch.randint(0, cfg.vocab_size, (1, 1), device=device, generator=gen)
                                for _ in range(a.iters + 1)]
                     runner.generate(prompts[0], 128)  # warm-up
                     for pr in prompts[1:]:
                         _, dec = runner.generate(pr, 128)
-                        times.setdefault((tname, limit), []).append(dec / 127 * 1e6)
+                        times.setdefault((tname, limit, slabs), []).append(dec / 127 * 1e6)
                     del runner
                     torch.cuda.synchronize()
-                    print(f"{fmt} [{tname}] {limit}: rep {rep} median so far "
-                          f"{statistics.median(times[(tname, limit)]):.1f} us", flush=True)
-        for (tname, limit), ts in times.items():
+                    print(f"{fmt} [{tname}] {limit} slabs {slabs}: rep {rep} median so far "
+                          f"{statistics.median(times[(tname, limit, slabs)]):.1f} us", flush=True)
+        for (tname, limit, slabs), ts in times.items():
             ts = sorted(ts)
-            off = statistics.median(times[(tname, "off")]) if (tname, "off") in times else None
+            base = times.get((tname, "off", False))
+            off = statistics.median(base) if base else None
             med = statistics.median(ts)
-            rows.append({"op": "diag_l2_prefetch", "format": fmt, "table": tname, "limit_mb": limit,
-                         "impl": _impl(fmt, limit), "median_us": round(med, 2), "p10_us": round(ts[len(ts) // 10], 2),
+            rows.append({"op": "diag_l2_prefetch", "format": fmt, "table": tname, "limit_mb": limit, "slabs": slabs,
+                         "impl": _impl(fmt, limit, slabs), "median_us": round(med, 2),
+                         "p10_us": round(ts[len(ts) // 10], 2),
                          "p90_us": round(ts[(9 * len(ts)) // 10], 2), "n": len(ts),
                          "vs_off_us": round(med - off, 2) if off is not None else None, **env_info()})
         del model, cache, built
@@ -124,7 +130,7 @@ def main() -> None:
     with open(a.out, "w") as f:
         json.dump(rows, f, indent=1)
     for r in rows:
-        print(f"{r['format']:<8} {r['table']:<14} {r['limit_mb']:>4}  {r['median_us']:8.1f} us  "
+        print(f"{r['format']:<8} {r['table']:<14} {r['limit_mb']:>4} slabs {r['slabs']!s:<5} {r['median_us']:8.1f} us  "
               f"(p10 {r['p10_us']:.1f}, p90 {r['p90_us']:.1f}, n {r['n']})  vs off {r['vs_off_us']}")
 
 

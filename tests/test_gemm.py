@@ -399,7 +399,8 @@ sig = {"x_ptr": pt, "w_ptr": pt, "bias_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr
        "M": "i32", "N": "i32", "K": "i32",
        "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_part": "i32", "split_k": "i32"}
 consts = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=0, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
-              USE_PDL=False, PREFETCH=cfg.get("PREFETCH", False), W_EVICT=cfg.get("EVICT", False), X_GLU=False,
+              USE_PDL=cfg.get("USE_PDL", False), PREFETCH=cfg.get("PREFETCH", False), W_EVICT=cfg.get("EVICT", False),
+              X_GLU=False, L2_SLAB=cfg.get("L2_SLAB", False), PF_LANES=32 * cfg["num_warps"],
               X_NORM=cfg.get("X_NORM", False), NORM_VEC=16 // (1 if "fp8" in elem_ty else 2),
               NORM_AFFINE=cfg.get("NORM_AFFINE", True),
               ACCUMULATE=cfg.get("ACCUMULATE", False),
@@ -442,6 +443,25 @@ def test_fma_loop_streams_16_byte_loads_without_shuffles(dkey, elem_ty, M, prefe
     assert len(w_loads) >= cfg["BLOCK_N"], f"expected >= {cfg['BLOCK_N']} 16-byte loads per step, got {len(w_loads)}"
     hinted = [ld for ld in w_loads if "evict_first" in ld]
     assert len(hinted) == (cfg["BLOCK_N"] if evict else 0), w_loads  # one per weight row; x keeps the default
+
+
+@pytest.mark.parametrize("kind,elem_ty,prefetch", [("fma", "fp8e4nv", True), ("fma", "bf16", False),
+                                                    ("dot", "fp8e4nv", False)])
+def test_l2_slab_prefetch_comes_before_the_pdl_wait(kind, elem_ty, prefetch):
+    """L2_SLAB (``ops._common.weight_prefetch_enabled``): every thread issues its bulk L2 prefetches of the
+    program's weight slab before ``griddepcontrol.wait``, none in the K loop; without it there are none."""
+    cfg = ({**L.fma_tile(1, 1 if "fp8" in elem_ty else 2), "PREFETCH": prefetch} if kind == "fma" else
+           {"kind": "dot", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4})
+    snippet = _COMPILE_SNIPPET if kind == "fma" else _COMPILE_SNIPPET.replace("USE_DOT=False, DOT_FP8=False",
+                                                                              "USE_DOT=True, DOT_FP8=True")
+    from helpers import bulk_prefetches
+
+    for slab in (True, False):
+        ptx = sm90_ptx(snippet, json.dumps({**cfg, "USE_PDL": True, "L2_SLAB": slab}), elem_ty)
+        n_before, n_all = bulk_prefetches(ptx)
+        rows, lanes = cfg["BLOCK_N"], 32 * cfg["num_warps"]
+        assert n_all == n_before == ((rows * max(1, lanes // rows)) // lanes if slab else 0), (n_before, n_all)
+        assert "cp.async.bulk.prefetch" not in k_loop(ptx)
 
 
 def test_fp8_dot_promotes_every_mma_into_fp32():

@@ -290,7 +290,7 @@ sig = {"xw_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "qw_ptr": "*i32"
        "G": "i32", "KW": "i32", "stride_xw": "i32", "stride_xs": "i32", "stride_om": "i32", "stride_part": "i32",
        "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=1, HAS_BIAS=False, ASM=True, USE_PDL=True, ACCUMULATE=False,
-              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=True)
+              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=True, L2_SLAB=cfg.get("SLAB", False), PF_LANES=128)
 sig.update({k: "constexpr" for k in consts})
 aligned = {"xw_ptr", "xs_ptr", "xsum_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr",
            "N", "G", "KW", "stride_xw", "stride_xs", "stride_om"}
@@ -299,6 +299,16 @@ cc = triton.compile(ASTSource(_int4_a8_kernel, sig, consts, attrs), target=GPUTa
                     options={"num_warps": 4, "num_stages": 1})
 sys.stdout.write(cc.asm["ptx"])
 """
+
+
+def test_sm90_l2_slab_prefetch_comes_before_the_pdl_wait():
+    """L2_SLAB: the program's weight words after its first step go to L2 by bulk prefetches (one a thread) before
+    ``griddepcontrol.wait``; none without it."""
+    from helpers import bulk_prefetches
+
+    for slab in (True, False):
+        before, total = bulk_prefetches(sm90_ptx(_COMPILE, json.dumps({"BLOCK_M": 1, "BLOCK_N": 64, "SLAB": slab})))
+        assert before == total == (1 if slab else 0), (before, total)
 
 
 @pytest.mark.parametrize("bm,bn", [(1, 64), (4, 32)])

@@ -77,15 +77,64 @@ def test_switch_passes_wo_to_the_attention_and_changes_no_step(monkeypatch, fmt)
 
 
 def test_bench_rows_take_several_opt_in_switches():
-    """``fastdecode-graph-with-<a>+<b>`` turns each on (the graph itself needs CUDA); an unknown one is named."""
-    from fastdecode.bench.decode import ABLATIONS, DecodeRunner
+    """``fastdecode-graph-with-<a>+<b>`` turns each on (the graph itself needs CUDA); ``weight_prefetch`` is the launch
+    policy, captured into the graph; an unknown name is refused by name, by the runner and by the CLI."""
+    from fastdecode.bench.decode import ABLATIONS, DecodeRunner, check_impl
 
-    assert "fastdecode-graph-with-int4_a8+l2_prefetch" in ABLATIONS
+    assert "fastdecode-graph-with-weight_prefetch" in ABLATIONS and "fastdecode-graph-with-l2_prefetch" in ABLATIONS
+    assert check_impl("fastdecode-graph-with-int4_a8+l2_prefetch+weight_prefetch")
+    for bad in ("fastdecode-graph-with-l2_prefetch+norm_gemm", "fastdecode-graph-with-l2_prefetch+l2_prefetch",
+                "fastdecode-graph-with-", "graph"):
+        with pytest.raises(ValueError, match="unknown decode row"):
+            check_impl(bad)
     m = _model("int4")
     cache = KVCache(m.config, 1, 16, dtype=torch.bfloat16, device=DEV)
     if DEV == "cpu":
         with pytest.raises(RuntimeError, match="needs a CUDA device"):
-            DecodeRunner("fastdecode-graph-with-int4_a8+l2_prefetch", m, cache, 1)
+            DecodeRunner("fastdecode-graph-with-int4_a8+l2_prefetch+weight_prefetch", m, cache, 1)
         assert m.kernels["int4_a8"] and m.kernels["l2_prefetch"]
     with pytest.raises(ValueError, match="unknown opt-in kernel switch 'norm_gemm'"):
         DecodeRunner("fastdecode-graph-with-l2_prefetch+norm_gemm", m, cache, 1)
+
+
+def test_cli_takes_combined_rows_and_names_a_bad_one(capsys):
+    import argparse
+
+    from fastdecode.cli.bench import add_decode_arguments
+
+    p = argparse.ArgumentParser()
+    add_decode_arguments(p)
+    a = p.parse_args(["--impl", "fastdecode-graph", "fastdecode-graph-with-l2_prefetch+weight_prefetch"])
+    assert a.impl == ["fastdecode-graph", "fastdecode-graph-with-l2_prefetch+weight_prefetch"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--impl", "fastdecode-graph-with-bogus"])
+    assert "unknown decode row 'fastdecode-graph-with-bogus'" in capsys.readouterr().err
+
+
+def test_weight_prefetch_policy_needs_pdl_and_restores():
+    """The GEMVs' weight-slab prefetch is off by default (``FASTDECODE_WEIGHT_PREFETCH``), set and restored like
+    PDL, and never on where PDL is off (a CPU, the interpreter)."""
+    from fastdecode.ops import set_weight_prefetch, weight_prefetch_enabled, weight_prefetch_override
+    from fastdecode.ops._common import pdl_enabled
+
+    x = torch.zeros(4, device=DEV)
+    with weight_prefetch_override(False):
+        assert not weight_prefetch_enabled(x)
+    with weight_prefetch_override(True):
+        assert weight_prefetch_enabled(x) == pdl_enabled(x)
+        with weight_prefetch_override(False):
+            assert not weight_prefetch_enabled(x)
+        assert weight_prefetch_enabled(x) == pdl_enabled(x)
+    assert set_weight_prefetch(None) is None
+    assert not weight_prefetch_enabled(torch.zeros(4))  # a CPU tensor: no PDL
+
+
+def test_weight_prefetch_env_default(monkeypatch):
+    from fastdecode.ops import weight_prefetch_enabled
+    from fastdecode.ops._common import pdl_enabled
+
+    x = torch.zeros(4, device=DEV)
+    monkeypatch.delenv("FASTDECODE_WEIGHT_PREFETCH", raising=False)
+    assert not weight_prefetch_enabled(x)
+    monkeypatch.setenv("FASTDECODE_WEIGHT_PREFETCH", "1")
+    assert weight_prefetch_enabled(x) == pdl_enabled(x)

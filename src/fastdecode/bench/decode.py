@@ -36,7 +36,9 @@ cuBLAS; int4 models only), ``-no-pdl`` (the graph captured without programmatic 
 inside the bf16 / int4 GEMMs, ``models.norm_gemm``), ``-no-fp8_a16`` (FP8 wqkv, wo and w2 W8A8 at decode, their
 activations quantised; fp8 models only) and ``fastdecode-eager`` (no CUDA graph);
 ``fastdecode-graph-with-<switch>`` turns on a switch that is off by default (``OPT_IN_KERNELS``: ``int4_a8``,
-``fp8_a16_all``, ``l2_prefetch``), ``-with-<a>+<b>`` several (``-with-int4_a8+l2_prefetch``).
+``fp8_a16_all``, ``l2_prefetch``; and ``weight_prefetch``, the GEMVs' L2 prefetch of their weight slabs, a launch
+policy captured into the graph as PDL is: ``fastdecode.ops.set_weight_prefetch``), ``-with-<a>+<b>`` several
+(``-with-int4_a8+l2_prefetch``).
 The fastdecode rows take the next tokens with
 ``fastdecode.argmax`` (after the graph, as ``Engine``'s greedy sampler does), the torch rows with ``torch.argmax``.
 
@@ -69,7 +71,7 @@ import torch
 from fastdecode.bench.decode_results import add_speedup_vs_peer
 from fastdecode.models import norm_gemm
 from fastdecode.models.llama import KERNELS, OPT_IN_KERNELS, Fp8Linear
-from fastdecode.ops import argmax as fd_argmax, pdl_override
+from fastdecode.ops import argmax as fd_argmax, pdl_override, weight_prefetch_override
 
 IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdecode-graph-cublas", "fastdecode-graph")
 # not in the default list: every GEMM through the skinny Triton kernels (the table's best Triton config), and
@@ -77,10 +79,26 @@ IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdec
 EXTRA_IMPLS = ("fastdecode-graph-triton", "peer-eager")
 PEER_IMPLS = ("peer-compile", "peer-eager")
 CPU_IMPLS = ("torch-eager", "peer-eager")
+# opt-in launch policies (captured into the graph, as PDL is): the GEMVs' weight-slab L2 prefetch
+OPT_IN_POLICIES = ("weight_prefetch",)
 ABLATIONS = (("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in KERNELS if k not in OPT_IN_KERNELS)
              + ("fastdecode-graph-no-pdl", "fastdecode-graph-no-argmax")
-             + tuple(f"fastdecode-graph-with-{k}" for k in OPT_IN_KERNELS)
-             + ("fastdecode-graph-with-int4_a8+l2_prefetch",))
+             + tuple(f"fastdecode-graph-with-{k}" for k in OPT_IN_KERNELS + OPT_IN_POLICIES))
+
+
+def check_impl(impl: str) -> str:
+    """``impl`` if ``bench_decode`` knows the row: ``IMPLS``, ``EXTRA_IMPLS``, ``ABLATIONS``, or
+    ``fastdecode-graph-with-<a>+<b>...`` over ``OPT_IN_KERNELS`` and ``OPT_IN_POLICIES``; else ValueError."""
+    if impl in IMPLS + EXTRA_IMPLS + ABLATIONS + PEER_IMPLS:
+        return impl
+    prefix = "fastdecode-graph-with-"
+    ks = impl[len(prefix):].split("+") if impl.startswith(prefix) else []
+    if ks and len(set(ks)) == len(ks) and all(k in OPT_IN_KERNELS + OPT_IN_POLICIES for k in ks):
+        return impl
+    raise ValueError(f"unknown decode row {impl!r}: one of {', '.join(IMPLS + EXTRA_IMPLS + ABLATIONS)}, or "
+                     f"{prefix}<a>+<b> over {', '.join(OPT_IN_KERNELS + OPT_IN_POLICIES)}")
+
+
 # what to lower when the KV cache would not fit (the hint of check_kv_memory's message)
 KV_FIX = "lower --batch, --input-len or --output-len"
 # Peak HBM bandwidth by GPU name fragment, bytes/s (vendor figures); the copy anchor is 4.24 TB/s on H200
@@ -113,6 +131,7 @@ class DecodeRunner:
         # the defaults (opt-in switches off); also resets the GEMM impl (skinny_gemm on)
         model.set_kernels(**{k: k not in OPT_IN_KERNELS for k in KERNELS})
         pdl_off = impl == "fastdecode-graph-no-pdl"  # the graph captured without programmatic dependent launch
+        slabs = False  # the graph captured with the GEMVs' weight-slab L2 prefetch (a launch policy, like PDL)
         # the next tokens: fastdecode.argmax on the fastdecode rows, torch.argmax on the torch rows and the ablation
         self.argmax = (fd_argmax if impl.startswith("fastdecode") and impl != "fastdecode-graph-no-argmax"
                        else _torch_argmax)
@@ -126,10 +145,12 @@ class DecodeRunner:
             model.set_kernels(**{k: False})
         elif impl.startswith("fastdecode-graph-with-"):  # opt-in switches on ("+" between several)
             ks = impl[len("fastdecode-graph-with-"):].split("+")
+            slabs = "weight_prefetch" in ks
+            ks = [k for k in ks if k not in OPT_IN_POLICIES]
             bad = [k for k in ks if k not in OPT_IN_KERNELS]
             if bad:
                 raise ValueError(f"unknown opt-in kernel switch {bad[0]!r} in {impl!r}; "
-                                 f"known: {', '.join(OPT_IN_KERNELS)}")
+                                 f"known: {', '.join(OPT_IN_KERNELS + OPT_IN_POLICIES)}")
             model.backend = "triton"
             model.set_kernels(**{k: True for k in ks})
         elif impl == "fastdecode-eager":
@@ -157,7 +178,7 @@ class DecodeRunner:
             from fastdecode.engine.cuda_graph import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(model, cache, buckets=[batch])
-            with pdl_override(False) if pdl_off else contextlib.nullcontext():
+            with pdl_override(False) if pdl_off else contextlib.nullcontext(), weight_prefetch_override(slabs):
                 self.graphs.capture()
 
     def step(self, tokens, pos):
@@ -435,6 +456,6 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     return rows
 
 
-__all__ = ["ABLATIONS", "BenchModel", "CPU_IMPLS", "DecodeRunner", "EXTRA_IMPLS", "IMPLS", "KV_FIX", "PEAK_BW",
-           "PEER_IMPLS", "PeerDecodeRunner", "bench_decode", "build_bench_model", "model_label", "peak_bandwidth",
-           "quant_label"]
+__all__ = ["ABLATIONS", "BenchModel", "CPU_IMPLS", "DecodeRunner", "EXTRA_IMPLS", "IMPLS", "KV_FIX", "OPT_IN_POLICIES",
+           "PEAK_BW", "PEER_IMPLS", "PeerDecodeRunner", "bench_decode", "build_bench_model", "check_impl",
+           "model_label", "peak_bandwidth", "quant_label"]

@@ -186,7 +186,13 @@ def _profile_decode(args, main: bool) -> int:
 
 def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``fastdecode bench decode``."""
-    from fastdecode.bench.decode import ABLATIONS, EXTRA_IMPLS, IMPLS
+    from fastdecode.bench.decode import ABLATIONS, EXTRA_IMPLS, IMPLS, check_impl
+
+    def impl_type(name: str) -> str:
+        try:
+            return check_impl(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
     p.add_argument("--preset", "--model", dest="model", default="llama-3.1-8b",
                    help="a preset (random weights: llama-3.1-8b, llama-3.1-70b, llama-3.1-405b, smollm2-135m, "
@@ -196,8 +202,10 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--impl", nargs="+", default=None, choices=IMPLS + EXTRA_IMPLS + ABLATIONS,
-                   help=f"rows to run (default: {' '.join(IMPLS)}; with --profile: fastdecode-graph-no-pdl)")
+    p.add_argument("--impl", nargs="+", default=None, type=impl_type, metavar="IMPL",
+                   help=f"rows to run (default: {' '.join(IMPLS)}; with --profile: fastdecode-graph-no-pdl); also "
+                        f"{' '.join(EXTRA_IMPLS + ABLATIONS)}, and fastdecode-graph-with-<a>+<b> for several opt-in "
+                        "switches")
     p.add_argument("--profile", action="store_true",
                    help="instead of timing generate: one table per --impl of where the decode step's time goes, "
                         "kernel time and bytes per family (qkv, o, gate_up, down, head, attention, norms, "

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from fastdecode.kernels.host import cdiv, next_pow2
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
+from fastdecode.kernels.prefetch import l2_prefetch_rows
 
 # x (activation) and w (weight) scales are applied in the epilogue by constexpr *_SCALE_MODE:
 # fastdecode.constants.SCALE_NONE / SCALE_TENSOR / SCALE_VECTOR.
@@ -217,6 +218,7 @@ def _skinny_linear_kernel(
     PREFETCH: tl.constexpr, W_EVICT: tl.constexpr, X_GLU: tl.constexpr, X_NORM: tl.constexpr,
     NORM_VEC: tl.constexpr, NORM_AFFINE: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles): the M tiles sharing a weight tile launch side by side (L2).
 
@@ -239,10 +241,13 @@ def _skinny_linear_kernel(
     W_EVICT: weight loads carry ``evict_first`` (each weight byte is read once per call; the hint
     keeps x, the split-K partials and the next kernel's inputs in L2). Rows of x are re-read by
     every program and keep the default policy.
+
+    L2_SLAB (with USE_PDL, sm_90+; PF_LANES: the threads of a program): before its PDL wait the program prefetches
+    its whole weight slab (its BLOCK_N rows, its split's columns; with PREFETCH but the first tile, which it loads)
+    into L2 (``kernels.prefetch.l2_prefetch_rows``): the slabs of the programs resident early stream during the
+    previous kernel's tail.
     """
     tl.static_assert(not (X_NORM and (USE_DOT or SPLIT or X_GLU)), "X_NORM: FMA path, one split, no X_GLU")
-    if USE_PDL and (USE_DOT or not PREFETCH):
-        pdl_wait()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -263,6 +268,13 @@ def _skinny_linear_kernel(
     kb_start = pid_k * kb_per
     kb_end = tl.minimum(kb_start + kb_per, kb_total)
     k0 = kb_start * BLOCK_K
+    if L2_SLAB:  # weights only (never written by the step's kernels): before the wait
+        WB: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        first = k0 + BLOCK_K if (PREFETCH and not USE_DOT) else k0  # PREFETCH loads the first tile itself
+        l2_prefetch_rows(w_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, stride_wn * WB, first * WB,
+                         tl.minimum(kb_end * BLOCK_K, K) * WB, BLOCK_N, PF_LANES)
+    if USE_PDL and (USE_DOT or not PREFETCH):
+        pdl_wait()
 
     w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_k)[None, :]
     if USE_DOT:
@@ -402,7 +414,8 @@ def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
 
 def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scale_mode,
                          out, part, locks, config, pdl: bool = False, glu: bool = False,
-                         norm_weight=None, eps: float = 0.0, accumulate: bool = False, x_norm: bool = False):
+                         norm_weight=None, eps: float = 0.0, accumulate: bool = False, x_norm: bool = False,
+                         l2_slab: bool = False):
     """Launch on 2-D views: x (M, K) unit stride in K, weight (N, K) contiguous, out (M, N) contiguous.
 
     ``part``: fp32 workspace of ``SPLIT_K * M * N`` elements and ``locks``: zeroed int32 counters
@@ -415,6 +428,8 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     ``norm_weight`` (K,): the input is ``rms_norm(x) * norm_weight`` with ``eps`` (FMA config, one split only);
     ``x_norm`` without ``norm_weight``: the input is ``rms_norm(x)`` with no weight (one folded into ``weight``).
     ``accumulate``: ``out += x @ weight.T (+ bias)``, one rounding (out's old values read in the epilogue).
+    ``l2_slab`` (with PDL, sm_90+ only: inline PTX): each program prefetches its weight slab into L2 before its PDL
+    wait; taken only where the weight's rows are 16-byte aligned.
     """
     M = x.shape[0]
     N, K = weight.shape
@@ -427,6 +442,8 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     if x_norm and (config["kind"] != "fma" or split > 1 or glu):
         raise ValueError("the RMSNorm in the GEMV needs an FMA config with one split and no glu (the caller checks)")
     norm_vec = min(16 // x.element_size(), bk)  # one thread's 16-byte load of x (BLOCK_K: a power of 2)
+    l2_slab = (l2_slab and pdl and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+               and bk * weight.element_size() % 16 == 0)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,
         x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,
@@ -438,6 +455,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
         EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=bool(config.get("PREFETCH", False)),
         W_EVICT=bool(config.get("EVICT", False)), X_GLU=glu, X_NORM=x_norm,
         NORM_VEC=norm_vec, NORM_AFFINE=norm_weight is not None, ACCUMULATE=accumulate,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, L2_SLAB=l2_slab,
+        PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

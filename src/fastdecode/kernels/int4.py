@@ -37,6 +37,7 @@ from fastdecode.kernels.int4_dequant import (
     slices_per_group,
 )
 from fastdecode.kernels.int4_mma import launch_int4_mma
+from fastdecode.kernels.prefetch import l2_prefetch_rows
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 
@@ -75,6 +76,7 @@ def _int4_linear_kernel(
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles). BLOCK_K is a multiple of 256 (whole layout tiles); KW is the
     number of words per weight row (Kp // 8); columns >= K are masked (x and scales read as 0).
@@ -109,11 +111,12 @@ def _int4_linear_kernel(
     split's partial: the scale is linear) before the bias (``ops.int4_norm_linear``). NORM_NB, NORM_RM:
     columns a step and rows of that pass (``kernels.gemm.norm_tile``). ACCUMULATE: out += the result (the
     residual add after wo / w2, in place; ``_epilogue``).
+
+    L2_SLAB (with USE_PDL, sm_90+; PF_LANES: the program's threads): before its PDL wait the program prefetches its
+    packed weight words (its BLOCK_N rows, its split's words) into L2, as ``kernels.gemm``'s skinny kernel does.
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
     tl.static_assert(not (X_NORM and X_FP8), "X_NORM takes a 16-bit residual stream, not an FP8 x")
-    if USE_PDL and not PREFETCH:  # programmatic dependent launch: kernels.pdl (with PREFETCH: below)
-        pdl_wait()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -134,6 +137,11 @@ def _int4_linear_kernel(
     kb_per = tl.cdiv(kb_total, split_k)
     kb_start = pid_k * kb_per
     kb_end = tl.minimum(kb_start + kb_per, kb_total)
+    if L2_SLAB:  # weights only (never written by the step's kernels): before the wait
+        l2_prefetch_rows(qw_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, KW * 4, kb_start * BK8 * 4,
+                         tl.minimum(kb_end * BK8, KW) * 4, BLOCK_N, PF_LANES)
+    if USE_PDL and not PREFETCH:  # programmatic dependent launch: kernels.pdl (with PREFETCH: below)
+        pdl_wait()
 
     offs_w = tl.arange(0, BK8)
     # column of shift 0 of each word of a tile: 256 * (j // 32) + j % 32 (stride-32 interleave)
@@ -344,7 +352,8 @@ def fast_cvt_ok(x, uniform: bool, x_scale_mode: int = 0, scale_dtype=None) -> bo
 
 def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
                        config: dict, x_scale=None, x_scale_mode: int = 0, warmup: bool = False, pdl: bool = False,
-                       norm_weight=None, eps: float = 0.0, x_norm: bool = False, accumulate: bool = False):
+                       norm_weight=None, eps: float = 0.0, x_norm: bool = False, accumulate: bool = False,
+                       l2_slab: bool = False):
     """Launch on 2-D views: x (M, K) unit stride in K (kernel column order), qweight (N, Kp // 8) int32,
     scales / zm (N, K // group_size) contiguous (zm: zeros uint8, mins, or None), out (M, N) contiguous.
 
@@ -363,13 +372,17 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     ``config["kind"] == "mma"``: the weight-as-register-operand tensor-core kernel of ``kernels.int4_mma``
     (W4A16 only; the caller checks ``int4_mma.mma_supported``); optional key ``asm`` (default True): its
     inline-PTX conversion where ``lop3_asm_ok``.
+    ``l2_slab`` (with ``pdl``, sm_90+ only: inline PTX): each program prefetches its weight words into L2 before its
+    PDL wait (the mma kind: all of them rather than its first two tiles).
     """
     M, K = x.shape
+    l2_slab = l2_slab and pdl and qweight.data_ptr() % 16 == 0 and qweight.stride(0) % 4 == 0
     _, split = split_k_blocks(K, config)
     if config["kind"] == "mma":
         return launch_int4_mma(x, qweight, scales, zm, group_size, zero_mode, bias, out, part, locks, config, split,
                                asm=bool(config.get("asm", True)) and lop3_asm_ok(x), warmup=warmup, pdl=pdl,
-                               norm_weight=norm_weight, eps=eps, x_norm=x_norm, accumulate=accumulate)
+                               norm_weight=norm_weight, eps=eps, x_norm=x_norm, accumulate=accumulate,
+                               l2_slab=l2_slab)
     N = qweight.shape[0]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     grid = (cdiv(M, bm), split, cdiv(N, bn))
@@ -393,5 +406,6 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
         NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
+        L2_SLAB=l2_slab, PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

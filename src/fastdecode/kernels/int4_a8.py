@@ -36,6 +36,7 @@ import triton.language as tl
 from fastdecode.constants import INT8_MIN_SCALE
 from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
 from fastdecode.kernels.host import cdiv
+from fastdecode.kernels.prefetch import l2_prefetch_rows
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 ACT_GROUP = 128  # activation columns per int8 scale: half a 256-column layout tile
@@ -178,7 +179,7 @@ def _int4_a8_kernel(
     M, N, G, KW, stride_xw, stride_xs, stride_om, stride_part, split_k,
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
     USE_PDL: tl.constexpr, ACCUMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles). A loop step is one layout tile of BLOCK_N rows (``[BLOCK_N, 32]`` words,
     16-byte loads; register double buffer: the next step's words are in flight during this step's maths); splits
@@ -189,7 +190,9 @@ def _int4_a8_kernel(
 
     Weights are read before the PDL wait (no kernel of the step writes them: ``kernels.pdl``); the activation,
     its scales and sums after it. xw_ptr: the int32 view of the quantised activation ((M, Kp // 4), row stride
-    stride_xw); xs / xsum: (M, NG) fp32 / int32, row stride stride_xs. ACCUMULATE: out += the result."""
+    stride_xw); xs / xsum: (M, NG) fp32 / int32, row stride stride_xs. ACCUMULATE: out += the result. L2_SLAB (with
+    USE_PDL; PF_LANES: the program's threads): the rest of the program's weight words into L2 before the wait
+    (``kernels.prefetch.l2_prefetch_rows``)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -208,6 +211,9 @@ def _int4_a8_kernel(
     offs_w = tl.arange(0, 32)
     w_ptrs = qw_ptr + rn[:, None] * KW + offs_w[None, :]
     w_next = tl.load(w_ptrs + st0 * 32)  # every split has >= 1 step
+    if L2_SLAB:
+        l2_prefetch_rows(qw_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, KW * 4, (st0 + 1) * 32 * 4,
+                         st1 * 32 * 4, BLOCK_N, PF_LANES)
     if USE_PDL:
         pdl_wait()
     r0 = pid_m * BLOCK_M
@@ -268,12 +274,13 @@ def split_k_of(KW: int, config: dict) -> int:
 
 def launch_int4_a8(q, scales_x, sums_x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part,
                    locks, config: dict, asm: bool, pdl: bool = False, accumulate: bool = False,
-                   warmup: bool = False):
+                   warmup: bool = False, l2_slab: bool = False):
     """Launch on 2-D views: q int8 (M, Kp) contiguous rows (``launch_act_quant``'s), scales_x / sums_x (M, Kp // 128),
     qweight (N, Kp // 8) int32, scales / zm (N, G) contiguous (zm: zeros uint8, mins, or None), out (M, N).
     ``part`` (fp32, SPLIT_K * M * N) and ``locks`` (zeroed int32, one per output tile) only when the effective
     SPLIT_K > 1 (``split_k_of``). ``config``: dict(BLOCK_M (<= 4), BLOCK_N, SPLIT_K, num_warps). ``asm``: the
-    inline PTX (compiled CUDA only; else the portable integer maths). ``warmup``: compile only."""
+    inline PTX (compiled CUDA only; else the portable integer maths). ``warmup``: compile only. ``l2_slab`` (with
+    ``pdl``, sm_90+): each program prefetches its weight words into L2 before its PDL wait."""
     M = q.shape[0]
     N, KW = qweight.shape
     split = split_k_of(KW, config)
@@ -288,5 +295,6 @@ def launch_int4_a8(q, scales_x, sums_x, qweight, scales, zm, group_size: int, ze
         M, N, scales.shape[1], KW, xw.stride(0), scales_x.stride(0), out.stride(0), M * N, split,
         GROUP=group_size, ZERO_MODE=ZERO_MODES[zero_mode], HAS_BIAS=bias is not None, ASM=asm, USE_PDL=pdl,
         ACCUMULATE=bool(accumulate), BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
+        L2_SLAB=bool(l2_slab and pdl and qweight.data_ptr() % 16 == 0), PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=1, **launch_kwargs(pdl), **extra,
     )

@@ -38,6 +38,7 @@ import torch
 from fastdecode.kernels.gemm import _affine, _epilogue, _rows_rstd, _split_k_partial, norm_tile
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import _ZERO_MODES, slices_per_group
+from fastdecode.kernels.prefetch import l2_prefetch_rows
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 # $0-$7: the packed pairs of shifts 0..7 (outputs, two columns each); $8, $9: the two words; then the
@@ -282,14 +283,15 @@ def _int4_mma_kernel(
     EVEN_K: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, L2_PREFETCH: tl.constexpr,
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
     ACCUMULATE: tl.constexpr, MASK_X: tl.constexpr, TILES: tl.constexpr, CVT1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles); a K step is one 256-column layout tile (32 words a row). KW is the
     number of words per weight row (a multiple of 32); columns >= K read x as 0.
 
     SPG: 32-column shifts per group inside a tile (1, 2, 4 or 8: groups of 32, 64, 128 or >= 256 / whole
     rows). L2_PREFETCH (with USE_PDL): before waiting for the previous kernel, each row's first two weight
-    tiles of this program are prefetched into L2 (weights are never written by the step's kernels).
+    tiles of this program are prefetched into L2 (weights are never written by the step's kernels); L2_SLAB (with
+    USE_PDL; PF_LANES: the program's threads): all of its words instead (``kernels.prefetch.l2_prefetch_rows``).
 
     X_NORM, NORM_AFFINE, NORM_NB, NORM_RM, ACCUMULATE: the RMSNorm of x and the residual add, as
     ``kernels.int4``'s kernel (its docstring).
@@ -318,7 +320,10 @@ def _int4_mma_kernel(
     offs_w = tl.arange(0, 32)
     qw_rows = qw_ptr + rn[:, None] * KW + offs_w[None, :]
     if USE_PDL:
-        if L2_PREFETCH:
+        if L2_SLAB:
+            l2_prefetch_rows(qw_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, KW * 4,
+                             kb_start * 32 * TILES * 4, kb_end * 32 * TILES * 4, BLOCK_N, PF_LANES)
+        elif L2_PREFETCH:
             first = qw_ptr + rn * KW + kb_start * 32 * TILES  # one 128-byte line per row and tile
             tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [first],
                                       dtype=tl.int32, is_pure=False, pack=1)
@@ -393,7 +398,8 @@ def mma_supported(x_dtype, scale_dtype, zero_mode: str, group_size: int, K: int)
 
 def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
                     config: dict, split: int, asm: bool, warmup: bool = False, pdl: bool = False,
-                    norm_weight=None, eps: float = 0.0, x_norm: bool = False, accumulate: bool = False):
+                    norm_weight=None, eps: float = 0.0, x_norm: bool = False, accumulate: bool = False,
+                    l2_slab: bool = False):
     """Launch on 2-D views: x (M, K) bf16/fp16 unit stride in K (kernel column order), qweight (N, Kp // 8)
     int32, scales / zm (N, K // group_size) contiguous (zm: zeros uint8, mins, or None), out (M, N)
     contiguous; ``part`` / ``locks`` as ``kernels.int4.launch_int4_linear`` (split-K only), ``split`` the effective
@@ -403,7 +409,8 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
     wgmma; fewer compile to ``mma.sync``),
     BLOCK_K (256: one layout tile a step), SPLIT_K, num_warps, num_stages, L2_PREFETCH (optional, default
     True)); ``asm``: the inline-PTX conversion (CUDA, not the interpreter). The caller checks
-    ``mma_supported``. ``norm_weight``, ``eps``, ``x_norm``, ``accumulate``: as ``kernels.int4.launch_int4_linear``."""
+    ``mma_supported``. ``norm_weight``, ``eps``, ``x_norm``, ``accumulate``, ``l2_slab``: as
+    ``kernels.int4.launch_int4_linear``."""
     M, K = x.shape
     N = qweight.shape[0]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
@@ -427,7 +434,8 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
         NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), MASK_X=bool(config.get("MASK_X", False)), TILES=tiles,
         CVT1=bool(config.get("CVT1", False)) and asm and zero_mode != "min",
-        BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
+        BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1, L2_SLAB=bool(l2_slab and pdl),
+        PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), **launch_kwargs(pdl),
         **extra,
     )

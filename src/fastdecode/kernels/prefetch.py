@@ -10,6 +10,11 @@ in L2. Weights are never written by the step's kernels, so the prefetch may run 
 
 The range is split over ``programs * LANES`` threads (``prefetch_plan``); each thread's chunk is a multiple of 16
 bytes from a 16-byte aligned base, as the instruction requires.
+
+``l2_prefetch_rows``: a GEMV program's own weight slab (its rows, its split's columns), prefetched before its PDL
+wait. Under PDL a GEMV's programs become resident as the previous kernel's retire (or beside a small kernel such as
+the attention), so their slabs stream into L2 during the previous kernel's tail instead of after it; each program
+then reads its slab from L2 (``ops._common.weight_prefetch_enabled``: a launch policy like PDL, off by default).
 """
 
 import triton
@@ -40,3 +45,21 @@ def prefetch_plan(nbytes: int, threads: int) -> tuple[int, int]:
     nbytes = nbytes // 16 * 16
     per = -(-nbytes // max(threads, 1))
     return nbytes, max(16, -(-per // 16) * 16)
+
+
+@triton.jit
+def l2_prefetch_rows(base_ptr, row0, n_rows, row_stride, col_start, col_end, ROWS: tl.constexpr,
+                     LANES: tl.constexpr):
+    """Rows ``[row0, row0 + ROWS)`` (those below ``n_rows``) of a row-major byte matrix (``base_ptr``: a byte
+    pointer; ``row_stride``, ``col_start`` and the base 16-byte aligned), bytes ``[col_start, col_end)`` of each, into
+    L2: each row cut into ``max(1, LANES // ROWS)`` chunks of a multiple of 16 bytes, one bulk prefetch a chunk (the
+    row's last chunk rounded down to 16 bytes). A GEMV program's own weight slab, before its PDL wait."""
+    PARTS: tl.constexpr = LANES // ROWS if LANES > ROWS else 1
+    row = row0 + tl.arange(0, ROWS)[:, None]
+    part = tl.arange(0, PARTS)[None, :]
+    chunk = (tl.cdiv(col_end - col_start, PARTS) + 15) // 16 * 16
+    start = col_start + part * chunk
+    size = tl.minimum(col_end - start, chunk) // 16 * 16
+    size = tl.where(row < n_rows, tl.maximum(size, 0), 0).to(tl.int32)
+    ptr = base_ptr + row.to(tl.int64) * row_stride + start
+    tl.inline_asm_elementwise(_BULK_PREFETCH, "=r,l,r", [ptr, size], dtype=tl.int32, is_pure=False, pack=1)

@@ -22,7 +22,9 @@ from fastdecode.ops.int4_a8 import (
     quantize_act_int8_ref, rms_norm_int8, rms_norm_int8_ref, silu_and_mul_int8, silu_and_mul_int8_ref,
 )
 from fastdecode.ops.argmax import argmax, argmax_ref
-from fastdecode.ops._common import pdl_enabled, pdl_override, set_pdl
+from fastdecode.ops._common import (
+    pdl_enabled, pdl_override, set_pdl, set_weight_prefetch, weight_prefetch_enabled, weight_prefetch_override,
+)
 
 __all__ = [
     "fused_add_rms_norm", "fused_add_rms_norm_fp8", "fused_add_rms_norm_fp8_ref", "fused_add_rms_norm_ref",
@@ -38,5 +40,6 @@ __all__ = [
     "rms_norm_int8", "rms_norm_int8_ref", "fused_add_rms_norm_int8", "fused_add_rms_norm_int8_ref",
     "silu_and_mul_int8", "silu_and_mul_int8_ref",
     "argmax", "argmax_ref",
-    "pdl_enabled", "pdl_override", "set_pdl",
+    "pdl_enabled", "pdl_override", "set_pdl", "set_weight_prefetch", "weight_prefetch_enabled",
+    "weight_prefetch_override",
 ]

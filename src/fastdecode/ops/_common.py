@@ -144,6 +144,38 @@ def l2_prefetch_bytes(prefetch: Optional[torch.Tensor]) -> Optional[torch.Tensor
     return prefetch.reshape(-1).view(torch.uint8)
 
 
+# ----------------------------------------------------------------------------- the GEMV weight slabs' L2 prefetch
+
+_WEIGHT_PREFETCH: Optional[bool] = None  # set_weight_prefetch's override; None: FASTDECODE_WEIGHT_PREFETCH
+
+
+def set_weight_prefetch(enabled: Optional[bool]) -> Optional[bool]:
+    """The GEMV kernels' L2 prefetch of their own weight slab before their PDL wait (``kernels.prefetch``), for the
+    kernels launched from now on: True / False, or None for the default (environment ``FASTDECODE_WEIGHT_PREFETCH``:
+    off unless "1"; opt-in until a GPU has measured it). A launch policy like PDL, and only with it: a CUDA graph
+    keeps what was in force when it was captured. Returns the previous setting (to restore)."""
+    global _WEIGHT_PREFETCH
+    before, _WEIGHT_PREFETCH = _WEIGHT_PREFETCH, None if enabled is None else bool(enabled)
+    return before
+
+
+@contextlib.contextmanager
+def weight_prefetch_override(enabled: bool):
+    """``set_weight_prefetch(enabled)`` inside the block, the previous setting restored after it."""
+    before = set_weight_prefetch(enabled)
+    try:
+        yield
+    finally:
+        set_weight_prefetch(before)
+
+
+def weight_prefetch_enabled(t: torch.Tensor) -> bool:
+    """Prefetch GEMV weight slabs into L2: switched on (``set_weight_prefetch``, else the environment) and PDL on for
+    ``t`` (sm_90+, compiled: ``pdl_enabled``)."""
+    on = _WEIGHT_PREFETCH if _WEIGHT_PREFETCH is not None else os.environ.get("FASTDECODE_WEIGHT_PREFETCH", "0") == "1"
+    return on and pdl_enabled(t)
+
+
 _logged_once: set[str] = set()
 _log_lock = threading.Lock()
 
