@@ -283,6 +283,17 @@ def _(qkv, rope, input_pos, k_cache, v_cache, out, n_q_heads, scale, num_splits,
     return None
 
 
+def _check_fused_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int, scale, num_splits, prefetch):
+    """The checks of the fused RoPE + attention ops (this module's and ``ops.int4_a8``'s int8-output one): ``(B, D,
+    scale)``, the scale defaulting to ``1 / sqrt(D)``."""
+    B, D = _check_rope_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads)
+    if k_cache.dtype != qkv.dtype:
+        raise ValueError(f"k_cache and v_cache must have qkv's dtype {qkv.dtype}, got {k_cache.dtype}")
+    _check_num_splits(num_splits)
+    check_prefetch(prefetch, qkv.device)
+    return B, D, 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+
 def rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int, scale: Optional[float] = None, *,
                           num_splits: Optional[int] = None, out=None, prefetch: Optional[torch.Tensor] = None,
                           backend: Optional[str] = None) -> torch.Tensor:
@@ -299,13 +310,8 @@ def rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_q_heads: int
     next projection's weight (wo), whose bytes the kernel's threads prefetch into L2 while the memory bus would
     idle (``fastdecode.kernels.prefetch``; Triton backend on sm_90+, ignored elsewhere).
     """
-    B, D = _check_rope_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads)
-    if k_cache.dtype != qkv.dtype:
-        raise ValueError(f"k_cache and v_cache must have qkv's dtype {qkv.dtype}, got {k_cache.dtype}")
-    _check_num_splits(num_splits)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    B, D, scale = _check_fused_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads, scale, num_splits, prefetch)
     check_out("out", out, (B, n_q_heads, D), qkv.dtype, qkv.device)
-    check_prefetch(prefetch, qkv.device)
     be = resolve_backend(backend, qkv.device, "rope_decode_attention")
     out = torch.empty((B, n_q_heads, D), dtype=qkv.dtype, device=qkv.device) if out is None else out
     if B > 0:

@@ -21,15 +21,14 @@ dequantisation scale: ``x ~= q * s``) and the int32 sums of each group's q.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from fastdecode.constants import INT8_MIN_SCALE
 from fastdecode.ops._common import (
-    as_rows, cdiv, check_eps, check_out, check_prefetch, check_same_device, check_tensor, l2_prefetch_bytes, next_pow2,
-    pdl_enabled, resolve_backend, weight_prefetch_enabled,
+    as_rows, cdiv, check_eps, check_out, check_same_device, check_tensor, l2_prefetch_bytes, next_pow2, pdl_enabled,
+    resolve_backend, weight_prefetch_enabled,
 )
 from fastdecode.ops._registry import define_op
 from fastdecode.ops._tuned import DEFAULT_NUM_SMS, device_info, load_table, lookup_cache, nearest_m, split_k_workspace
@@ -394,17 +393,12 @@ def rope_decode_attention_int8(qkv, rope, input_pos, k_cache, v_cache, n_q_heads
     its split merge), each head one group of 128 columns. Arguments as ``rope_decode_attention``; head_dim 128 and
     qkv bf16 / fp16. Returns q int8 (B, Kp), scales fp32 and sums int32 (B, Kp // 128), Kp = Hq * 128 rounded up
     to 256 (the padding group 0). ``prefetch``: as ``rope_decode_attention``'s (wo's packed weight)."""
-    from fastdecode.ops.attention import _check_num_splits, _check_rope_args
+    from fastdecode.ops.attention import _check_fused_args
 
     check_tensor("qkv", qkv, dtypes=(torch.bfloat16, torch.float16))
-    B, D = _check_rope_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads)
+    B, D, scale = _check_fused_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads, scale, num_splits, prefetch)
     if D != ACT_GROUP:
         raise ValueError(f"an int8 attention output needs head_dim {ACT_GROUP} (one group a head), got {D}")
-    if k_cache.dtype != qkv.dtype:
-        raise ValueError(f"k_cache and v_cache must have qkv's dtype {qkv.dtype}, got {k_cache.dtype}")
-    _check_num_splits(num_splits)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    check_prefetch(prefetch, qkv.device)
     be = resolve_backend(backend, qkv.device, "rope_decode_attention_int8")
     act = _act_buffers((B,), n_q_heads * D, qkv.device)
     if B > 0:
