@@ -153,7 +153,9 @@ def test_fp8_peer_equals_fake_quant_reference():
     model is compared by cosine only: fp32 accumulation order (_scaled_mm's against a matmul of
     dequantised values) moves activations by ~1e-7 relative, which flips the per-tensor FP8 rounding of
     a value that sits on an e4m3 boundary (one step: 1/8 of the value) and moves logits by up to ~1e-3
-    (the H200 machine's CPU torch 2.11: 218 of 3,072 logits off by up to 9.5e-4 in one run)."""
+    (the H200 machine's CPU torch 2.11: 218 of 3,072 logits off by up to 9.5e-4 in one run). Over 300 seeds on the
+    CPU machine (torch 2.13, session 27) the smallest row cosine was 0.99864 (seed 236; 4 seeds below 0.9999, which
+    the bound was until then: it failed the CI about once in 75 runs), hence 0.995."""
     m = _model()
     peer = build_peer(m, "fp8", max_batch=2, max_seq_len=32)
     assert peer.description == "gpt-fast-style, _scaled_mm per-tensor"
@@ -168,9 +170,9 @@ def test_fp8_peer_equals_fake_quant_reference():
     toks = torch.randint(0, CFG.vocab_size, (2, 6))
     pos = torch.arange(6).expand(2, 6)
     cos = torch.nn.functional.cosine_similarity
-    assert cos(peer(toks, pos), ref(toks, pos), dim=-1).min() > 0.9999
+    assert cos(peer(toks, pos), ref(toks, pos), dim=-1).min() > 0.995
     nxt, p = torch.randint(0, CFG.vocab_size, (2,)), torch.tensor([6, 2])
-    assert cos(peer.decode_logits(nxt, p), ref.decode_logits(nxt, p), dim=-1).min() > 0.9999
+    assert cos(peer.decode_logits(nxt, p), ref.decode_logits(nxt, p), dim=-1).min() > 0.995
     assert len(calls) == 2 * 4 * len(peer.layers)  # prefill and decode, 4 projections per layer
     for fake, x, y in calls:
         torch.testing.assert_close(y, fake(x), **TOL["linear"])
