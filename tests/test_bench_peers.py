@@ -177,9 +177,10 @@ def test_fp8_peer_equals_fake_quant_reference():
     for fake, x, y in calls:
         torch.testing.assert_close(y, fake(x), **TOL["linear"])
     # and it is the model's function up to FP8 error (random weights, std 0.2: logits ~ 5). Per-tensor scales on
-    # a random model: the worst row's cosine over 60 seeds was 0.865 (median 0.971); 0.95 failed 2 runs in 6.
+    # a random model: the worst row's cosine over 60 seeds was 0.865 (median 0.971); 0.95 failed 2 runs in 6; over 400
+    # seeds (session 27) 0.8129, so 0.7 (an unrelated function gives ~0).
     full = m.prefill(toks, KVCache(CFG, 2, 32, dtype=torch.float32))
-    assert torch.nn.functional.cosine_similarity(peer(toks, pos), full, dim=-1).min() > 0.8
+    assert torch.nn.functional.cosine_similarity(peer(toks, pos), full, dim=-1).min() > 0.7
 
 
 def test_fp8_peer_of_fp8_model_requantises_per_tensor():
