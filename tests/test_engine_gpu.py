@@ -155,24 +155,26 @@ def test_fp8_norm_gemm_graph_decode_matches_the_unfused_step(a16_all):
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4", "int4_a8", "bf16"])
 def test_l2_prefetch_changes_no_graph_step(fmt):
-    """``l2_prefetch`` (the attention kernel warming wo's weight in L2, every format's norm_gemm step; int4_a8: the
-    attention that emits wo's int8 activation) is a hint: replayed in CUDA graphs with PDL at batch 1 and 3, the
-    step equals the same graph step without it (the split-K GEMVs sum their partials in arrival order, so equal up
-    to bf16 roundings, not bitwise)."""
+    """``l2_prefetch`` (the attention kernel warming wo's weight in L2; int4_a8: the attention that emits wo's int8
+    activation) and the ``weight_prefetch`` launch policy (every GEMV's own weight slab, before its PDL wait) are
+    hints: replayed in CUDA graphs with PDL at batch 1 and 3, the step equals the same graph step without them (the
+    split-K GEMVs sum their partials in arrival order, so equal up to bf16 roundings, not bitwise)."""
     from fastdecode.models import norm_gemm
     from fastdecode.models.quantize import quantize_model
+    from fastdecode.ops import weight_prefetch_override
 
     model = _llama8b("triton")
     if fmt != "bf16":
         quantize_model(model, fmt.split("_")[0])
     model.set_kernels(int4_a8=fmt == "int4_a8")
-    assert norm_gemm.applies(model, 1)
+    assert norm_gemm.applies(model, 1) == (fmt != "int4_a8")  # W4A8 decodes on the unfused step
     plain = copy.deepcopy(model)
     model.set_kernels(l2_prefetch=True)
     for layer in model.layers:  # a part of wo (int4), the whole of it (the other formats)
         layer.attention.l2_prefetch_limit = 3 * 2**20 + 16 if fmt == "int4" else None
-    engines = [Engine(m, None, max_batch=4, max_seq_len=64, cuda_graph=True, batch_buckets=[1, 4])
-               for m in (model, plain)]
+    with weight_prefetch_override(True):  # captured into the graphs
+        fast = Engine(model, None, max_batch=4, max_seq_len=64, cuda_graph=True, batch_buckets=[1, 4])
+    engines = [fast, Engine(plain, None, max_batch=4, max_seq_len=64, cuda_graph=True, batch_buckets=[1, 4])]
     for B in (1, 3):
         prompts = [torch.randint(0, model.config.vocab_size, (5,)).tolist() for _ in range(B)]
         _assert_logits_close(*(e.prefill(prompts) for e in engines))

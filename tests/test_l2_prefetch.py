@@ -138,3 +138,45 @@ def test_weight_prefetch_env_default(monkeypatch):
     assert not weight_prefetch_enabled(x)
     monkeypatch.setenv("FASTDECODE_WEIGHT_PREFETCH", "1")
     assert weight_prefetch_enabled(x) == pdl_enabled(x)
+
+
+# ----------------------------------------------------------------------------- on a GPU: every GEMV kind with the slabs
+
+
+def _rel(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the slab prefetch is inline PTX (sm_90+)")
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_gpu_every_gemv_kind_equals_itself_without_the_slabs(M):
+    """The ``weight_prefetch`` policy on odd shapes (rows past N, K not a multiple of the tiles, split-K) through each
+    GEMV op the decode step calls: bf16 ``linear``, FP8 ``linear_w8a16`` (up to 4 rows) and ``linear_fp8``, int4
+    ``int4_linear`` (FMA at few rows, tensor-core kinds at 16) and ``int4_linear_a8`` (up to 4 rows). Each output
+    equals the same call without the prefetch (a hint; a prefetch past a weight's end would fault)."""
+    from fastdecode.ops import (
+        int4_linear, int4_linear_a8, linear, linear_fp8, quantize_fp8, weight_prefetch_override,
+    )
+    from fastdecode.ops.w8a16 import linear_w8a16
+    from fastdecode.quant.fp8 import quantize_weight_fp8
+    from fastdecode.quant.int4 import quantize_int4
+
+    N, K = 1000, 1536
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+    w8, ws = quantize_weight_fp8(w)
+    w4 = quantize_int4(w, 128)
+    x_odd, w_odd = x[:, :1000].contiguous(), w[:, :1000].contiguous()  # K not a multiple of any tile
+    calls = {"linear": lambda: linear(x, w), "linear_odd_k": lambda: linear(x_odd, w_odd),
+             "linear_fp8": lambda: linear_fp8(*quantize_fp8(x, per_token=True), w8, ws),
+             "int4_linear": lambda: int4_linear(x, w4)}
+    if M <= 4:
+        calls.update(linear_w8a16=lambda: linear_w8a16(x, w8, ws), int4_linear_a8=lambda: int4_linear_a8(x, w4))
+    for name, call in calls.items():
+        with weight_prefetch_override(False):
+            want = call()
+        with weight_prefetch_override(True):
+            got = call()
+        torch.cuda.synchronize()
+        assert _rel(got, want) < 1e-3, (name, _rel(got, want))
