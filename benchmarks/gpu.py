@@ -175,7 +175,10 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "profile-switches":
         # the opt-in switches against the default step, PDL off for the whole process (durations that do not
         # overlap: the rows record pdl false), so the families say where a switch's gain or loss goes
-        switch = {"fp8": ("no-norm_gemm", "no-fp8_a16", "with-fp8_a16_all"), "int4": ("with-int4_a8",)}
+        # with-l2_prefetch: where the attention's prefetch of wo moves time (o and attention families); the slabs'
+        # policy needs PDL, so it has no row here
+        switch = {"fp8": ("no-norm_gemm", "no-fp8_a16", "with-fp8_a16_all", "with-l2_prefetch"),
+                  "int4": ("with-int4_a8", "with-l2_prefetch")}
         return [(f"profile {q} {' '.join(switch[q])}", ["env", "FASTDECODE_PDL=0"] + _fd(
                     "bench", "decode", "--preset", "llama-3.1-8b", "--profile", "--quant", q, "--impl",
                     "fastdecode-graph", *(f"fastdecode-graph-{k}" for k in switch[q]),
