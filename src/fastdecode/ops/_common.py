@@ -77,28 +77,51 @@ def require_sm(device: torch.device, major: int, minor: int, what: str) -> None:
         )
 
 
-# ----------------------------------------------------------------------------- programmatic dependent launch
+# ------------------------------------------------------------------------ launch policies (PDL, the slabs' L2 prefetch)
 
-_PDL: Optional[bool] = None  # set_pdl's override; None: FASTDECODE_PDL
+
+class LaunchPolicy:
+    """A process-wide launch setting that the ops read at every launch (a CUDA graph keeps what was in force when it
+    was captured): ``set`` True / False, or None for the default (the environment variable ``env``: on unless "0" or
+    empty; ``default`` when unset); ``override`` for a block; ``on`` the setting now."""
+
+    def __init__(self, env: str, default: bool):
+        self.env, self.default, self.value = env, default, None
+
+    def set(self, enabled: Optional[bool]) -> Optional[bool]:
+        """Set it (None: back to the environment's); returns the previous setting (to restore)."""
+        before, self.value = self.value, None if enabled is None else bool(enabled)
+        return before
+
+    @contextlib.contextmanager
+    def override(self, enabled: bool):
+        """``set(enabled)`` inside the block, the previous setting restored after it."""
+        before = self.set(enabled)
+        try:
+            yield
+        finally:
+            self.set(before)
+
+    def on(self) -> bool:
+        if self.value is not None:
+            return self.value
+        v = os.environ.get(self.env)
+        return self.default if v is None else v not in ("", "0")
+
+
+_PDL = LaunchPolicy("FASTDECODE_PDL", True)
 
 
 def set_pdl(enabled: Optional[bool]) -> Optional[bool]:
     """Programmatic dependent launch (``fastdecode.kernels.pdl``) for the fastdecode kernels launched from
     now on: True / False, or None for the default (environment ``FASTDECODE_PDL``: on unless "0"). A CUDA
     graph keeps what was in force when it was captured. Returns the previous setting (to restore)."""
-    global _PDL
-    before, _PDL = _PDL, None if enabled is None else bool(enabled)
-    return before
+    return _PDL.set(enabled)
 
 
-@contextlib.contextmanager
 def pdl_override(enabled: bool):
     """``set_pdl(enabled)`` inside the block, the previous setting restored after it."""
-    before = set_pdl(enabled)
-    try:
-        yield
-    finally:
-        set_pdl(before)
+    return _PDL.override(enabled)
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,7 +131,7 @@ def _sm_major(index: int) -> int:
 
 def pdl_switch() -> bool:
     """The switch alone: ``set_pdl``'s value, else ``FASTDECODE_PDL`` (on unless "0" or empty)."""
-    return _PDL if _PDL is not None else os.environ.get("FASTDECODE_PDL", "1") not in ("", "0")
+    return _PDL.on()
 
 
 def pdl_enabled(t: torch.Tensor) -> bool:
@@ -146,34 +169,26 @@ def l2_prefetch_bytes(prefetch: Optional[torch.Tensor]) -> Optional[torch.Tensor
 
 # ----------------------------------------------------------------------------- the GEMV weight slabs' L2 prefetch
 
-_WEIGHT_PREFETCH: Optional[bool] = None  # set_weight_prefetch's override; None: FASTDECODE_WEIGHT_PREFETCH
+_WEIGHT_PREFETCH = LaunchPolicy("FASTDECODE_WEIGHT_PREFETCH", False)
 
 
 def set_weight_prefetch(enabled: Optional[bool]) -> Optional[bool]:
     """The GEMV kernels' L2 prefetch of their own weight slab before their PDL wait (``kernels.prefetch``), for the
     kernels launched from now on: True / False, or None for the default (environment ``FASTDECODE_WEIGHT_PREFETCH``:
-    off unless "1"; opt-in until a GPU has measured it). A launch policy like PDL, and only with it: a CUDA graph
-    keeps what was in force when it was captured. Returns the previous setting (to restore)."""
-    global _WEIGHT_PREFETCH
-    before, _WEIGHT_PREFETCH = _WEIGHT_PREFETCH, None if enabled is None else bool(enabled)
-    return before
+    off unless set to something other than "0"; opt-in until a GPU has measured it). A launch policy like PDL, and
+    only with it: a CUDA graph keeps what was in force when it was captured. Returns the previous setting."""
+    return _WEIGHT_PREFETCH.set(enabled)
 
 
-@contextlib.contextmanager
 def weight_prefetch_override(enabled: bool):
     """``set_weight_prefetch(enabled)`` inside the block, the previous setting restored after it."""
-    before = set_weight_prefetch(enabled)
-    try:
-        yield
-    finally:
-        set_weight_prefetch(before)
+    return _WEIGHT_PREFETCH.override(enabled)
 
 
 def weight_prefetch_enabled(t: torch.Tensor) -> bool:
     """Prefetch GEMV weight slabs into L2: switched on (``set_weight_prefetch``, else the environment) and PDL on for
     ``t`` (sm_90+, compiled: ``pdl_enabled``)."""
-    on = _WEIGHT_PREFETCH if _WEIGHT_PREFETCH is not None else os.environ.get("FASTDECODE_WEIGHT_PREFETCH", "0") == "1"
-    return on and pdl_enabled(t)
+    return _WEIGHT_PREFETCH.on() and pdl_enabled(t)
 
 
 _logged_once: set[str] = set()
