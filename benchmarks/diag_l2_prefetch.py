@@ -58,6 +58,51 @@ def w8a16_config_dir(section_table: str) -> str:
     return str(d)
 
 
+def _run_format(a, fmt: str, model, cfg, cache, gen, tables: dict) -> list[dict]:
+    """Every variant of one format, interleaved over ``a.repeats``: one row per (table, limit, slabs)."""
+    import os
+
+    from fastdecode.bench.decode import DecodeRunner
+    from fastdecode.bench.harness import env_info
+    from fastdecode.ops._tuned import clear_config_cache
+
+    device = cache.device
+    times: dict[tuple[str, str, bool], list[float]] = {}
+    for rep in range(a.repeats):
+        for tname, tdir in tables.items():
+            if tdir is None:
+                os.environ.pop("FASTDECODE_CONFIG_DIR", None)
+            else:
+                os.environ["FASTDECODE_CONFIG_DIR"] = tdir
+            clear_config_cache()
+            for limit, slabs in ((lim, sl) for lim in a.limits for sl in ((False, True) if a.slabs else (False,))):
+                for layer in model.layers:
+                    layer.attention.l2_prefetch_limit = (None if limit in ("off", "all")
+                                                         else int(float(limit) * 2**20))
+                runner = DecodeRunner(_impl(fmt, limit, slabs), model, cache, 1)
+                prompts = [torch.randint(0, cfg.vocab_size, (1, 1), device=device, generator=gen)
+                           for _ in range(a.iters + 1)]
+                runner.generate(prompts[0], 128)  # warm-up
+                for pr in prompts[1:]:
+                    _, dec = runner.generate(pr, 128)
+                    times.setdefault((tname, limit, slabs), []).append(dec / 127 * 1e6)
+                del runner
+                torch.cuda.synchronize()
+                print(f"{fmt} [{tname}] {limit} slabs {slabs}: rep {rep} median so far "
+                      f"{statistics.median(times[(tname, limit, slabs)]):.1f} us", flush=True)
+    rows = []
+    for (tname, limit, slabs), ts in times.items():
+        ts = sorted(ts)
+        base = times.get((tname, "off", False))
+        off = statistics.median(base) if base else None
+        med = statistics.median(ts)
+        rows.append({"op": "diag_l2_prefetch", "format": fmt, "table": tname, "limit_mb": limit, "slabs": slabs,
+                     "impl": _impl(fmt, limit, slabs), "median_us": round(med, 2),
+                     "p10_us": round(ts[len(ts) // 10], 2), "p90_us": round(ts[(9 * len(ts)) // 10], 2),
+                     "n": len(ts), "vs_off_us": round(med - off, 2) if off is not None else None, **env_info()})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", nargs="+", default=["fp8", "int4", "int4_a8"], choices=sorted(QUANT))
@@ -72,55 +117,24 @@ def main() -> None:
     p.add_argument("--out", default="diag_l2_prefetch.json")
     a = p.parse_args()
 
-    from fastdecode.bench.decode import DecodeRunner, build_bench_model
-    from fastdecode.bench.harness import env_info
+    from fastdecode.bench.decode import build_bench_model
     from fastdecode.engine.kv_cache import KVCache
-    from fastdecode.ops._tuned import clear_config_cache
 
     base_dir = os.environ.get("FASTDECODE_CONFIG_DIR")
     tables = {"in use": base_dir}
     if a.w8a16_table:
         tables["w8a16 section"] = w8a16_config_dir(a.w8a16_table)
     rows = []
-    for fmt in a.formats:
-        built = build_bench_model(a.preset, batch=1, max_seq=129, quant=QUANT[fmt])
+    quants = list(dict.fromkeys(QUANT[f] for f in a.formats))  # int4 and int4_a8 share one model
+    for quant in quants:
+        built = build_bench_model(a.preset, batch=1, max_seq=129, quant=quant)
         model, cfg, device = built.model, built.config, built.device
         cache = KVCache(model.config, 1, 129, dtype=torch.bfloat16, device=device)
         gen = torch.Generator(device=device).manual_seed(0)
-        fmt_tables = tables if fmt == "fp8" else {"in use": base_dir}
-        times: dict[tuple[str, str, bool], list[float]] = {}
-        for rep in range(a.repeats):
-            for tname, tdir in fmt_tables.items():
-                if tdir is None:
-                    os.environ.pop("FASTDECODE_CONFIG_DIR", None)
-                else:
-                    os.environ["FASTDECODE_CONFIG_DIR"] = tdir
-                clear_config_cache()
-                for limit, slabs in ((lim, sl) for lim in a.limits for sl in ((False, True) if a.slabs else (False,))):
-                    for layer in model.layers:
-                        layer.attention.l2_prefetch_limit = (None if limit in ("off", "all")
-                                                             else int(float(limit) * 2**20))
-                    runner = DecodeRunner(_impl(fmt, limit, slabs), model, cache, 1)
-                    prompts = [torch.randint(0, cfg.vocab_size, (1, 1), device=device, generator=gen)
-                               for _ in range(a.iters + 1)]
-                    runner.generate(prompts[0], 128)  # warm-up
-                    for pr in prompts[1:]:
-                        _, dec = runner.generate(pr, 128)
-                        times.setdefault((tname, limit, slabs), []).append(dec / 127 * 1e6)
-                    del runner
-                    torch.cuda.synchronize()
-                    print(f"{fmt} [{tname}] {limit} slabs {slabs}: rep {rep} median so far "
-                          f"{statistics.median(times[(tname, limit, slabs)]):.1f} us", flush=True)
-        for (tname, limit, slabs), ts in times.items():
-            ts = sorted(ts)
-            base = times.get((tname, "off", False))
-            off = statistics.median(base) if base else None
-            med = statistics.median(ts)
-            rows.append({"op": "diag_l2_prefetch", "format": fmt, "table": tname, "limit_mb": limit, "slabs": slabs,
-                         "impl": _impl(fmt, limit, slabs), "median_us": round(med, 2),
-                         "p10_us": round(ts[len(ts) // 10], 2),
-                         "p90_us": round(ts[(9 * len(ts)) // 10], 2), "n": len(ts),
-                         "vs_off_us": round(med - off, 2) if off is not None else None, **env_info()})
+        for fmt in (f for f in a.formats if QUANT[f] == quant):
+            rows += _run_format(a, fmt, model, cfg, cache, gen, tables if fmt == "fp8" else {"in use": base_dir})
+            with open(a.out, "w") as f:  # what is done so far, in case the call is cut short
+                json.dump(rows, f, indent=1)
         del model, cache, built
         torch.cuda.empty_cache()
     if base_dir is None:
