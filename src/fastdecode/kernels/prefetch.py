@@ -52,12 +52,14 @@ def l2_prefetch_rows(base_ptr, row0, n_rows, row_stride, col_start, col_end, ROW
                      LANES: tl.constexpr):
     """Rows ``[row0, row0 + ROWS)`` (those below ``n_rows``) of a row-major byte matrix (``base_ptr``: a byte
     pointer; ``row_stride``, ``col_start`` and the base 16-byte aligned), bytes ``[col_start, col_end)`` of each, into
-    L2: each row cut into ``max(1, LANES // ROWS)`` chunks of a multiple of 16 bytes, one bulk prefetch a chunk (the
-    row's last chunk rounded down to 16 bytes). A GEMV program's own weight slab, before its PDL wait."""
+    L2: each row cut into up to ``max(1, LANES // ROWS)`` chunks of a multiple of 16 bytes and at least 512, one bulk
+    prefetch a chunk (the row's last chunk rounded down to 16 bytes). A GEMV program's own weight slab, before its PDL
+    wait."""
     PARTS: tl.constexpr = LANES // ROWS if LANES > ROWS else 1
     row = row0 + tl.arange(0, ROWS)[:, None]
     part = tl.arange(0, PARTS)[None, :]
-    chunk = (tl.cdiv(col_end - col_start, PARTS) + 15) // 16 * 16
+    # at least 512 bytes a prefetch (fewer, larger copies; the parts past the row's end issue nothing)
+    chunk = tl.maximum((tl.cdiv(col_end - col_start, PARTS) + 15) // 16 * 16, 512)
     start = col_start + part * chunk
     size = tl.minimum(col_end - start, chunk) // 16 * 16
     size = tl.where(row < n_rows, tl.maximum(size, 0), 0).to(tl.int32)
