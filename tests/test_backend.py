@@ -45,7 +45,7 @@ def test_explicit_triton_that_cannot_run_raises(monkeypatch):
 def test_pdl_switch(monkeypatch):
     """Programmatic dependent launch: on by default, FASTDECODE_PDL=0 or set_pdl(False) turns it off,
     set_pdl(None) restores the default; never for CPU tensors (the GPU side: tests/test_engine_gpu.py)."""
-    monkeypatch.setattr(_common, "_PDL", None)
+    monkeypatch.setattr(_common._PDL, "value", None)
     for env, on in ((None, True), ("1", True), ("0", False), ("", False)):
         if env is None:
             monkeypatch.delenv("FASTDECODE_PDL", raising=False)
@@ -62,14 +62,14 @@ def test_pdl_switch(monkeypatch):
 
 
 def test_pdl_override_restores_the_setting(monkeypatch):
-    monkeypatch.setattr(_common, "_PDL", True)
+    monkeypatch.setattr(_common._PDL, "value", True)
     with _common.pdl_override(False):
         assert not _common.pdl_switch()
-    assert _common._PDL is True
+    assert _common._PDL.value is True
     with pytest.raises(RuntimeError):
         with _common.pdl_override(False):
             raise RuntimeError("inside")
-    assert _common._PDL is True
+    assert _common._PDL.value is True
 
 
 def test_log_once_inside_a_fullgraph_compile(monkeypatch, caplog):
