@@ -232,8 +232,9 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         # FP8 / W4A16 / W4A8 steps; FP8 also on the tables with session 26's H200 w8a16 section (archived)
         w8a16 = ROOT / "benchmarks" / "results" / "archive" / "configs_h200_271331f" / "linear_nvidia_h200.json"
         return [("diag l2 prefetch", [PY, str(ROOT / "benchmarks" / "diag_l2_prefetch.py"), "--formats", "fp8",
-                                      "int4", "int4_a8", "--limits", "off", "all", "--slabs", "--w8a16-table",
-                                      str(w8a16), "--out", str(out / "diag_l2_prefetch.json")], 560)]
+                                      "int4", "int4_a8", "--limits", "off", "all", "--slab-kb", "64", "all",
+                                      "--w8a16-table", str(w8a16), "--out", str(out / "diag_l2_prefetch.json")],
+                 560)]
     if name == "test-bounds":
         diag = str(ROOT / "benchmarks" / "diag_norm_gemm_test_bounds.py")
         return [("diag norm_gemm test bounds", [PY, diag, "--seeds", "150",

@@ -400,7 +400,7 @@ sig = {"x_ptr": pt, "w_ptr": pt, "bias_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr
        "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_part": "i32", "split_k": "i32"}
 consts = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=0, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
               USE_PDL=cfg.get("USE_PDL", False), PREFETCH=cfg.get("PREFETCH", False), W_EVICT=cfg.get("EVICT", False),
-              X_GLU=False, L2_SLAB=cfg.get("L2_SLAB", False), PF_LANES=32 * cfg["num_warps"],
+              X_GLU=False, L2_SLAB=cfg.get("L2_SLAB", 0), PF_LANES=32 * cfg["num_warps"],
               X_NORM=cfg.get("X_NORM", False), NORM_VEC=16 // (1 if "fp8" in elem_ty else 2),
               NORM_AFFINE=cfg.get("NORM_AFFINE", True),
               ACCUMULATE=cfg.get("ACCUMULATE", False),
@@ -457,7 +457,7 @@ def test_l2_slab_prefetch_comes_before_the_pdl_wait(kind, elem_ty, prefetch):
     from helpers import bulk_prefetches
 
     for slab in (True, False):
-        ptx = sm90_ptx(snippet, json.dumps({**cfg, "USE_PDL": True, "L2_SLAB": slab}), elem_ty)
+        ptx = sm90_ptx(snippet, json.dumps({**cfg, "USE_PDL": True, "L2_SLAB": 65536 if slab else 0}), elem_ty)
         n_before, n_all = bulk_prefetches(ptx)
         rows, lanes = cfg["BLOCK_N"], 32 * cfg["num_warps"]
         assert n_all == n_before == ((rows * max(1, lanes // rows)) // lanes if slab else 0), (n_before, n_all)

@@ -183,14 +183,14 @@ def test_l2_prefetch_suite_runs_its_diagnosis_on_the_archived_w8a16_table(gpu, t
     diag = runpy.run_path(argv[1])
     assert diag["_impl"]("int4_a8", "8") == "fastdecode-graph-with-int4_a8+l2_prefetch"
     assert diag["_impl"]("fp8", "off") == "fastdecode-graph"
-    assert diag["_impl"]("fp8", "all", True) == "fastdecode-graph-with-l2_prefetch+weight_prefetch"
-    assert "--slabs" in argv
+    assert diag["_impl"]("fp8", "all", "64") == "fastdecode-graph-with-l2_prefetch+weight_prefetch"
+    assert argv[argv.index("--slab-kb") + 1:argv.index("--w8a16-table")] == ["64", "all"]
     from fastdecode.bench.decode import check_impl
 
     for f in ("fp8", "int4", "int4_a8"):  # rows bench decode knows
         for lim in ("off", "all"):
-            for sl in (False, True):
-                check_impl(diag["_impl"](f, lim, sl))
+            for kb in (None, "64"):
+                check_impl(diag["_impl"](f, lim, kb))
     assert set(argv[argv.index("--formats") + 1:argv.index("--limits")]) <= set(diag["QUANT"])
 
 

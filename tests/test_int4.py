@@ -550,7 +550,7 @@ sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", 
        "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"] == "dot", UNIFORM=True, SPG=4,
               EVEN_K=True, X_SCALE_MODE=0, FAST_CVT=cfg["kind"] == "dot", PREFETCH=cfg.get("PF", False),
-              LOP3_ASM=cfg["kind"] == "fma", USE_PDL=cfg.get("PDL", False), L2_SLAB=cfg.get("SLAB", False),
+              LOP3_ASM=cfg["kind"] == "fma", USE_PDL=cfg.get("PDL", False), L2_SLAB=cfg.get("SLAB", 0),
               PF_LANES=128,
               X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048 // cfg["BLOCK_M"],
               NORM_RM=cfg["BLOCK_M"],
@@ -675,7 +675,7 @@ consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, SPG=4, EVEN_K=True
               L2_PREFETCH=True, X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048, NORM_RM=1,
               ACCUMULATE=cfg.get("XN", False), MASK_X=cfg.get("MASK_X", False), TILES=cfg.get("TILES", 1),
               CVT1=cfg.get("CVT1", False), BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True,
-              L2_SLAB=cfg.get("SLAB", False), PF_LANES=32 * cfg.get("num_warps", 4))
+              L2_SLAB=cfg.get("SLAB", 0), PF_LANES=32 * cfg.get("num_warps", 4))
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K", "G", "KW",
            "stride_xm", "stride_om"}
@@ -723,11 +723,12 @@ def test_sm90_l2_slab_prefetch_comes_before_the_pdl_wait(which):
 
     for slab in (True, False):
         if which == "mma":
-            ptx = sm90_ptx(_MMA_SNIPPET, json.dumps(dict(BLOCK_N=64, ZM=1, x="bf16", SLAB=slab)))
+            ptx = sm90_ptx(_MMA_SNIPPET, json.dumps(dict(BLOCK_N=64, ZM=1, x="bf16", SLAB=65536 if slab else 0)))
             assert ("prefetch.global.L2 " in ptx) == (not slab)
         else:
             ptx = sm90_ptx(_COMPILE_SNIPPET, json.dumps(dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16",
-                                                             PF=which == "fma_prefetch", PDL=True, SLAB=slab)))
+                                                             PF=which == "fma_prefetch", PDL=True,
+                                                             SLAB=65536 if slab else 0)))
         before, total = bulk_prefetches(ptx)
         assert before == total == (1 if slab else 0), (before, total)
 

@@ -290,7 +290,7 @@ sig = {"xw_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "qw_ptr": "*i32"
        "G": "i32", "KW": "i32", "stride_xw": "i32", "stride_xs": "i32", "stride_om": "i32", "stride_part": "i32",
        "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=1, HAS_BIAS=False, ASM=True, USE_PDL=True, ACCUMULATE=False,
-              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=True, L2_SLAB=cfg.get("SLAB", False), PF_LANES=128)
+              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=True, L2_SLAB=cfg.get("SLAB", 0), PF_LANES=128)
 sig.update({k: "constexpr" for k in consts})
 aligned = {"xw_ptr", "xs_ptr", "xsum_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr",
            "N", "G", "KW", "stride_xw", "stride_xs", "stride_om"}
@@ -307,7 +307,8 @@ def test_sm90_l2_slab_prefetch_comes_before_the_pdl_wait():
     from helpers import bulk_prefetches
 
     for slab in (True, False):
-        before, total = bulk_prefetches(sm90_ptx(_COMPILE, json.dumps({"BLOCK_M": 1, "BLOCK_N": 64, "SLAB": slab})))
+        before, total = bulk_prefetches(sm90_ptx(_COMPILE, json.dumps({"BLOCK_M": 1, "BLOCK_N": 64,
+                                                                        "SLAB": 65536 if slab else 0})))
         assert before == total == (1 if slab else 0), (before, total)
 
 

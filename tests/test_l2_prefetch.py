@@ -129,6 +129,25 @@ def test_weight_prefetch_policy_needs_pdl_and_restores():
     assert not weight_prefetch_enabled(torch.zeros(4))  # a CPU tensor: no PDL
 
 
+def test_weight_prefetch_bytes_cap(monkeypatch):
+    """A program's slab prefetch: 0 where the policy is off, else ``FASTDECODE_WEIGHT_PREFETCH_KB`` (default 64 KB;
+    "all": the whole slab; 0: none); a bad value is named."""
+    import fastdecode.ops._common as C
+
+    x = torch.zeros(4)
+    monkeypatch.setattr(C, "weight_prefetch_enabled", lambda t: False)
+    assert C.weight_prefetch_bytes(x) == 0
+    monkeypatch.setattr(C, "weight_prefetch_enabled", lambda t: True)
+    monkeypatch.delenv("FASTDECODE_WEIGHT_PREFETCH_KB", raising=False)
+    assert C.weight_prefetch_bytes(x) == C.WEIGHT_PREFETCH_KB * 1024 == 65536
+    for v, want in (("128", 131072), ("0.5", 512), ("ALL", 2**31 - 1), ("0", 0), ("0.001", 16)):
+        monkeypatch.setenv("FASTDECODE_WEIGHT_PREFETCH_KB", v)
+        assert C.weight_prefetch_bytes(x) == want
+    monkeypatch.setenv("FASTDECODE_WEIGHT_PREFETCH_KB", "lots")
+    with pytest.raises(ValueError, match="FASTDECODE_WEIGHT_PREFETCH_KB must be a number of KB or 'all'"):
+        C.weight_prefetch_bytes(x)
+
+
 def test_weight_prefetch_env_default(monkeypatch):
     from fastdecode.ops import weight_prefetch_enabled
     from fastdecode.ops._common import pdl_enabled

@@ -242,10 +242,10 @@ def _skinny_linear_kernel(
     keeps x, the split-K partials and the next kernel's inputs in L2). Rows of x are re-read by
     every program and keep the default policy.
 
-    L2_SLAB (with USE_PDL, sm_90+; PF_LANES: the threads of a program): before its PDL wait the program prefetches
-    its whole weight slab (its BLOCK_N rows, its split's columns; with PREFETCH but the first tile, which it loads)
-    into L2 (``kernels.prefetch.l2_prefetch_rows``): the slabs of the programs resident early stream during the
-    previous kernel's tail.
+    L2_SLAB (bytes, 0: off; with USE_PDL, sm_90+; PF_LANES: the threads of a program): before its PDL wait the
+    program prefetches up to L2_SLAB bytes of its weight slab (its BLOCK_N rows, its split's columns; with PREFETCH
+    but the first tile, which it loads) into L2 (``kernels.prefetch.l2_prefetch_rows``): the slabs of the programs
+    resident early stream during the previous kernel's tail.
     """
     tl.static_assert(not (X_NORM and (USE_DOT or SPLIT or X_GLU)), "X_NORM: FMA path, one split, no X_GLU")
     pid_m = tl.program_id(0)
@@ -272,7 +272,7 @@ def _skinny_linear_kernel(
         WB: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
         first = k0 + BLOCK_K if (PREFETCH and not USE_DOT) else k0  # PREFETCH loads the first tile itself
         l2_prefetch_rows(w_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, stride_wn * WB, first * WB,
-                         tl.minimum(kb_end * BLOCK_K, K) * WB, BLOCK_N, PF_LANES)
+                         tl.minimum(kb_end * BLOCK_K, K) * WB, BLOCK_N, PF_LANES, L2_SLAB)
     if USE_PDL and (USE_DOT or not PREFETCH):
         pdl_wait()
 
@@ -415,7 +415,7 @@ def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
 def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scale_mode,
                          out, part, locks, config, pdl: bool = False, glu: bool = False,
                          norm_weight=None, eps: float = 0.0, accumulate: bool = False, x_norm: bool = False,
-                         l2_slab: bool = False):
+                         l2_slab: int = 0):
     """Launch on 2-D views: x (M, K) unit stride in K, weight (N, K) contiguous, out (M, N) contiguous.
 
     ``part``: fp32 workspace of ``SPLIT_K * M * N`` elements and ``locks``: zeroed int32 counters
@@ -428,8 +428,8 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     ``norm_weight`` (K,): the input is ``rms_norm(x) * norm_weight`` with ``eps`` (FMA config, one split only);
     ``x_norm`` without ``norm_weight``: the input is ``rms_norm(x)`` with no weight (one folded into ``weight``).
     ``accumulate``: ``out += x @ weight.T (+ bias)``, one rounding (out's old values read in the epilogue).
-    ``l2_slab`` (with PDL, sm_90+ only: inline PTX): each program prefetches its weight slab into L2 before its PDL
-    wait; taken only where the weight's rows are 16-byte aligned.
+    ``l2_slab`` (bytes, 0: off; with PDL, sm_90+ only: inline PTX): each program prefetches up to that much of its
+    weight slab into L2 before its PDL wait; taken only where the weight's rows are 16-byte aligned.
     """
     M = x.shape[0]
     N, K = weight.shape
@@ -442,8 +442,9 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     if x_norm and (config["kind"] != "fma" or split > 1 or glu):
         raise ValueError("the RMSNorm in the GEMV needs an FMA config with one split and no glu (the caller checks)")
     norm_vec = min(16 // x.element_size(), bk)  # one thread's 16-byte load of x (BLOCK_K: a power of 2)
-    l2_slab = (l2_slab and pdl and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+    aligned = (weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
                and bk * weight.element_size() % 16 == 0)
+    l2_slab = int(l2_slab) if pdl and aligned else 0
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,
         x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,

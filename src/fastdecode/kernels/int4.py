@@ -112,8 +112,9 @@ def _int4_linear_kernel(
     columns a step and rows of that pass (``kernels.gemm.norm_tile``). ACCUMULATE: out += the result (the
     residual add after wo / w2, in place; ``_epilogue``).
 
-    L2_SLAB (with USE_PDL, sm_90+; PF_LANES: the program's threads): before its PDL wait the program prefetches its
-    packed weight words (its BLOCK_N rows, its split's words) into L2, as ``kernels.gemm``'s skinny kernel does.
+    L2_SLAB (bytes, 0: off; with USE_PDL, sm_90+; PF_LANES: the program's threads): before its PDL wait the program
+    prefetches up to that much of its packed weight words (its BLOCK_N rows, its split's words) into L2, as
+    ``kernels.gemm``'s skinny kernel does.
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
     tl.static_assert(not (X_NORM and X_FP8), "X_NORM takes a 16-bit residual stream, not an FP8 x")
@@ -139,7 +140,7 @@ def _int4_linear_kernel(
     kb_end = tl.minimum(kb_start + kb_per, kb_total)
     if L2_SLAB:  # weights only (never written by the step's kernels): before the wait
         l2_prefetch_rows(qw_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, KW * 4, kb_start * BK8 * 4,
-                         tl.minimum(kb_end * BK8, KW) * 4, BLOCK_N, PF_LANES)
+                         tl.minimum(kb_end * BK8, KW) * 4, BLOCK_N, PF_LANES, L2_SLAB)
     if USE_PDL and not PREFETCH:  # programmatic dependent launch: kernels.pdl (with PREFETCH: below)
         pdl_wait()
 
@@ -353,7 +354,7 @@ def fast_cvt_ok(x, uniform: bool, x_scale_mode: int = 0, scale_dtype=None) -> bo
 def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
                        config: dict, x_scale=None, x_scale_mode: int = 0, warmup: bool = False, pdl: bool = False,
                        norm_weight=None, eps: float = 0.0, x_norm: bool = False, accumulate: bool = False,
-                       l2_slab: bool = False):
+                       l2_slab: int = 0):
     """Launch on 2-D views: x (M, K) unit stride in K (kernel column order), qweight (N, Kp // 8) int32,
     scales / zm (N, K // group_size) contiguous (zm: zeros uint8, mins, or None), out (M, N) contiguous.
 
@@ -372,11 +373,11 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     ``config["kind"] == "mma"``: the weight-as-register-operand tensor-core kernel of ``kernels.int4_mma``
     (W4A16 only; the caller checks ``int4_mma.mma_supported``); optional key ``asm`` (default True): its
     inline-PTX conversion where ``lop3_asm_ok``.
-    ``l2_slab`` (with ``pdl``, sm_90+ only: inline PTX): each program prefetches its weight words into L2 before its
-    PDL wait (the mma kind: all of them rather than its first two tiles).
+    ``l2_slab`` (bytes, 0: off; with ``pdl``, sm_90+ only: inline PTX): each program prefetches up to that much of its
+    weight words into L2 before its PDL wait (the mma kind: instead of its first two tiles).
     """
     M, K = x.shape
-    l2_slab = l2_slab and pdl and qweight.data_ptr() % 16 == 0 and qweight.stride(0) % 4 == 0
+    l2_slab = int(l2_slab) if pdl and qweight.data_ptr() % 16 == 0 and qweight.stride(0) % 4 == 0 else 0
     _, split = split_k_blocks(K, config)
     if config["kind"] == "mma":
         return launch_int4_mma(x, qweight, scales, zm, group_size, zero_mode, bias, out, part, locks, config, split,

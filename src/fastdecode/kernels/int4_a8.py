@@ -191,7 +191,8 @@ def _int4_a8_kernel(
     Weights are read before the PDL wait (no kernel of the step writes them: ``kernels.pdl``); the activation,
     its scales and sums after it. xw_ptr: the int32 view of the quantised activation ((M, Kp // 4), row stride
     stride_xw); xs / xsum: (M, NG) fp32 / int32, row stride stride_xs. ACCUMULATE: out += the result. L2_SLAB (with
-    USE_PDL; PF_LANES: the program's threads): the rest of the program's weight words into L2 before the wait
+    USE_PDL; bytes, 0: off; PF_LANES: the program's threads): up to that much of the rest of the program's weight
+    words into L2 before the wait
     (``kernels.prefetch.l2_prefetch_rows``)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -213,7 +214,7 @@ def _int4_a8_kernel(
     w_next = tl.load(w_ptrs + st0 * 32)  # every split has >= 1 step
     if L2_SLAB:
         l2_prefetch_rows(qw_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, KW * 4, (st0 + 1) * 32 * 4,
-                         st1 * 32 * 4, BLOCK_N, PF_LANES)
+                         st1 * 32 * 4, BLOCK_N, PF_LANES, L2_SLAB)
     if USE_PDL:
         pdl_wait()
     r0 = pid_m * BLOCK_M
@@ -274,13 +275,14 @@ def split_k_of(KW: int, config: dict) -> int:
 
 def launch_int4_a8(q, scales_x, sums_x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part,
                    locks, config: dict, asm: bool, pdl: bool = False, accumulate: bool = False,
-                   warmup: bool = False, l2_slab: bool = False):
+                   warmup: bool = False, l2_slab: int = 0):
     """Launch on 2-D views: q int8 (M, Kp) contiguous rows (``launch_act_quant``'s), scales_x / sums_x (M, Kp // 128),
     qweight (N, Kp // 8) int32, scales / zm (N, G) contiguous (zm: zeros uint8, mins, or None), out (M, N).
     ``part`` (fp32, SPLIT_K * M * N) and ``locks`` (zeroed int32, one per output tile) only when the effective
     SPLIT_K > 1 (``split_k_of``). ``config``: dict(BLOCK_M (<= 4), BLOCK_N, SPLIT_K, num_warps). ``asm``: the
     inline PTX (compiled CUDA only; else the portable integer maths). ``warmup``: compile only. ``l2_slab`` (with
-    ``pdl``, sm_90+): each program prefetches its weight words into L2 before its PDL wait."""
+    ``pdl``, sm_90+; bytes, 0: off): each program prefetches up to that much of its weight words into L2 before
+    its PDL wait."""
     M = q.shape[0]
     N, KW = qweight.shape
     split = split_k_of(KW, config)
@@ -295,6 +297,6 @@ def launch_int4_a8(q, scales_x, sums_x, qweight, scales, zm, group_size: int, ze
         M, N, scales.shape[1], KW, xw.stride(0), scales_x.stride(0), out.stride(0), M * N, split,
         GROUP=group_size, ZERO_MODE=ZERO_MODES[zero_mode], HAS_BIAS=bias is not None, ASM=asm, USE_PDL=pdl,
         ACCUMULATE=bool(accumulate), BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
-        L2_SLAB=bool(l2_slab and pdl and qweight.data_ptr() % 16 == 0), PF_LANES=32 * config.get("num_warps", 4),
+        L2_SLAB=int(l2_slab) if pdl and qweight.data_ptr() % 16 == 0 else 0, PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=1, **launch_kwargs(pdl), **extra,
     )

@@ -291,7 +291,8 @@ def _int4_mma_kernel(
     SPG: 32-column shifts per group inside a tile (1, 2, 4 or 8: groups of 32, 64, 128 or >= 256 / whole
     rows). L2_PREFETCH (with USE_PDL): before waiting for the previous kernel, each row's first two weight
     tiles of this program are prefetched into L2 (weights are never written by the step's kernels); L2_SLAB (with
-    USE_PDL; PF_LANES: the program's threads): all of its words instead (``kernels.prefetch.l2_prefetch_rows``).
+    USE_PDL; bytes, 0: off; PF_LANES: the program's threads): up to that much of its words instead
+    (``kernels.prefetch.l2_prefetch_rows``).
 
     X_NORM, NORM_AFFINE, NORM_NB, NORM_RM, ACCUMULATE: the RMSNorm of x and the residual add, as
     ``kernels.int4``'s kernel (its docstring).
@@ -322,7 +323,7 @@ def _int4_mma_kernel(
     if USE_PDL:
         if L2_SLAB:
             l2_prefetch_rows(qw_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, KW * 4,
-                             kb_start * 32 * TILES * 4, kb_end * 32 * TILES * 4, BLOCK_N, PF_LANES)
+                             kb_start * 32 * TILES * 4, kb_end * 32 * TILES * 4, BLOCK_N, PF_LANES, L2_SLAB)
         elif L2_PREFETCH:
             first = qw_ptr + rn * KW + kb_start * 32 * TILES  # one 128-byte line per row and tile
             tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [first],
@@ -399,7 +400,7 @@ def mma_supported(x_dtype, scale_dtype, zero_mode: str, group_size: int, K: int)
 def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
                     config: dict, split: int, asm: bool, warmup: bool = False, pdl: bool = False,
                     norm_weight=None, eps: float = 0.0, x_norm: bool = False, accumulate: bool = False,
-                    l2_slab: bool = False):
+                    l2_slab: int = 0):
     """Launch on 2-D views: x (M, K) bf16/fp16 unit stride in K (kernel column order), qweight (N, Kp // 8)
     int32, scales / zm (N, K // group_size) contiguous (zm: zeros uint8, mins, or None), out (M, N)
     contiguous; ``part`` / ``locks`` as ``kernels.int4.launch_int4_linear`` (split-K only), ``split`` the effective
@@ -434,7 +435,7 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
         NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), MASK_X=bool(config.get("MASK_X", False)), TILES=tiles,
         CVT1=bool(config.get("CVT1", False)) and asm and zero_mode != "min",
-        BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1, L2_SLAB=bool(l2_slab and pdl),
+        BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1, L2_SLAB=int(l2_slab) if pdl else 0,
         PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), **launch_kwargs(pdl),
         **extra,

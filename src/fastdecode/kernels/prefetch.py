@@ -49,12 +49,15 @@ def prefetch_plan(nbytes: int, threads: int) -> tuple[int, int]:
 
 @triton.jit
 def l2_prefetch_rows(base_ptr, row0, n_rows, row_stride, col_start, col_end, ROWS: tl.constexpr,
-                     LANES: tl.constexpr):
+                     LANES: tl.constexpr, MAX_BYTES: tl.constexpr):
     """Rows ``[row0, row0 + ROWS)`` (those below ``n_rows``) of a row-major byte matrix (``base_ptr``: a byte
     pointer; ``row_stride``, ``col_start`` and the base 16-byte aligned), bytes ``[col_start, col_end)`` of each, into
     L2: each row cut into up to ``max(1, LANES // ROWS)`` chunks of a multiple of 16 bytes and at least 512, one bulk
-    prefetch a chunk (the row's last chunk rounded down to 16 bytes). A GEMV program's own weight slab, before its PDL
-    wait."""
+    prefetch a chunk (the row's last chunk rounded down to 16 bytes); at most ``MAX_BYTES`` a program (each row's
+    first ``MAX_BYTES // ROWS``): what the resident programs prefetch must stay in L2 until they read it. A GEMV
+    program's own weight slab, before its PDL wait."""
+    ROW_CAP: tl.constexpr = max(16, MAX_BYTES // ROWS // 16 * 16)
+    col_end = tl.minimum(col_end, col_start + ROW_CAP)
     PARTS: tl.constexpr = LANES // ROWS if LANES > ROWS else 1
     row = row0 + tl.arange(0, ROWS)[:, None]
     part = tl.arange(0, PARTS)[None, :]

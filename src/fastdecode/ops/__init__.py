@@ -23,7 +23,8 @@ from fastdecode.ops.int4_a8 import (
 )
 from fastdecode.ops.argmax import argmax, argmax_ref
 from fastdecode.ops._common import (
-    pdl_enabled, pdl_override, set_pdl, set_weight_prefetch, weight_prefetch_enabled, weight_prefetch_override,
+    pdl_enabled, pdl_override, set_pdl, set_weight_prefetch, weight_prefetch_bytes, weight_prefetch_enabled,
+    weight_prefetch_override,
 )
 
 __all__ = [
@@ -40,6 +41,6 @@ __all__ = [
     "rms_norm_int8", "rms_norm_int8_ref", "fused_add_rms_norm_int8", "fused_add_rms_norm_int8_ref",
     "silu_and_mul_int8", "silu_and_mul_int8_ref",
     "argmax", "argmax_ref",
-    "pdl_enabled", "pdl_override", "set_pdl", "set_weight_prefetch", "weight_prefetch_enabled",
+    "pdl_enabled", "pdl_override", "set_pdl", "set_weight_prefetch", "weight_prefetch_bytes", "weight_prefetch_enabled",
     "weight_prefetch_override",
 ]

@@ -191,6 +191,27 @@ def weight_prefetch_enabled(t: torch.Tensor) -> bool:
     return _WEIGHT_PREFETCH.on() and pdl_enabled(t)
 
 
+WEIGHT_PREFETCH_KB = 64  # a GEMV program's slab prefetch, at most (FASTDECODE_WEIGHT_PREFETCH_KB: KB, or "all")
+
+
+def weight_prefetch_bytes(t: torch.Tensor) -> int:
+    """The bytes of its weight slab a GEMV program prefetches into L2 before its PDL wait: 0 where
+    ``weight_prefetch_enabled`` is not, else ``FASTDECODE_WEIGHT_PREFETCH_KB`` KB (default
+    ``WEIGHT_PREFETCH_KB``; "all": the whole slab; 0: none). The resident programs' prefetches must stay in L2
+    (60 MB on the H200) until they read them, while the kernel before them still streams: the cap keeps them to
+    a few MB. Read at every launch, so a CUDA graph keeps what was in force when it was captured."""
+    if not weight_prefetch_enabled(t):
+        return 0
+    kb = os.environ.get("FASTDECODE_WEIGHT_PREFETCH_KB", "").strip().lower()
+    if kb == "all":
+        return 2**31 - 1
+    try:
+        n = int(float(kb) * 1024) if kb else WEIGHT_PREFETCH_KB * 1024
+        return 0 if n <= 0 else max(16, n)
+    except ValueError:
+        raise ValueError(f"FASTDECODE_WEIGHT_PREFETCH_KB must be a number of KB or 'all', got {kb!r}") from None
+
+
 _logged_once: set[str] = set()
 _log_lock = threading.Lock()
 

@@ -32,7 +32,7 @@ from fastdecode.ops._registry import define_op
 from fastdecode.ops import _common
 from fastdecode.ops._common import (
     pdl_enabled,
-    weight_prefetch_enabled,
+    weight_prefetch_bytes,
     as_rows, cdiv, check_out, check_same_device, check_tensor, next_pow2, resolve_backend, warn_once,
 )
 from fastdecode.ops._tuned import (  # noqa: F401  (clear_config_cache, DEFAULT_NUM_SMS: this module's API too)
@@ -187,7 +187,7 @@ def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=N
     xs_mode = 0 if x_scale is None else (1 if x_scale.numel() == 1 else 2)
     launch_int4_linear(x, w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, bias, out, part, locks, config,
                        x_scale, xs_mode, warmup=warmup, pdl=pdl_enabled(x), norm_weight=norm_weight, eps=eps,
-                       x_norm=x_norm, accumulate=accumulate, l2_slab=weight_prefetch_enabled(x))
+                       x_norm=x_norm, accumulate=accumulate, l2_slab=weight_prefetch_bytes(x))
 
 
 def op_weight(qweight, scales, zm, perm, group_size: int, zero_mode: str, K: int) -> Int4Weight:

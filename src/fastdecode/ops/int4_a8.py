@@ -28,7 +28,7 @@ import torch
 from fastdecode.constants import INT8_MIN_SCALE
 from fastdecode.ops._common import (
     as_rows, cdiv, check_eps, check_out, check_same_device, check_tensor, l2_prefetch_bytes, next_pow2, pdl_enabled,
-    resolve_backend, weight_prefetch_enabled,
+    resolve_backend, weight_prefetch_bytes,
 )
 from fastdecode.ops._registry import define_op
 from fastdecode.ops._tuned import DEFAULT_NUM_SMS, device_info, load_table, lookup_cache, nearest_m, split_k_workspace
@@ -115,7 +115,7 @@ def a8_with_config(q, scales_x, sums_x, w: Int4Weight, bias, out, config: dict, 
     config, part, locks = split_k_workspace(q.device, config, split, q.shape[0], w.N, "int4_linear_a8")
     launch_int4_a8(q, scales_x, sums_x, w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, bias, out, part,
                    locks, config, asm=lop3_asm_ok(q), pdl=pdl_enabled(q), accumulate=accumulate, warmup=warmup,
-                   l2_slab=weight_prefetch_enabled(q))
+                   l2_slab=weight_prefetch_bytes(q))
 
 
 @define_op("int4_linear_a8", mutates_args=("out",))
