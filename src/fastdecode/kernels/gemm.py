@@ -30,7 +30,7 @@ import triton.language as tl
 
 from fastdecode.kernels.host import cdiv, next_pow2
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
-from fastdecode.kernels.prefetch import l2_prefetch_rows
+from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
 
 # x (activation) and w (weight) scales are applied in the epilogue by constexpr *_SCALE_MODE:
 # fastdecode.constants.SCALE_NONE / SCALE_TENSOR / SCALE_VECTOR.
@@ -442,9 +442,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     if x_norm and (config["kind"] != "fma" or split > 1 or glu):
         raise ValueError("the RMSNorm in the GEMV needs an FMA config with one split and no glu (the caller checks)")
     norm_vec = min(16 // x.element_size(), bk)  # one thread's 16-byte load of x (BLOCK_K: a power of 2)
-    aligned = (weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
-               and bk * weight.element_size() % 16 == 0)
-    l2_slab = int(l2_slab) if pdl and aligned else 0
+    l2_slab = slab_bytes(l2_slab, pdl, weight, bk * weight.element_size())
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,
         x_scale if x_scale is not None else dummy, w_scale if w_scale is not None else dummy,

@@ -37,7 +37,7 @@ from fastdecode.kernels.int4_dequant import (
     slices_per_group,
 )
 from fastdecode.kernels.int4_mma import launch_int4_mma
-from fastdecode.kernels.prefetch import l2_prefetch_rows
+from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 
@@ -377,7 +377,6 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     weight words into L2 before its PDL wait (the mma kind: instead of its first two tiles).
     """
     M, K = x.shape
-    l2_slab = int(l2_slab) if pdl and qweight.data_ptr() % 16 == 0 and qweight.stride(0) % 4 == 0 else 0
     _, split = split_k_blocks(K, config)
     if config["kind"] == "mma":
         return launch_int4_mma(x, qweight, scales, zm, group_size, zero_mode, bias, out, part, locks, config, split,
@@ -387,6 +386,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     N = qweight.shape[0]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     grid = (cdiv(M, bm), split, cdiv(N, bn))
+    l2_slab = slab_bytes(l2_slab, pdl, qweight)
     uniform = _uniform(group_size, bk)
     spg = slices_per_group(group_size, K, bk)
     # only the dot path reads FAST_CVT: skip the device checks on the decode (fma) launches

@@ -36,7 +36,7 @@ import triton.language as tl
 from fastdecode.constants import INT8_MIN_SCALE
 from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
 from fastdecode.kernels.host import cdiv
-from fastdecode.kernels.prefetch import l2_prefetch_rows
+from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 ACT_GROUP = 128  # activation columns per int8 scale: half a 256-column layout tile
@@ -297,6 +297,6 @@ def launch_int4_a8(q, scales_x, sums_x, qweight, scales, zm, group_size: int, ze
         M, N, scales.shape[1], KW, xw.stride(0), scales_x.stride(0), out.stride(0), M * N, split,
         GROUP=group_size, ZERO_MODE=ZERO_MODES[zero_mode], HAS_BIAS=bias is not None, ASM=asm, USE_PDL=pdl,
         ACCUMULATE=bool(accumulate), BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
-        L2_SLAB=int(l2_slab) if pdl and qweight.data_ptr() % 16 == 0 else 0, PF_LANES=32 * config.get("num_warps", 4),
+        L2_SLAB=slab_bytes(l2_slab, pdl, qweight), PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=1, **launch_kwargs(pdl), **extra,
     )

@@ -38,7 +38,7 @@ import torch
 from fastdecode.kernels.gemm import _affine, _epilogue, _rows_rstd, _split_k_partial, norm_tile
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import _ZERO_MODES, slices_per_group
-from fastdecode.kernels.prefetch import l2_prefetch_rows
+from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 # $0-$7: the packed pairs of shifts 0..7 (outputs, two columns each); $8, $9: the two words; then the
@@ -435,7 +435,7 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
         NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), MASK_X=bool(config.get("MASK_X", False)), TILES=tiles,
         CVT1=bool(config.get("CVT1", False)) and asm and zero_mode != "min",
-        BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1, L2_SLAB=int(l2_slab) if pdl else 0,
+        BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1, L2_SLAB=slab_bytes(l2_slab, pdl, qweight),
         PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), **launch_kwargs(pdl),
         **extra,

@@ -134,12 +134,17 @@ def pdl_switch() -> bool:
     return _PDL.on()
 
 
+def _compiled_sm90(t: torch.Tensor) -> bool:
+    """``t`` on a CUDA GPU of sm_90+ and the kernels compiled (not the interpreter): where Hopper's PTX runs."""
+    if t.device.type != "cuda" or interpreter_on():
+        return False
+    return _sm_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
+
+
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Launch with PDL: switched on (``pdl_switch``) and ``t`` on a CUDA GPU of sm_90+, compiled (the
     interpreter has no grid dependency control)."""
-    if not pdl_switch() or t.device.type != "cuda" or interpreter_on():
-        return False
-    return _sm_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
+    return pdl_switch() and _compiled_sm90(t)
 
 
 def check_prefetch(prefetch: Optional[torch.Tensor], device: torch.device) -> None:
@@ -160,9 +165,7 @@ def l2_prefetch_bytes(prefetch: Optional[torch.Tensor]) -> Optional[torch.Tensor
     """A kernel's L2 prefetch range (``kernels.prefetch``): ``prefetch``'s bytes as a 1-D uint8 view, or None when
     there is none or the kernel runs where the prefetch cannot (a CPU, the interpreter, a GPU below sm_90). It is a
     hint and changes no result."""
-    if prefetch is None or prefetch.device.type != "cuda" or interpreter_on():
-        return None
-    if _sm_major(prefetch.device.index if prefetch.device.index is not None else torch.cuda.current_device()) < 9:
+    if prefetch is None or not _compiled_sm90(prefetch):
         return None
     return prefetch.reshape(-1).view(torch.uint8)
 
