@@ -37,7 +37,7 @@ CASES = {
     "fma_m2_bk512_split2": (dict(kind="fma", BLOCK_M=2, BLOCK_N=16, BLOCK_K=512, SPLIT_K=2), 2, "min", 64),
     "dot_split2": (dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=2), 19, "min", 32),
     "mma_split3": (dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=3), 5, "zero", 64),
-    # fewer tokens than the tile's 16: the norm pass loads the M rows only (kernels.gemm.norm_tile)
+    # fewer tokens than the tile's 16: the norm pass loads the M rows only (kernels.gemm_norm.norm_tile)
     "dot_m3": (dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1), 3, "sym", 128),
     "mma_m1": (dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1), 1, "min", 32),
 }

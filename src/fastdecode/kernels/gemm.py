@@ -17,6 +17,10 @@ products (constexpr ``USE_DOT``):
   large N dimension fills the MMA's 64-row side and the few tokens sit in its narrow side (>= 16).
   The tensor cores have ~100x headroom here, so padding M to 16 costs nothing but registers.
 
+X_NORM (RMSNorm of the input inside the GEMM, one split): on the FMA path with a 16-bit x; on the FP8 dot path
+with a 16-bit h that each K block quantises to e4m3 itself, one scale a row and block
+(``fastdecode.ops.norm_linear_fp8``: the norm kernel before a W8A8 GEMM folded into it).
+
 Split-K with a deterministic in-kernel fix-up: when ``SPLIT_K > 1`` the ``SPLIT_K`` programs of one
 output tile each write an fp32 partial to ``part[SPLIT_K, M, N]``, then bump the tile's counter
 (acq_rel atomic); the program that sees ``SPLIT_K - 1`` sums the partials in split order 0..SPLIT_K-1
@@ -28,9 +32,10 @@ a second kernel would cost ~1.5 us of graph-node gap on a 5-10 us GEMM.
 import triton
 import triton.language as tl
 
-from fastdecode.kernels.host import cdiv, next_pow2
+from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
+from fastdecode.kernels.gemm_norm import _norm_fp8_block, _norm_input, _norm_rows, _sum_squares
 
 # x (activation) and w (weight) scales are applied in the epilogue by constexpr *_SCALE_MODE:
 # fastdecode.constants.SCALE_NONE / SCALE_TENSOR / SCALE_VECTOR.
@@ -75,84 +80,6 @@ def _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
         acc += tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], 0.0)
         acc += tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], 0.0)
     return acc
-
-
-@triton.jit
-def _norm_input(h, g, NORM_AFFINE: tl.constexpr):
-    """X_NORM: the GEMM's input before the row's rstd, in fp32: ``h * g`` rounded to h's dtype (as the norm kernel
-    rounds its output) with NORM_AFFINE, else h itself (no norm weight, or one folded into the GEMM's weight).
-    The product is taken in fp32 and rounded (the interpreter's bf16 arithmetic is wrong: docs/architecture.md)."""
-    if NORM_AFFINE:
-        return (h.to(tl.float32) * g.to(tl.float32)).to(h.dtype).to(tl.float32)
-    else:
-        return h.to(tl.float32)
-
-
-@triton.jit
-def _sum_squares(h, BLOCK_K: tl.constexpr, NORM_VEC: tl.constexpr):
-    """X_NORM: h's squares in fp32, summed over each run of NORM_VEC elements (the 16 bytes one thread loads: the
-    sum stays in the thread, one register a row instead of NORM_VEC; ptxas: 72 registers against 83 on the 8B
-    qkv tile, the plain GEMV's occupancy) -> [BLOCK_K // NORM_VEC]."""
-    hf = h.to(tl.float32)
-    return tl.sum(tl.reshape(hf * hf, (BLOCK_K // NORM_VEC, NORM_VEC)), axis=1)
-
-
-@triton.jit
-def _norm_rows(ss0, ss1, ss2, ss3, K, eps, BLOCK_M: tl.constexpr):
-    """X_NORM: ``rsqrt(mean(h^2) + eps)`` of each token row from its per-thread partial sums of squares (``ss*``,
-    ``_sum_squares``) -> [BLOCK_M] (rows past 3 unused: BLOCK_M <= 4 on the FMA path)."""
-    rows = tl.arange(0, BLOCK_M)
-    r = tl.where(rows == 0, tl.rsqrt(tl.sum(ss0, axis=0) / K + eps), 1.0)
-    if BLOCK_M > 1:
-        r = tl.where(rows == 1, tl.rsqrt(tl.sum(ss1, axis=0) / K + eps), r)
-    if BLOCK_M > 2:
-        r = tl.where(rows == 2, tl.rsqrt(tl.sum(ss2, axis=0) / K + eps), r)
-        r = tl.where(rows == 3, tl.rsqrt(tl.sum(ss3, axis=0) / K + eps), r)
-    return r
-
-
-@triton.jit
-def _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M: tl.constexpr, NB: tl.constexpr, RM: tl.constexpr):
-    """``rsqrt(mean(x[m, :K]^2) + eps)`` of the token rows ``offs_m`` (rows >= M wrap onto valid ones and are
-    never stored) in one pass over whole rows, NB columns a step: the RMSNorm scale for kernels whose programs
-    see only a slice of K (split-K; the int4 kernels' X_NORM) -> [BLOCK_M] fp32.
-
-    RM (``norm_tile``): the rows the pass loads. RM == BLOCK_M: the program's rows. RM < BLOCK_M (then
-    M <= RM, one program along M): only the M distinct rows, RM at a time, their scales spread onto the BLOCK_M
-    wrapped rows after the pass; a tile padded to 16 tokens at M = 1 would load one row 16 times, NB = 2048 / 16
-    columns a step: 32 dependent L2 round trips at K = 4096 instead of 2."""
-    if RM < BLOCK_M:
-        r = tl.arange(0, RM)
-        rows = x_ptr + (r % M).to(tl.int64)[:, None] * stride_xm
-    else:
-        rows = x_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_xm
-    ss = tl.zeros((RM, NB), dtype=tl.float32)
-    for k in range(0, K, NB):
-        cols = k + tl.arange(0, NB)
-        v = tl.load(rows + cols[None, :], mask=(cols < K)[None, :], other=0.0).to(tl.float32)
-        ss += v * v
-    rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
-    if RM < BLOCK_M:  # row m takes the scale of loaded row m % M (a one-hot sum: no register gather)
-        pick = (offs_m % M)[:, None] == r[None, :]
-        rstd = tl.sum(tl.where(pick, rstd[None, :], 0.0), axis=1)
-    return rstd
-
-
-@triton.jit
-def _affine(x, g_ptr, cols, mask, XDT: tl.constexpr):
-    """X_NORM with a norm weight, on kernels whose loop loads x as a tile: x times the norm weight at ``cols``,
-    rounded to x's dtype as the norm kernel rounds its output (the product in fp32: the interpreter's bf16
-    arithmetic is wrong) -> XDT."""
-    g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return (x.to(tl.float32) * g).to(XDT)
-
-
-def norm_tile(block_m: int, m: int) -> tuple[int, int]:
-    """X_NORM's pass over whole rows (``_rows_rstd``): (RM, NB), the rows it loads (the program's BLOCK_M, or
-    the M distinct rows rounded up to a power of two when fewer) and the columns a step, 2048 values in flight a
-    program."""
-    rm = min(block_m, next_pow2(max(1, m)))
-    return rm, max(16, 2048 // rm)
 
 
 @triton.jit
@@ -216,7 +143,7 @@ def _skinny_linear_kernel(
     HAS_BIAS: tl.constexpr, X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP8: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr, W_EVICT: tl.constexpr, X_GLU: tl.constexpr, X_NORM: tl.constexpr,
-    NORM_VEC: tl.constexpr, NORM_AFFINE: tl.constexpr, ACCUMULATE: tl.constexpr,
+    NORM_VEC: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_ROWS: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr,
 ):
@@ -247,7 +174,8 @@ def _skinny_linear_kernel(
     but the first tile, which it loads) into L2 (``kernels.prefetch.l2_prefetch_rows``): the slabs of the programs
     resident early stream during the previous kernel's tail.
     """
-    tl.static_assert(not (X_NORM and (USE_DOT or SPLIT or X_GLU)), "X_NORM: FMA path, one split, no X_GLU")
+    tl.static_assert(not (X_NORM and (SPLIT or X_GLU or (USE_DOT and not DOT_FP8))),
+                     "X_NORM: one split, no X_GLU; FMA, or the FP8 dot path (a 16-bit h quantised per K block)")
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -278,17 +206,35 @@ def _skinny_linear_kernel(
 
     w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_k)[None, :]
     if USE_DOT:
+        # X_NORM with NORM_ROWS 1 (one token: every tile row wraps onto row 0): the block's norm and quantisation
+        # run on that one row, broadcast to the tile's rows for the MMA
+        xr = (pid_m * BLOCK_M % M).to(tl.int64)
         x_ptrs = x_ptr + rm[:, None] * stride_xm + (k0 + offs_k)[None, :]
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if X_NORM:  # h's squares, summed along K after the loop
+            sq = tl.zeros((NORM_ROWS, BLOCK_K), dtype=tl.float32)
         for kb in range(kb_start, kb_end):
+            k_mask = (kb * BLOCK_K + offs_k) < K
             if EVEN_K:
                 w = _load_w(w_ptrs, W_EVICT)
+            else:
+                w = _load_w_masked(w_ptrs, k_mask[None, :], W_EVICT)
+            if X_NORM and NORM_ROWS == 1:
+                x = tl.load(x_ptr + xr * stride_xm + (kb * BLOCK_K + offs_k)[None, :], mask=k_mask[None, :], other=0.0)
+            elif EVEN_K:
                 x = _load_x(x_ptrs, m_valid[:, None], K, X_GLU)
             else:
-                k_mask = (kb * BLOCK_K + offs_k) < K
-                w = _load_w_masked(w_ptrs, k_mask[None, :], W_EVICT)
                 x = _load_x(x_ptrs, m_valid[:, None] & k_mask[None, :], K, X_GLU)
-            if DOT_FP8:
+            if X_NORM:
+                # the norm's and the FP8 quantisation's work on this K block of h: one scale a row and block, the
+                # block's fp32 MMA sums times it (each block its own MMA chain, promoted as below)
+                q, s, h2 = _norm_fp8_block(x, nw_ptr, kb * BLOCK_K + offs_k, k_mask, NORM_AFFINE)
+                sq += h2
+                if NORM_ROWS == 1:
+                    q = tl.broadcast_to(q, (BLOCK_M, BLOCK_K))
+                    s = tl.broadcast_to(s, (BLOCK_M,))
+                acc_t += tl.dot(w, tl.trans(q), max_num_imprecise_acc=FP8_PROMOTE_K) * s[None, :]
+            elif DOT_FP8:
                 # Hopper's FP8 MMA adds into a reduced-precision accumulator; by default Triton lets it
                 # run over the whole K (max_num_imprecise_acc = 2**30): 1e-3 relative errors, seen on
                 # the H200 at K = 64. Promoting into the fp32 accumulator after every MMA (K = 32) keeps
@@ -308,6 +254,8 @@ def _skinny_linear_kernel(
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         acc = tl.trans(acc_t)
+        if X_NORM:  # each row's rsqrt(mean(h^2) + eps)
+            acc = acc * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]  # [NORM_ROWS, 1]
     else:
         # one 2-D [BLOCK_N, BLOCK_K] fp32 accumulator per x row (BLOCK_M <= 4, unrolled at compile
         # time): each is in the weight tile's own register layout, so the loop is loads and FMAs
@@ -425,7 +373,8 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     PREFETCH (FMA path: register double buffer of the weight tile), EVICT (weights ``evict_first``)).
     ``pdl``: programmatic dependent launch (``kernels.pdl``) whatever the config says.
     ``glu``: x is (M, 2K) ``[gate | up]`` and the input is ``silu(gate) * up`` (SiLU-and-mul fused in).
-    ``norm_weight`` (K,): the input is ``rms_norm(x) * norm_weight`` with ``eps`` (FMA config, one split only);
+    ``norm_weight`` (K,): the input is ``rms_norm(x) * norm_weight`` with ``eps`` (one split; an FMA config, or a
+    DOT_FP8 one on FP8 weights with a 16-bit x, quantised per row and K block in the kernel);
     ``x_norm`` without ``norm_weight``: the input is ``rms_norm(x)`` with no weight (one folded into ``weight``).
     ``accumulate``: ``out += x @ weight.T (+ bias)``, one rounding (out's old values read in the epilogue).
     ``l2_slab`` (bytes, 0: off; with PDL, sm_90+ only: inline PTX): each program prefetches up to that much of its
@@ -439,9 +388,12 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     dummy = out
     pdl = pdl or bool(config.get("PDL", False))
     x_norm = x_norm or norm_weight is not None
-    if x_norm and (config["kind"] != "fma" or split > 1 or glu):
-        raise ValueError("the RMSNorm in the GEMV needs an FMA config with one split and no glu (the caller checks)")
-    norm_vec = min(16 // x.element_size(), bk)  # one thread's 16-byte load of x (BLOCK_K: a power of 2)
+    fp8_dot = config["kind"] == "dot" and bool(config.get("DOT_FP8", False)) and weight.element_size() == 1
+    if x_norm and (not (config["kind"] == "fma" or fp8_dot) or split > 1 or glu):
+        raise ValueError("the RMSNorm in the GEMV needs one split, no glu and an FMA config, or a DOT_FP8 config on "
+                         "FP8 weights (the caller checks)")
+    norm_vec = min(16 // x.element_size(), bk)
+    norm_rows = 1 if (x_norm and fp8_dot and M == 1) else bm  # one thread's 16-byte load of x (BLOCK_K: a power of 2)
     l2_slab = slab_bytes(l2_slab, pdl, weight, bk * weight.element_size())
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,
@@ -453,7 +405,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
         USE_DOT=config["kind"] == "dot", DOT_FP8=bool(config.get("DOT_FP8", False)),
         EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=bool(config.get("PREFETCH", False)),
         W_EVICT=bool(config.get("EVICT", False)), X_GLU=glu, X_NORM=x_norm,
-        NORM_VEC=norm_vec, NORM_AFFINE=norm_weight is not None, ACCUMULATE=accumulate,
+        NORM_VEC=norm_vec, NORM_AFFINE=norm_weight is not None, NORM_ROWS=norm_rows, ACCUMULATE=accumulate,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, L2_SLAB=l2_slab,
         PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),

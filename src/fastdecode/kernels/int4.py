@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdecode.kernels.gemm import _affine, _epilogue, _fma_rows, _rows_rstd, _split_k_partial, norm_tile
+from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
+from fastdecode.kernels.gemm_norm import _affine, _rows_rstd, norm_tile
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import (
     _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _nibble_f32, _nibble_f32_asm, _slice_params, _uniform,
@@ -109,7 +110,7 @@ def _int4_linear_kernel(
     K, so the loop cannot), the loop multiplies ``h * nw`` rounded to x's dtype (NORM_AFFINE; else h: a norm
     without weight) with the weights, and the per-row ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums (or this
     split's partial: the scale is linear) before the bias (``ops.int4_norm_linear``). NORM_NB, NORM_RM:
-    columns a step and rows of that pass (``kernels.gemm.norm_tile``). ACCUMULATE: out += the result (the
+    columns a step and rows of that pass (``kernels.gemm_norm.norm_tile``). ACCUMULATE: out += the result (the
     residual add after wo / w2, in place; ``_epilogue``).
 
     L2_SLAB (bytes, 0: off; with USE_PDL, sm_90+; PF_LANES: the program's threads): before its PDL wait the program

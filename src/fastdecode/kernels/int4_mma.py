@@ -35,7 +35,8 @@ import triton.language as tl
 
 import torch
 
-from fastdecode.kernels.gemm import _affine, _epilogue, _rows_rstd, _split_k_partial, norm_tile
+from fastdecode.kernels.gemm import _epilogue, _split_k_partial
+from fastdecode.kernels.gemm_norm import _affine, _rows_rstd, norm_tile
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import _ZERO_MODES, slices_per_group
 from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
