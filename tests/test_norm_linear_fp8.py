@@ -260,3 +260,48 @@ def test_gate_up_shape_under_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_fp8_norm_gemm_switch_puts_w13s_norm_into_its_w8a8_gemm(monkeypatch):
+    """``fp8_norm_gemm`` (opt-in) on an FP8 model's ``norm_gemm`` step: w13's norm runs inside its W8A8 GEMM (one
+    ``rms_norm_linear_fp8`` a layer, no norm kernel before it; the norm weights stay in the norms), and the logits
+    and caches stay within FP8 activation roundings of the step without the switch (one scale a row there, one a
+    128-column block here: ``test_w8a16_norm_linear``'s bound for a W8A8 w13). Off again, the op is not called."""
+    import fastdecode.models.norm_gemm as NG
+    import fastdecode.models.rmsnorm as RN
+    from fastdecode.engine.kv_cache import KVCache
+    from fastdecode.engine.loader import random_model
+    from fastdecode.models.config import ModelConfig
+    from fastdecode.models.quantize import quantize_model_fp8
+
+    cfg = ModelConfig.from_preset("tiny").replace(n_layers=2)
+    m = quantize_model_fp8(random_model(cfg, device=DEV, dtype=torch.bfloat16, backend="triton", max_seq_len=64,
+                                        std=0.08, seed=int(torch.randint(0, 2**31, ()))))
+    for layer in m.layers:
+        layer.ffn_norm.weight.copy_(1 + 0.3 * torch.randn(layer.ffn_norm.weight.shape, device=DEV))
+    calls, norms = [], []
+    real = NG.rms_norm_linear_fp8
+    monkeypatch.setattr(NG, "rms_norm_linear_fp8", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    real_norm = RN.rms_norm_fp8
+    monkeypatch.setattr(RN, "rms_norm_fp8", lambda *a, **kw: (norms.append(1), real_norm(*a, **kw))[1])
+    toks = torch.randint(0, cfg.vocab_size, (2, 6), device=DEV)
+    caches = [KVCache(cfg, 2, 16, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    m.backend = "ref"
+    for c in caches:
+        m.prefill(toks[:, :4], c)
+    m.backend = "triton"
+    pos = torch.tensor([4, 2], device=DEV)
+    assert NG.applies(m, 2)
+    ref = m.decode(toks[:, 4], pos, caches[1])
+    assert not calls and len(norms) == cfg.n_layers  # without the switch: w13's FP8 norm kernel
+    norms.clear()
+    m.set_kernels(fp8_norm_gemm=True)
+    on = m.decode(toks[:, 4], pos, caches[0])
+    assert len(calls) == cfg.n_layers and not norms
+    rel = ((on.float() - ref.float()).pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt()).item()
+    assert rel < 0.2, rel
+    assert torch.equal(caches[0].k[0], caches[1].k[0])  # layer 0's attention runs before any w13
+    m.set_kernels(fp8_norm_gemm=False)
+    calls.clear()
+    m.decode(toks[:, 5], pos + 1, caches[0])
+    assert not calls
