@@ -11,7 +11,6 @@ import triton.language as tl
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
 from fastdecode.kernels.host import next_pow2
-from fastdecode.kernels.quant import _dynamic_scale, _nan_flags
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
@@ -88,18 +87,24 @@ def _affine(x, g_ptr, cols, mask, XDT: tl.constexpr):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _norm_fp8_block(h, nw_ptr, cols, k_ok, NORM_AFFINE: tl.constexpr):
     """X_NORM on the FP8 dot path: one K block of the h rows [BLOCK_M, BLOCK_K] -> (q, s, h^2): ``z = h * g``
     rounded to h's dtype (h without g), quantised to e4m3 with one dynamic scale a row (``s = max(amax(|z|) / 448,
-    min)``, NaN for a row holding a NaN: ``kernels.quant``'s rule), and h's squares in fp32 (the row's rstd is
-    applied after the loop: it scales z, so it cancels in q)."""
+    min)``, NaN for a row holding a NaN: ``kernels.quant``'s rule, carried by a NaN-propagating max, one reduction),
+    and h's squares in fp32 (the row's rstd is applied after the loop: it scales z, so it cancels in q)."""
     hf = h.to(tl.float32)
     if NORM_AFFINE:
         g = tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
         z = (hf * g[None, :]).to(h.dtype).to(tl.float32)
     else:
         z = hf
-    s = _dynamic_scale(tl.max(tl.abs(z), axis=1), _nan_flags(z, 1), _FP8_MAX, _FP8_MIN_SCALE)
+    amax = tl.reduce(tl.abs(z), 1, _max_nan)  # NaN wins: one reduction carries the NaN rule too
+    s = tl.where(amax != amax, amax, tl.maximum(amax / _FP8_MAX, _FP8_MIN_SCALE))
     q = tl.minimum(tl.maximum(z / s[:, None], -_FP8_MAX), _FP8_MAX)
     return q.to(tl.float8e4nv), s, hf * hf
 
