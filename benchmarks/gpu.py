@@ -145,7 +145,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
             # fp8_a16 (on): wqkv, wo and w2 W8A16 at decode (ops.w8a16); off: W8A8; fp8_a16_all (opt-in): w13 too
             "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8", "--impl",
                                           "peer-compile", *abl, "fastdecode-graph-no-norm_gemm",
-                                          "fastdecode-graph-no-fp8_a16", "fastdecode-graph-with-fp8_a16_all"), 420),
+                                          "fastdecode-graph-no-fp8_a16", "fastdecode-graph-with-fp8_a16_all",
+                                          "fastdecode-graph-with-fp8_norm_gemm"), 420),
             # int4_a8 (opt-in): W4A8 with int8 activations at decode
             "int4": ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
                                             "--impl", "peer-compile", *abl, "fastdecode-graph-no-norm_gemm",
@@ -175,9 +176,10 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "profile-switches":
         # the opt-in switches against the default step, PDL off for the whole process (durations that do not
         # overlap: the rows record pdl false), so the families say where a switch's gain or loss goes
+        # with-fp8_norm_gemm: w13's norm inside its GEMM (the norms and gate_up families)
         # with-l2_prefetch: where the attention's prefetch of wo moves time (o and attention families); the slabs'
         # policy needs PDL, so it has no row here
-        switch = {"fp8": ("no-norm_gemm", "no-fp8_a16", "with-fp8_a16_all", "with-l2_prefetch"),
+        switch = {"fp8": ("no-norm_gemm", "no-fp8_a16", "with-fp8_a16_all", "with-l2_prefetch", "with-fp8_norm_gemm"),
                   "int4": ("with-int4_a8", "with-l2_prefetch")}
         return [(f"profile {q} {' '.join(switch[q])}", ["env", "FASTDECODE_PDL=0"] + _fd(
                     "bench", "decode", "--preset", "llama-3.1-8b", "--profile", "--quant", q, "--impl",

@@ -196,10 +196,11 @@ def test_l2_prefetch_suite_runs_its_diagnosis_on_the_archived_w8a16_table(gpu, t
 
 def test_profile_switches_profiles_each_opt_in_switch_beside_the_default_step(gpu, tmp_path):
     steps = gpu.suite_commands("profile-switches", tmp_path, 1, formats=("fp8", "int4"))
-    assert [label for label, _, _ in steps] == ["profile fp8 no-norm_gemm no-fp8_a16 with-fp8_a16_all with-l2_prefetch",
-                                                "profile int4 with-int4_a8 with-l2_prefetch"]
+    assert [label for label, _, _ in steps] == [
+        "profile fp8 no-norm_gemm no-fp8_a16 with-fp8_a16_all with-l2_prefetch with-fp8_norm_gemm",
+        "profile int4 with-int4_a8 with-l2_prefetch"]
     for (_, argv, _), q, switches in zip(steps, ("fp8", "int4"), (("no-norm_gemm", "no-fp8_a16", "with-fp8_a16_all",
-                                                                   "with-l2_prefetch"),
+                                                                   "with-l2_prefetch", "with-fp8_norm_gemm"),
                                                                   ("with-int4_a8", "with-l2_prefetch"))):
         assert argv[:2] == ["env", "FASTDECODE_PDL=0"] and "--profile" in argv
         assert argv[argv.index("--quant") + 1] == q
