@@ -35,7 +35,7 @@ import triton.language as tl
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
-from fastdecode.kernels.gemm_norm import _norm_fp8_block, _norm_input, _norm_rows, _sum_squares
+from fastdecode.kernels.gemm_norm import _norm_fp8_block, _norm_input, _norm_rows, _spread_rows, _sum_squares
 
 # x (activation) and w (weight) scales are applied in the epilogue by constexpr *_SCALE_MODE:
 # fastdecode.constants.SCALE_NONE / SCALE_TENSOR / SCALE_VECTOR.
@@ -206,9 +206,10 @@ def _skinny_linear_kernel(
 
     w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_k)[None, :]
     if USE_DOT:
-        # X_NORM with NORM_ROWS 1 (one token: every tile row wraps onto row 0): the block's norm and quantisation
-        # run on that one row, broadcast to the tile's rows for the MMA
-        xr = (pid_m * BLOCK_M % M).to(tl.int64)
+        # X_NORM with NORM_ROWS < BLOCK_M (M <= NORM_ROWS, one M tile: tile row i wraps onto row i % M): the block's
+        # norm and quantisation run on NORM_ROWS rows, spread to the tile's rows for the MMA (row i takes loaded row
+        # i % NORM_ROWS: the same for every stored row i < M)
+        xr = ((pid_m * BLOCK_M + tl.arange(0, NORM_ROWS)) % M).to(tl.int64)
         x_ptrs = x_ptr + rm[:, None] * stride_xm + (k0 + offs_k)[None, :]
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if X_NORM:  # h's squares, summed along K after the loop
@@ -219,8 +220,9 @@ def _skinny_linear_kernel(
                 w = _load_w(w_ptrs, W_EVICT)
             else:
                 w = _load_w_masked(w_ptrs, k_mask[None, :], W_EVICT)
-            if X_NORM and NORM_ROWS == 1:
-                x = tl.load(x_ptr + xr * stride_xm + (kb * BLOCK_K + offs_k)[None, :], mask=k_mask[None, :], other=0.0)
+            if X_NORM and NORM_ROWS < BLOCK_M:
+                x = tl.load(x_ptr + xr[:, None] * stride_xm + (kb * BLOCK_K + offs_k)[None, :], mask=k_mask[None, :],
+                            other=0.0)
             elif EVEN_K:
                 x = _load_x(x_ptrs, m_valid[:, None], K, X_GLU)
             else:
@@ -230,9 +232,9 @@ def _skinny_linear_kernel(
                 # block's fp32 MMA sums times it (each block its own MMA chain, promoted as below)
                 q, s, h2 = _norm_fp8_block(x, nw_ptr, kb * BLOCK_K + offs_k, k_mask, NORM_AFFINE)
                 sq += h2
-                if NORM_ROWS == 1:
-                    q = tl.broadcast_to(q, (BLOCK_M, BLOCK_K))
-                    s = tl.broadcast_to(s, (BLOCK_M,))
+                if NORM_ROWS < BLOCK_M:
+                    q = _spread_rows(q, BLOCK_M)
+                    s = tl.reshape(_spread_rows(s[:, None], BLOCK_M), (BLOCK_M,))
                 acc_t += tl.dot(w, tl.trans(q), max_num_imprecise_acc=FP8_PROMOTE_K) * s[None, :]
             elif DOT_FP8:
                 # Hopper's FP8 MMA adds into a reduced-precision accumulator; by default Triton lets it
@@ -255,7 +257,8 @@ def _skinny_linear_kernel(
             x_ptrs += BLOCK_K
         acc = tl.trans(acc_t)
         if X_NORM:  # each row's rsqrt(mean(h^2) + eps)
-            acc = acc * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]  # [NORM_ROWS, 1]
+            rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
+            acc = acc * (_spread_rows(rstd, BLOCK_M) if NORM_ROWS < BLOCK_M else rstd)
     else:
         # one 2-D [BLOCK_N, BLOCK_K] fp32 accumulator per x row (BLOCK_M <= 4, unrolled at compile
         # time): each is in the weight tile's own register layout, so the loop is loads and FMAs
@@ -392,8 +395,10 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     if x_norm and (not (config["kind"] == "fma" or fp8_dot) or split > 1 or glu):
         raise ValueError("the RMSNorm in the GEMV needs one split, no glu and an FMA config, or a DOT_FP8 config on "
                          "FP8 weights (the caller checks)")
-    norm_vec = min(16 // x.element_size(), bk)
-    norm_rows = 1 if (x_norm and fp8_dot and M == 1) else bm  # one thread's 16-byte load of x (BLOCK_K: a power of 2)
+    norm_vec = min(16 // x.element_size(), bk)  # one thread's 16-byte load of x (BLOCK_K: a power of 2)
+    # the rows X_NORM on the dot path computes: one at one token; 2 and 4 rows (sm_90 SASS: 266 and 334 a K step, 11
+    # and 9 barriers) were not cheaper than the tile's 16 (370, 6)
+    norm_rows = 1 if (x_norm and fp8_dot and M == 1) else bm
     l2_slab = slab_bytes(l2_slab, pdl, weight, bk * weight.element_size())
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,

@@ -109,6 +109,15 @@ def _norm_fp8_block(h, nw_ptr, cols, k_ok, NORM_AFFINE: tl.constexpr):
     return q.to(tl.float8e4nv), s, hf * hf
 
 
+@triton.jit
+def _spread_rows(x, ROWS: tl.constexpr):
+    """[R, C] -> [ROWS, C] (R divides ROWS), row i = x[i % R]: X_NORM's rows computed once, spread onto a tile whose
+    rows wrap onto them."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.broadcast_to(x[None, :, :], (ROWS // R, R, C)), (ROWS, C))
+
+
 def norm_tile(block_m: int, m: int) -> tuple[int, int]:
     """X_NORM's pass over whole rows (``_rows_rstd``): (RM, NB), the rows it loads (the program's BLOCK_M, or
     the M distinct rows rounded up to a power of two when fewer) and the columns a step, 2048 values in flight a
