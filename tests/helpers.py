@@ -96,6 +96,18 @@ def assert_fp8_close(q, q_ref, scale=None, scale_ref=None, *, max_mismatch=0.05)
     assert mismatch <= max_mismatch, f"{mismatch:.1%} of FP8 values differ from the reference"
 
 
+def fp8_weight(N: int, K: int, per_tensor: bool = False, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight (N, K) spanning its range (values ~64, clamped to 448) and its fp32 dequantisation scale: one
+    per tensor or one per row (~2e-4 to 1.2e-3)."""
+    w = (torch.randn(N, K, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return w, torch.rand(1 if per_tensor else N, device=device) * 1e-3 + 2e-4
+
+
+def fp8_dequantised(w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """``fp8_weight``'s pair as the fp32 weight it stands for."""
+    return w.float() * (ws.reshape(-1, 1) if ws.numel() > 1 else ws)
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill an output buffer with NaN (or 0xFF bytes for FP8: NaN too) so unwritten elements fail."""
     if t.dtype == FP8:

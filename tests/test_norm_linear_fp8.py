@@ -20,7 +20,9 @@ from fastdecode.ops.norm_linear_fp8 import (
     QUANT_GROUP, get_norm_fp8_config, quantize_blocks_ref, rms_norm_linear_fp8, rms_norm_linear_fp8_ref,
 )
 from fastdecode.ops.quant import quantize_fp8_ref
-from helpers import assert_product_close, interpreter_on, k_loop, poison_, sm90_ptx, strided_rows
+from helpers import (
+    assert_product_close, fp8_dequantised, fp8_weight, interpreter_on, k_loop, poison_, sm90_ptx, strided_rows,
+)
 
 gpu = pytest.mark.gpu
 CUDA = torch.cuda.is_available()
@@ -29,13 +31,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def _weight(N, K, per_tensor=False):
-    w = (torch.randn(N, K, device=DEV) * 64).clamp(-448, 448).to(FP8)
-    ws = torch.rand(1 if per_tensor else N, device=DEV) * 1e-3 + 2e-4
-    return w, ws
-
-
-def _wf(w, ws):
-    return w.float() * (ws.reshape(-1, 1) if ws.numel() > 1 else ws)
+    return fp8_weight(N, K, per_tensor, DEV)
 
 
 def _h(M, K, dtype, strided=False):
@@ -59,7 +55,7 @@ def _close(y, ref, h, g, w, ws, eps):
     is approximate), so the bound of the fp32 sums; under the interpreter, whose fp32 -> bf16 casts truncate and
     whose e4m3 cast drops a carry on ~2% of the values (docs/architecture.md), a bound of e4m3 steps."""
     dtype = torch.float8_e4m3fn if interpreter_on() else None
-    assert_product_close(y, ref, _dequantised(h, g, eps), _wf(w, ws), dtype=dtype)
+    assert_product_close(y, ref, _dequantised(h, g, eps), fp8_dequantised(w, ws), dtype=dtype)
 
 
 @pytest.fixture
@@ -106,8 +102,8 @@ def test_inputs_exact_in_e4m3_give_the_blockwise_product_exactly(config, M, K):
     assert torch.equal((h.float() * g.float()).bfloat16().float(), h.float() * g.float())
     w, ws = _weight(19, K)
     y = rms_norm_linear_fp8(h, g, w, ws, eps=1e-6, backend="triton")
-    assert_product_close(y, rms_norm_linear_fp8_ref(h, g, w, ws, eps=1e-6), _dequantised(h, g, 1e-6), _wf(w, ws),
-                         roundings=1)
+    assert_product_close(y, rms_norm_linear_fp8_ref(h, g, w, ws, eps=1e-6), _dequantised(h, g, 1e-6),
+                         fp8_dequantised(w, ws), roundings=1)
 
 
 def test_blockwise_quantisation_is_no_worse_than_one_scale_a_row():
@@ -116,7 +112,7 @@ def test_blockwise_quantisation_is_no_worse_than_one_scale_a_row():
     M, N, K = 4, 64, 1024
     h, g = _h(M, K, torch.bfloat16)
     w, ws = _weight(N, K)
-    exact = rms_norm_ref(h, g, 1e-6).float() @ _wf(w, ws).t()
+    exact = rms_norm_ref(h, g, 1e-6).float() @ fp8_dequantised(w, ws).t()
     y = rms_norm_linear_fp8_ref(h, g, w, ws, eps=1e-6).float()
     xq, xs = quantize_fp8_ref(rms_norm_ref(h, g, 1e-6), per_token=True)
     two = linear_fp8_ref(xq, xs, w, ws).float()

@@ -9,7 +9,7 @@ import torch
 
 from fastdecode.ops.activation import silu_and_mul_ref
 from fastdecode.ops.w8a16 import MAX_M, get_w8a16_config, linear_w8a16, linear_w8a16_ref
-from helpers import assert_product_close, poison_, strided_rows
+from helpers import assert_product_close, fp8_weight, poison_, strided_rows
 
 gpu = pytest.mark.gpu
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -17,9 +17,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def _weight(N, K, per_tensor=False):
-    w = (torch.randn(N, K, device=DEV) * 64).clamp(-448, 448).to(FP8)
-    ws = torch.rand(1 if per_tensor else N, device=DEV) * 1e-3 + 2e-4
-    return w, ws
+    return fp8_weight(N, K, per_tensor, DEV)
 
 
 def _check(y, x, w, ws, bias, glu):

@@ -17,7 +17,7 @@ from fastdecode.ops.w8a16 import (
     MAX_M, add_linear_w8a16_, add_linear_w8a16_ref, linear_w8a16_ref, rms_norm_linear_w8a16,
     rms_norm_linear_w8a16_ref,
 )
-from helpers import assert_product_close, poison_, strided_rows
+from helpers import assert_product_close, fp8_dequantised, fp8_weight, poison_, strided_rows
 
 gpu = pytest.mark.gpu
 CUDA = torch.cuda.is_available()
@@ -27,13 +27,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _weight(N, K, per_tensor=False):
-    w = (torch.randn(N, K, device=DEV) * 64).clamp(-448, 448).to(FP8)
-    ws = torch.rand(1 if per_tensor else N, device=DEV) * 1e-3 + 2e-4
-    return w, ws
-
-
-def _wf(w, ws):
-    return w.float() * (ws.reshape(-1, 1) if ws.numel() > 1 else ws)
+    return fp8_weight(N, K, per_tensor, DEV)
 
 
 def _h(M, K, dtype, strided=False):
@@ -81,10 +75,10 @@ def test_norm_in_the_w8a16_gemv_equals_the_reference(config, dtype, M, N, K, aff
     y = rms_norm_linear_w8a16(h, g, w, ws, b, eps=1e-5, out=out, backend="triton")
     assert y.data_ptr() == out.data_ptr() and not y.isnan().any()
     ref = rms_norm_linear_w8a16_ref(h, g, w, ws, b, eps=1e-5)
-    assert_product_close(y, ref, _normed(h, g, 1e-5), _wf(w, ws))
+    assert_product_close(y, ref, _normed(h, g, 1e-5), fp8_dequantised(w, ws))
     # and the two-kernel recipe (the normed rows rounded to h's dtype, then W8A16): one more rounding of the input
     two = linear_w8a16_ref(rms_norm_ref(h, g if g is not None else torch.ones_like(h[0]), 1e-5), w, ws, b)
-    assert_product_close(y, two, _normed(h, g, 1e-5), _wf(w, ws), roundings=4)
+    assert_product_close(y, two, _normed(h, g, 1e-5), fp8_dequantised(w, ws), roundings=4)
 
 
 def test_split_config_runs_the_norm_kernel_first(config):
@@ -95,7 +89,7 @@ def test_split_config_runs_the_norm_kernel_first(config):
     w, ws = _weight(24, 200)
     y = rms_norm_linear_w8a16(h, g, w, ws, eps=1e-6, backend="triton")
     two = linear_w8a16_ref(rms_norm_ref(h, g, 1e-6), w, ws)
-    assert_product_close(y, two, _normed(h, g, 1e-6), _wf(w, ws))
+    assert_product_close(y, two, _normed(h, g, 1e-6), fp8_dequantised(w, ws))
 
 
 def test_norm_op_leading_dims_empty_and_torch_backend():
@@ -147,7 +141,7 @@ def test_residual_add_in_the_w8a16_epilogue(config, dtype, cfg, M, glu, per_tens
     from fastdecode.ops.activation import silu_and_mul_ref
 
     a = silu_and_mul_ref(x) if glu else x
-    assert_product_close(r, add_linear_w8a16_ref(r0, x, w, ws, b, glu=glu), a, _wf(w, ws))
+    assert_product_close(r, add_linear_w8a16_ref(r0, x, w, ws, b, glu=glu), a, fp8_dequantised(w, ws))
 
 
 def test_add_op_torch_backend_and_refusals_leave_the_residual_alone():
@@ -201,7 +195,8 @@ def test_gpu_llama8b_shapes_under_a_graph(M, N, K, glu):
     if gate_up:
         h, g = _h(M, K, torch.bfloat16)
         y = rms_norm_linear_w8a16(h, g, w, ws, eps=1e-5)
-        assert_product_close(y, rms_norm_linear_w8a16_ref(h, g, w, ws, eps=1e-5), _normed(h, g, 1e-5), _wf(w, ws))
+        assert_product_close(y, rms_norm_linear_w8a16_ref(h, g, w, ws, eps=1e-5), _normed(h, g, 1e-5),
+                             fp8_dequantised(w, ws))
         out = torch.empty_like(y)
 
         def call():
@@ -213,7 +208,7 @@ def test_gpu_llama8b_shapes_under_a_graph(M, N, K, glu):
         r0 = (torch.randn(M, N, device=DEV) * 4).bfloat16()
         y = add_linear_w8a16_(r0.clone(), x, w, ws, glu=glu)
         assert_product_close(y, add_linear_w8a16_ref(r0, x, w, ws, glu=glu),
-                             silu_and_mul_ref(x) if glu else x, _wf(w, ws))
+                             silu_and_mul_ref(x) if glu else x, fp8_dequantised(w, ws))
         out = r0.clone()
 
         def call():

@@ -25,14 +25,12 @@ from typing import Optional
 import torch
 
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE, SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
-from fastdecode.ops._common import FP8_DTYPE, check_eps, check_same_device, check_tensor, next_pow2, require_sm
+from fastdecode.ops._common import FP8_DTYPE, next_pow2, require_sm
 from fastdecode.ops._registry import define_op
-from fastdecode.ops.gemm import (
-    _check_weight, _w_scale_vec, check_bias, get_linear_config, linear_with_config, run_linear,
-)
+from fastdecode.ops.gemm import get_linear_config, linear_with_config, run_linear
+from fastdecode.ops.w8a16 import check_norm_fp8_args
 
 QUANT_GROUP = 128  # columns of h a scale covers: the kernel's BLOCK_K
-H_DTYPES = (torch.bfloat16, torch.float16)
 # the tile where the table has no DOT_FP8 entry (the 8B qkv's W8A8 tile: 64 weight rows, 5 stages)
 DEFAULT_CONFIG = {"kind": "dot", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": QUANT_GROUP, "SPLIT_K": 1, "num_warps": 4,
                   "num_stages": 5, "DOT_FP8": True, "EVICT": True}
@@ -81,20 +79,7 @@ def rms_norm_linear_fp8(h, norm_weight, weight_fp8, weight_scale, bias=None, *, 
     quantised to e4m3 with one scale per block of ``QUANT_GROUP`` columns (module docstring). Returns (..., N) in
     h's dtype (or ``out``).
     """
-    from fastdecode.ops.norm_linear import check_norm_weight
-
-    check_tensor("h", h, dtypes=H_DTYPES)
-    if h.dim() == 0:
-        raise ValueError("h must have at least 1 dimension (..., K), got a scalar")
-    check_tensor("weight_fp8", weight_fp8, dtypes=(FP8_DTYPE,), ndim=2)
-    K = h.shape[-1]
-    check_norm_weight(norm_weight, K, h.dtype)
-    check_eps(eps)
-    N = _check_weight(weight_fp8, K, (FP8_DTYPE,), "weight_fp8", "h")
-    bias = check_bias(bias, N, (h.dtype,), "weight_fp8")
-    check_same_device(h=h, norm_weight=norm_weight, weight_fp8=weight_fp8, bias=bias)
-    ws = _w_scale_vec(weight_scale, N, h.device)
-    nw = norm_weight.contiguous() if norm_weight is not None else None
+    K, N, bias, ws, nw = check_norm_fp8_args(h, norm_weight, weight_fp8, weight_scale, bias, eps)
     return run_linear("rms_norm_linear_fp8", "h", h, K, N, bias, out, None, backend,
                       lambda h2, out2, impl_s: _rms_norm_linear_fp8_op(h2, nw, weight_fp8, ws, bias, out2,
                                                                        float(eps), impl_s))

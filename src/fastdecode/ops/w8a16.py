@@ -209,15 +209,11 @@ def _(residual, x, weight, weight_scale, bias, glu, impl):
     return None
 
 
-def rms_norm_linear_w8a16(h, norm_weight, weight_fp8, weight_scale, bias=None, *, eps: float = 1e-6, out=None,
-                          backend: Optional[str] = None) -> torch.Tensor:
-    """``rms_norm(h, norm_weight, eps) @ (weight_fp8 * weight_scale).T + bias``, the norm inside the W8A16 GEMV.
-
-    h: (..., K) bf16 / fp16, at most ``MAX_M`` rows (may be strided); norm_weight: (K,) h's dtype, or None (a norm
-    without weight); weight_fp8 / weight_scale / bias: as :func:`linear_w8a16`. The product ``h * norm_weight`` is
-    rounded to h's dtype, the sums are fp32, scaled by each row's ``rsqrt(mean(h^2) + eps)``; one rounding to h's
-    dtype. Returns (..., N) (or ``out``).
-    """
+def check_norm_fp8_args(h, norm_weight, weight_fp8, weight_scale, bias, eps) -> tuple:
+    """The checks of an op computing ``rms_norm(h, norm_weight, eps) @ (weight_fp8 * weight_scale).T + bias`` (this
+    module's and ``ops.norm_linear_fp8``'s): h (..., K) bf16 / fp16, norm_weight (K,) of h's dtype or None, an e4m3
+    weight (N, K), a bias of h's dtype -> (K, N, bias, the scale as an (N,) or (1,) vector, the contiguous
+    norm weight)."""
     from fastdecode.ops.norm_linear import check_norm_weight
 
     check_tensor("h", h, dtypes=X_DTYPES)
@@ -228,11 +224,23 @@ def rms_norm_linear_w8a16(h, norm_weight, weight_fp8, weight_scale, bias=None, *
     check_norm_weight(norm_weight, K, h.dtype)
     check_eps(eps)
     N = _check_weight(weight_fp8, K, (FP8_DTYPE,), "weight_fp8", "h")
-    _check_rows("rms_norm_linear_w8a16", h)
     bias = check_bias(bias, N, (h.dtype,), "weight_fp8")
     check_same_device(h=h, norm_weight=norm_weight, weight_fp8=weight_fp8, bias=bias)
-    ws = _w_scale_vec(weight_scale, N, h.device)
-    nw = norm_weight.contiguous() if norm_weight is not None else None
+    return K, N, bias, _w_scale_vec(weight_scale, N, h.device), (
+        norm_weight.contiguous() if norm_weight is not None else None)
+
+
+def rms_norm_linear_w8a16(h, norm_weight, weight_fp8, weight_scale, bias=None, *, eps: float = 1e-6, out=None,
+                          backend: Optional[str] = None) -> torch.Tensor:
+    """``rms_norm(h, norm_weight, eps) @ (weight_fp8 * weight_scale).T + bias``, the norm inside the W8A16 GEMV.
+
+    h: (..., K) bf16 / fp16, at most ``MAX_M`` rows (may be strided); norm_weight: (K,) h's dtype, or None (a norm
+    without weight); weight_fp8 / weight_scale / bias: as :func:`linear_w8a16`. The product ``h * norm_weight`` is
+    rounded to h's dtype, the sums are fp32, scaled by each row's ``rsqrt(mean(h^2) + eps)``; one rounding to h's
+    dtype. Returns (..., N) (or ``out``).
+    """
+    K, N, bias, ws, nw = check_norm_fp8_args(h, norm_weight, weight_fp8, weight_scale, bias, eps)
+    _check_rows("rms_norm_linear_w8a16", h)
     return run_linear("rms_norm_linear_w8a16", "h", h, K, N, bias, out, None, backend,
                       lambda h2, out2, impl_s: _rms_norm_linear_w8a16_op(h2, nw, weight_fp8, ws, bias, out2,
                                                                          float(eps), impl_s))
