@@ -241,6 +241,10 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         diag = str(ROOT / "benchmarks" / "diag_norm_gemm_test_bounds.py")
         return [("diag norm_gemm test bounds", [PY, diag, "--seeds", "150",
                                                 "--out", str(out / "diag_norm_gemm_test_bounds.json")], 240)]
+    if name == "norm-fp8":
+        # w13's norm and FP8 quantisation inside its W8A8 GEMM (fp8_norm_gemm) against the two kernels it replaces
+        return [("diag norm fp8", [PY, str(ROOT / "benchmarks" / "diag_norm_fp8.py"),
+                                   "--out", str(out / "diag_norm_fp8.json")], 180)]
     if name == "int8-producers":
         return [("diag int8 producers", [PY, str(ROOT / "benchmarks" / "diag_int8_producers.py"),
                                          "--out", str(out / "diag_int8_producers.json")], 180)]
@@ -297,7 +301,8 @@ WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attenti
 SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile",
           "profile-switches", "hf", "serve",
           "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
-          "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16", "int8-producers", "test-bounds", "l2-prefetch")
+          "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16", "int8-producers", "test-bounds", "l2-prefetch",
+          "norm-fp8")
 
 
 def _ncu() -> str | None:
@@ -635,7 +640,7 @@ def main(argv=None) -> int:
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
     # tp: with 2+ GPUs only
     not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl", "int4-diag", "int4-a8", "profile-switches",
-                  "w8a16", "int8-producers", "test-bounds", "l2-prefetch")
+                  "w8a16", "int8-producers", "test-bounds", "l2-prefetch", "norm-fp8")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")

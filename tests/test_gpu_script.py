@@ -400,3 +400,13 @@ def test_part_arguments_are_checked(gpu, capsys):
         assert "--part wants K/N" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gpu.main(["tests", "--part", "1/2", "--workers", "2"])
+
+
+def test_norm_fp8_suite_runs_its_diagnosis(gpu, tmp_path):
+    [(label, argv, timeout)] = gpu.suite_commands("norm-fp8", tmp_path, 1)
+    assert label == "diag norm fp8" and argv[1].endswith("diag_norm_fp8.py") and timeout < 600
+    assert argv[argv.index("--out") + 1] == str(tmp_path / "diag_norm_fp8.json")
+    import runpy
+
+    shapes = runpy.run_path(argv[1])["SHAPES"]
+    assert shapes["8b_gate_up"] == (28672, 4096)
