@@ -152,12 +152,15 @@ def _skinny_linear_kernel(
     X_GLU: x is the ``[gate | up]`` output of the projection before (``(M, 2K)``, row stride stride_xm) and
     the input is ``silu(gate) * up`` computed at each load (``_load_x``): SiLU-and-mul fused into the GEMM.
 
-    X_NORM (FMA path, no split): x holds the residual stream h and the input is ``rms_norm(h) * nw`` (RMSNorm
+    X_NORM (no split): x holds the residual stream h and the input is ``rms_norm(h) * nw`` (RMSNorm
     with weight ``nw``, epsilon ``eps``). Each program streams its whole x row anyway (no split), so the row's
     sum of squares is accumulated beside the products of ``h * nw`` (rounded to x's dtype) with the weights, and
     the per-row ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums once at the end: no pass over x before the
-    weights (``ops.norm_linear.rms_norm_linear``). NORM_VEC: the elements of one thread's 16-byte x load.
+    weights (``ops.norm_linear.rms_norm_linear``). NORM_VEC: the elements of one thread's 16-byte x load (FMA).
     NORM_AFFINE: False for a norm without weight (nw_ptr unused), as when nw is folded into the GEMM's weight.
+    On the FP8 dot path (DOT_FP8, an FP8 weight, a 16-bit h) each K block of ``h * nw`` is quantised to e4m3 in the
+    loop, one scale a row (``kernels.gemm_norm._norm_fp8_block``; ``ops.norm_linear_fp8``), on NORM_ROWS rows spread
+    to the tile's (1 at one token, else BLOCK_M).
     ACCUMULATE: out += the result (the residual add after wo / w2, in place; ``_epilogue``).
 
     USE_PDL (programmatic dependent launch): this grid may be scheduled while the previous kernel
