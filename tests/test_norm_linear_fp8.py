@@ -169,7 +169,16 @@ def test_refusals_name_the_argument():
         rms_norm_linear_fp8(h, g, w, ws, eps=-1.0)
 
 
-def test_config_takes_the_tables_fp8_tile_with_one_split_and_the_quant_group(monkeypatch):
+@pytest.fixture
+def fresh_lookups():
+    """The op's cached config lookups forgotten before and after (a test that patches the table's answer must not
+    leave its configs cached for later tests)."""
+    F._config.cache_clear()
+    yield
+    F._config.cache_clear()
+
+
+def test_config_takes_the_tables_fp8_tile_with_one_split_and_the_quant_group(monkeypatch, fresh_lookups):
     tuned = {"kind": "dot", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 3, "num_warps": 8,
              "num_stages": 3, "DOT_FP8": True}
     monkeypatch.setattr(F, "get_linear_config", lambda M, N, K, dtype, device=None: ("triton", dict(tuned)))

@@ -192,8 +192,7 @@ def _int4_a8_kernel(
     its scales and sums after it. xw_ptr: the int32 view of the quantised activation ((M, Kp // 4), row stride
     stride_xw); xs / xsum: (M, NG) fp32 / int32, row stride stride_xs. ACCUMULATE: out += the result. L2_SLAB (with
     USE_PDL; bytes, 0: off; PF_LANES: the program's threads): up to that much of the rest of the program's weight
-    words into L2 before the wait
-    (``kernels.prefetch.l2_prefetch_rows``)."""
+    words into L2 before the wait (``kernels.prefetch.l2_prefetch_rows``)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)

@@ -43,9 +43,11 @@ def slab_bytes(cap: int, pdl: bool, weight, tile_bytes: int = 16) -> int:
     """The ``L2_SLAB`` constexpr of a GEMV launch: ``cap`` (bytes a program) where the prefetch may run: with PDL
     (it goes before the wait) and on a weight whose base, row stride and K tile (``tile_bytes``: where a split's
     columns start) are 16-byte aligned, as the bulk prefetch requires; else 0."""
+    if not (cap and pdl):  # the default launch: no tensor queries
+        return 0
     aligned = (weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
                and tile_bytes % 16 == 0)
-    return int(cap) if cap and pdl and aligned else 0
+    return int(cap) if aligned else 0
 
 
 def prefetch_plan(nbytes: int, threads: int) -> tuple[int, int]:

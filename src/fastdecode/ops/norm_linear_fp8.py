@@ -27,6 +27,7 @@ import torch
 from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE, SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR
 from fastdecode.ops._common import FP8_DTYPE, next_pow2, require_sm
 from fastdecode.ops._registry import define_op
+from fastdecode.ops._tuned import lookup_cache
 from fastdecode.ops.gemm import get_linear_config, linear_with_config, run_linear
 from fastdecode.ops.w8a16 import check_norm_fp8_args
 
@@ -40,6 +41,11 @@ def get_norm_fp8_config(M: int, N: int, K: int, device=None) -> dict:
     """The launch config of an (M, N, K) call: the FP8 linear table's DOT_FP8 tile for the shape (its BLOCK_N,
     warps, stages and eviction hint) with BLOCK_K = ``QUANT_GROUP`` and one split, else ``DEFAULT_CONFIG``; BLOCK_M
     16-64 (the MMA's narrow side)."""
+    return dict(_config(torch.device(device) if device is not None else None, int(M), int(N), int(K)))
+
+
+@lookup_cache
+def _config(device, M: int, N: int, K: int) -> dict:
     cfg = dict(DEFAULT_CONFIG)
     impl, tuned = get_linear_config(M, N, K, FP8_DTYPE, device)
     if impl == "triton" and tuned["kind"] == "dot" and tuned.get("DOT_FP8"):
