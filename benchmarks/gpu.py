@@ -140,7 +140,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         abl = ("fastdecode-graph", "fastdecode-graph-no-pdl", "fastdecode-graph-no-fused_rope")
         steps = {
             "bf16": ("decode bf16", _decode(out, "--batch", "1", "--iters", "30", "--impl", "peer-compile",
-                                            "torch-compile", *abl, "fastdecode-graph-no-norm_gemm"), 420),
+                                            "torch-compile", *abl, "fastdecode-graph-no-norm_gemm",
+                                            "fastdecode-graph-with-weight_prefetch"), 420),
             # quantised: the peer of the same format (the ref-backend torch-compile row would dequantise)
             # fp8_a16 (on): wqkv, wo and w2 W8A16 at decode (ops.w8a16); off: W8A8; fp8_a16_all (opt-in): w13 too
             "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8", "--impl",
@@ -275,7 +276,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                         "fastdecode-graph", "fastdecode-graph-no-pdl",
                                         "fastdecode-graph-no-norm_gemm"), 240),
                 ("decode smollm2 bf16", _fd("bench", "decode", "--preset", "smollm2-135m", *small, "--impl",
-                                            "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl"), 240)]
+                                            "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl",
+                                            "fastdecode-graph-no-weight_prefetch"), 240)]
     if name == "profile-small":
         return [("profile smollm2", _fd("bench", "decode", "--preset", "smollm2-135m", "--profile", "--impl",
                                         "fastdecode-graph-no-pdl", "fastdecode-graph",

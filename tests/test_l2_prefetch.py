@@ -82,6 +82,7 @@ def test_bench_rows_take_several_opt_in_switches():
     from fastdecode.bench.decode import ABLATIONS, DecodeRunner, check_impl
 
     assert "fastdecode-graph-with-weight_prefetch" in ABLATIONS and "fastdecode-graph-with-l2_prefetch" in ABLATIONS
+    assert check_impl("fastdecode-graph-no-weight_prefetch") in ABLATIONS  # the default rule's ablation
     assert check_impl("fastdecode-graph-with-int4_a8+l2_prefetch+weight_prefetch")
     for bad in ("fastdecode-graph-with-l2_prefetch+norm_gemm", "fastdecode-graph-with-l2_prefetch+l2_prefetch",
                 "fastdecode-graph-with-", "graph"):
@@ -112,8 +113,8 @@ def test_cli_takes_combined_rows_and_names_a_bad_one(capsys):
 
 
 def test_weight_prefetch_policy_needs_pdl_and_restores():
-    """The GEMVs' weight-slab prefetch is off by default (``FASTDECODE_WEIGHT_PREFETCH``), set and restored like
-    PDL, and never on where PDL is off (a CPU, the interpreter)."""
+    """The GEMVs' weight-slab prefetch is set and restored like PDL, and never on where PDL is off (a CPU, the
+    interpreter)."""
     from fastdecode.ops import set_weight_prefetch, weight_prefetch_enabled, weight_prefetch_override
     from fastdecode.ops._common import pdl_enabled
 
@@ -135,9 +136,9 @@ def test_weight_prefetch_bytes_cap(monkeypatch):
     import fastdecode.ops._common as C
 
     x = torch.zeros(4)
-    monkeypatch.setattr(C, "weight_prefetch_enabled", lambda t: False)
+    monkeypatch.setattr(C, "weight_prefetch_enabled", lambda t, w=None: False)
     assert C.weight_prefetch_bytes(x) == 0
-    monkeypatch.setattr(C, "weight_prefetch_enabled", lambda t: True)
+    monkeypatch.setattr(C, "weight_prefetch_enabled", lambda t, w=None: True)
     monkeypatch.delenv("FASTDECODE_WEIGHT_PREFETCH_KB", raising=False)
     assert C.weight_prefetch_bytes(x) == C.WEIGHT_PREFETCH_KB * 1024 == 65536
     for v, want in (("128", 131072), ("0.5", 512), ("ALL", 2**31 - 1), ("0", 0), ("0.001", 16)):
@@ -199,3 +200,50 @@ def test_gpu_every_gemv_kind_equals_itself_without_the_slabs(M):
             got = call()
         torch.cuda.synchronize()
         assert _rel(got, want) < 1e-3, (name, _rel(got, want))
+
+
+def test_weight_prefetch_default_rule(monkeypatch):
+    """Neither set nor in the environment, the slab prefetch runs only where it was measured to gain: one token, a
+    bf16 / fp16 weight of at most ``WEIGHT_PREFETCH_AUTO_BYTES`` handed over by the skinny GEMM (the int4 kernels
+    hand none over), with PDL. Set, or in the environment, it is every GEMV or none."""
+    import fastdecode.ops._common as C
+
+    monkeypatch.setattr(C, "pdl_enabled", lambda t: True)  # what an sm_90 GPU answers
+    monkeypatch.delenv("FASTDECODE_WEIGHT_PREFETCH", raising=False)
+    meta = dict(device="meta")
+    x1, x2 = torch.empty(1, 1024, **meta), torch.empty(2, 1024, **meta)
+    at_bound = torch.empty(C.WEIGHT_PREFETCH_AUTO_BYTES // 2048, 1024, dtype=torch.bfloat16, **meta)
+    past = torch.empty(at_bound.shape[0] + 1, 1024, dtype=torch.bfloat16, **meta)
+    small = {dt: torch.empty(960, 576, dtype=dt, **meta) for dt in (torch.bfloat16, torch.float16, torch.float32,
+                                                                     torch.float8_e4m3fn, torch.int32, torch.uint8)}
+    with C.weight_prefetch_override(None):
+        assert C.weight_prefetch_enabled(x1, at_bound) and not C.weight_prefetch_enabled(x1, past)
+        assert C.weight_prefetch_enabled(x1, small[torch.float16]) and not C.weight_prefetch_enabled(x2, at_bound)
+        assert [dt for dt, w in small.items() if C.weight_prefetch_enabled(x1, w)] == [torch.bfloat16, torch.float16]
+        assert not C.weight_prefetch_enabled(x1) and C.weight_prefetch_bytes(x1) == 0  # no weight handed over
+        assert C.weight_prefetch_bytes(x1, at_bound) == C.WEIGHT_PREFETCH_KB * 1024
+        monkeypatch.setenv("FASTDECODE_WEIGHT_PREFETCH", "1")
+        assert C.weight_prefetch_enabled(x2, past) and C.weight_prefetch_enabled(x1)
+        monkeypatch.setenv("FASTDECODE_WEIGHT_PREFETCH", "0")
+        assert not C.weight_prefetch_enabled(x1, at_bound)
+    with C.weight_prefetch_override(True):  # set: the environment is not read
+        assert C.weight_prefetch_enabled(x2, past)
+    monkeypatch.delenv("FASTDECODE_WEIGHT_PREFETCH")
+    monkeypatch.setattr(C, "pdl_enabled", lambda t: False)
+    with C.weight_prefetch_override(None):
+        assert not C.weight_prefetch_enabled(x1, at_bound)
+    with C.weight_prefetch_override(True):
+        assert not C.weight_prefetch_enabled(x1, at_bound)
+
+
+def test_skinny_gemm_hands_its_weight_to_the_prefetch_rule(monkeypatch):
+    """``linear`` asks ``weight_prefetch_bytes`` with its weight, so the default rule can see it."""
+    import fastdecode.ops.gemm as G
+
+    seen = []
+    monkeypatch.setattr(G, "weight_prefetch_bytes", lambda t, w=None: seen.append((t.shape, w)) or 0)
+    x = torch.randn(1, 64, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(48, 64, device=DEV, dtype=torch.bfloat16)
+    out = G.linear(x, w, impl="triton")
+    torch.testing.assert_close(out.float(), x.float() @ w.float().T, atol=0.05, rtol=0.02)
+    assert len(seen) == 1 and seen[0][0] == (1, 64) and seen[0][1] is w

@@ -36,9 +36,10 @@ cuBLAS; int4 models only), ``-no-pdl`` (the graph captured without programmatic 
 inside the bf16 / int4 GEMMs, ``models.norm_gemm``), ``-no-fp8_a16`` (FP8 wqkv, wo and w2 W8A8 at decode, their
 activations quantised; fp8 models only) and ``fastdecode-eager`` (no CUDA graph);
 ``fastdecode-graph-with-<switch>`` turns on a switch that is off by default (``OPT_IN_KERNELS``: ``int4_a8``,
-``fp8_a16_all``, ``l2_prefetch``; and ``weight_prefetch``, the GEMVs' L2 prefetch of their weight slabs, a launch
-policy captured into the graph as PDL is: ``fastdecode.ops.set_weight_prefetch``), ``-with-<a>+<b>`` several
-(``-with-int4_a8+l2_prefetch``).
+``fp8_a16_all``, ``l2_prefetch``; and ``weight_prefetch``, the GEMVs' L2 prefetch of their weight slabs in every
+GEMV that can, a launch policy captured into the graph as PDL is: ``fastdecode.ops.set_weight_prefetch``; by
+default only small bf16 / fp16 weights at one token take it, ``-no-weight_prefetch`` none), ``-with-<a>+<b>``
+several (``-with-int4_a8+l2_prefetch``).
 The fastdecode rows take the next tokens with
 ``fastdecode.argmax`` (after the graph, as ``Engine``'s greedy sampler does), the torch rows with ``torch.argmax``.
 
@@ -79,10 +80,11 @@ IMPLS = ("torch-eager", "torch-graph", "torch-compile", "peer-compile", "fastdec
 EXTRA_IMPLS = ("fastdecode-graph-triton", "peer-eager")
 PEER_IMPLS = ("peer-compile", "peer-eager")
 CPU_IMPLS = ("torch-eager", "peer-eager")
-# opt-in launch policies (captured into the graph, as PDL is): the GEMVs' weight-slab L2 prefetch
+# launch policies (captured into the graph, as PDL is): the GEMVs' weight-slab L2 prefetch; -with- every GEMV that
+# can, -no- none, neither the default rule (ops.weight_prefetch_enabled)
 OPT_IN_POLICIES = ("weight_prefetch",)
 ABLATIONS = (("fastdecode-eager",) + tuple(f"fastdecode-graph-no-{k}" for k in KERNELS if k not in OPT_IN_KERNELS)
-             + ("fastdecode-graph-no-pdl", "fastdecode-graph-no-argmax")
+             + ("fastdecode-graph-no-pdl", "fastdecode-graph-no-argmax", "fastdecode-graph-no-weight_prefetch")
              + tuple(f"fastdecode-graph-with-{k}" for k in OPT_IN_KERNELS + OPT_IN_POLICIES))
 
 
@@ -131,12 +133,15 @@ class DecodeRunner:
         # the defaults (opt-in switches off); also resets the GEMM impl (skinny_gemm on)
         model.set_kernels(**{k: k not in OPT_IN_KERNELS for k in KERNELS})
         pdl_off = impl == "fastdecode-graph-no-pdl"  # the graph captured without programmatic dependent launch
-        slabs = False  # the graph captured with the GEMVs' weight-slab L2 prefetch (a launch policy, like PDL)
+        # the GEMVs' weight-slab L2 prefetch in the graph (a launch policy, like PDL): None the default rule
+        slabs = None
         # the next tokens: fastdecode.argmax on the fastdecode rows, torch.argmax on the torch rows and the ablation
         self.argmax = (fd_argmax if impl.startswith("fastdecode") and impl != "fastdecode-graph-no-argmax"
                        else _torch_argmax)
-        if pdl_off or impl == "fastdecode-graph-no-argmax":
+        if pdl_off or impl in ("fastdecode-graph-no-argmax", "fastdecode-graph-no-weight_prefetch"):
             model.backend = "triton"
+            if impl == "fastdecode-graph-no-weight_prefetch":
+                slabs = False
         elif impl.startswith("fastdecode-graph-no-"):
             k = impl[len("fastdecode-graph-no-"):]
             if k not in KERNELS or k in OPT_IN_KERNELS:
@@ -145,7 +150,7 @@ class DecodeRunner:
             model.set_kernels(**{k: False})
         elif impl.startswith("fastdecode-graph-with-"):  # opt-in switches on ("+" between several)
             ks = impl[len("fastdecode-graph-with-"):].split("+")
-            slabs = "weight_prefetch" in ks
+            slabs = True if "weight_prefetch" in ks else None
             ks = [k for k in ks if k not in OPT_IN_POLICIES]
             bad = [k for k in ks if k not in OPT_IN_KERNELS]
             if bad:

@@ -14,7 +14,8 @@ bytes from a 16-byte aligned base, as the instruction requires.
 ``l2_prefetch_rows``: a GEMV program's own weight slab (its rows, its split's columns), prefetched before its PDL
 wait. Under PDL a GEMV's programs become resident as the previous kernel's retire (or beside a small kernel such as
 the attention), so their slabs stream into L2 during the previous kernel's tail instead of after it; each program
-then reads its slab from L2 (``ops._common.weight_prefetch_enabled``: a launch policy like PDL, off by default).
+then reads its slab from L2 (``ops._common.weight_prefetch_enabled``: a launch policy like PDL; by default only
+small bf16 / fp16 weights at one token).
 """
 
 import triton

@@ -19,7 +19,8 @@ FP8 blocks (session 26) take ``ops.w8a16``'s ``rms_norm_linear_w8a16`` / ``add_l
 inside wqkv's W8A16 GEMV, the residual adds in wo's and w2's epilogues (SiLU-and-mul in w2's loads). w13 keeps W8A8
 after its norm kernel (FP8 output; the residual add has moved into wo), or with ``fp8_a16_all`` takes the norm
 inside its W8A16 GEMV too: 5 kernels a block (4 with ``fp8_a16_all``) instead of 6. With ``fp8_norm_gemm``
-(opt-in, session 28) the W8A8 w13 takes its norm and the activation's FP8 quantisation inside its tensor-core GEMM
+(opt-in, session 28; it lost on an H100: +165 us on the 8B FP8 step, ``benchmarks/NOTES.md`` session 29) the W8A8
+w13 takes its norm and the activation's FP8 quantisation inside its tensor-core GEMM
 (``ops.norm_linear_fp8``: one e4m3 scale a row and 128-column block): 4 kernels a block, W8A8 kept. The norm
 weights stay in the kernels, as for int4: folding them into FP8 weights would round those weights to FP8 a second
 time. Beyond the W8A16 rows (batch > 4, or ``fp8_a16`` off) an FP8 model keeps the unfused step.

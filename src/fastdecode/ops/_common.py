@@ -83,9 +83,10 @@ def require_sm(device: torch.device, major: int, minor: int, what: str) -> None:
 class LaunchPolicy:
     """A process-wide launch setting that the ops read at every launch (a CUDA graph keeps what was in force when it
     was captured): ``set`` True / False, or None for the default (the environment variable ``env``: on unless "0" or
-    empty; ``default`` when unset); ``override`` for a block; ``on`` the setting now."""
+    empty; ``default`` when unset, which may be None: the setting's own rule, as ``weight_prefetch_enabled``'s);
+    ``override`` for a block; ``on`` the setting now."""
 
-    def __init__(self, env: str, default: bool):
+    def __init__(self, env: str, default: Optional[bool]):
         self.env, self.default, self.value = env, default, None
 
     def set(self, enabled: Optional[bool]) -> Optional[bool]:
@@ -102,7 +103,7 @@ class LaunchPolicy:
         finally:
             self.set(before)
 
-    def on(self) -> bool:
+    def on(self) -> Optional[bool]:
         if self.value is not None:
             return self.value
         v = os.environ.get(self.env)
@@ -172,38 +173,50 @@ def l2_prefetch_bytes(prefetch: Optional[torch.Tensor]) -> Optional[torch.Tensor
 
 # ----------------------------------------------------------------------------- the GEMV weight slabs' L2 prefetch
 
-_WEIGHT_PREFETCH = LaunchPolicy("FASTDECODE_WEIGHT_PREFETCH", False)
+# None: the measured rule of weight_prefetch_enabled (small bf16 / fp16 weights); True / False: every GEMV / none
+_WEIGHT_PREFETCH = LaunchPolicy("FASTDECODE_WEIGHT_PREFETCH", None)
+# the default rule's bound: a bf16 / fp16 GEMV weight of at most this many bytes takes its slab prefetch
+WEIGHT_PREFETCH_AUTO_BYTES = 8 << 20
 
 
 def set_weight_prefetch(enabled: Optional[bool]) -> Optional[bool]:
     """The GEMV kernels' L2 prefetch of their own weight slab before their PDL wait (``kernels.prefetch``), for the
-    kernels launched from now on: True / False, or None for the default (environment ``FASTDECODE_WEIGHT_PREFETCH``:
-    off unless set to something other than "0"; opt-in until a GPU has measured it). A launch policy like PDL, and
-    only with it: a CUDA graph keeps what was in force when it was captured. Returns the previous setting."""
+    kernels launched from now on: True (every GEMV that can) / False (none), or None for the default (environment
+    ``FASTDECODE_WEIGHT_PREFETCH``: "0" or empty none, anything else every GEMV; unset: the rule of
+    ``weight_prefetch_enabled``). A launch policy like PDL, and only with it: a CUDA graph keeps what was in force
+    when it was captured. Returns the previous setting."""
     return _WEIGHT_PREFETCH.set(enabled)
 
 
-def weight_prefetch_override(enabled: bool):
+def weight_prefetch_override(enabled: Optional[bool]):
     """``set_weight_prefetch(enabled)`` inside the block, the previous setting restored after it."""
     return _WEIGHT_PREFETCH.override(enabled)
 
 
-def weight_prefetch_enabled(t: torch.Tensor) -> bool:
-    """Prefetch GEMV weight slabs into L2: switched on (``set_weight_prefetch``, else the environment) and PDL on for
-    ``t`` (sm_90+, compiled: ``pdl_enabled``)."""
-    return _WEIGHT_PREFETCH.on() and pdl_enabled(t)
+def weight_prefetch_enabled(t: torch.Tensor, weight: Optional[torch.Tensor] = None) -> bool:
+    """Prefetch a GEMV's weight slabs into L2: PDL on for ``t`` (sm_90+, compiled: ``pdl_enabled``) and the policy
+    on (``set_weight_prefetch``, else the environment). By default (neither set) only at one token (``t`` (1, K))
+    and on the skinny GEMM's ``weight`` (it passes it; the int4 kernels do not) in bf16 / fp16 of at most
+    ``WEIGHT_PREFETCH_AUTO_BYTES``: what was measured to gain. On one H100 (session 29, ``benchmarks/NOTES.md``,
+    batch 1) the prefetch took the SmolLM2-shaped bf16 step from 478 to 456 us and cost every 8B step (bf16
+    +361 us, int4 +349) and the SmolLM2-shaped int4 step (+33 us)."""
+    mode = _WEIGHT_PREFETCH.on()
+    if mode is None:
+        mode = (weight is not None and t.shape[0] == 1 and weight.dtype in (torch.bfloat16, torch.float16)
+                and weight.numel() * weight.element_size() <= WEIGHT_PREFETCH_AUTO_BYTES)
+    return mode and pdl_enabled(t)
 
 
 WEIGHT_PREFETCH_KB = 64  # a GEMV program's slab prefetch, at most (FASTDECODE_WEIGHT_PREFETCH_KB: KB, or "all")
 
 
-def weight_prefetch_bytes(t: torch.Tensor) -> int:
+def weight_prefetch_bytes(t: torch.Tensor, weight: Optional[torch.Tensor] = None) -> int:
     """The bytes of its weight slab a GEMV program prefetches into L2 before its PDL wait: 0 where
-    ``weight_prefetch_enabled`` is not, else ``FASTDECODE_WEIGHT_PREFETCH_KB`` KB (default
+    ``weight_prefetch_enabled(t, weight)`` is not, else ``FASTDECODE_WEIGHT_PREFETCH_KB`` KB (default
     ``WEIGHT_PREFETCH_KB``; "all": the whole slab; 0: none). The resident programs' prefetches must stay in L2
     (60 MB on the H200) until they read them, while the kernel before them still streams: the cap keeps them to
     a few MB. Read at every launch, so a CUDA graph keeps what was in force when it was captured."""
-    if not weight_prefetch_enabled(t):
+    if not weight_prefetch_enabled(t, weight):
         return 0
     kb = os.environ.get("FASTDECODE_WEIGHT_PREFETCH_KB", "").strip().lower()
     if kb == "all":

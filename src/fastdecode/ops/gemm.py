@@ -165,7 +165,7 @@ def linear_with_config(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, c
     config, part, locks = split_k_workspace(x.device, config, split, M, N, "linear")
     launch_skinny_linear(x, weight, bias, x_scale, x_mode, w_scale, w_mode, out, part, locks, config,
                          pdl=pdl_enabled(x), glu=glu, norm_weight=norm_weight, eps=eps, accumulate=accumulate,
-                         x_norm=x_norm, l2_slab=weight_prefetch_bytes(x))
+                         x_norm=x_norm, l2_slab=weight_prefetch_bytes(x, weight))
 
 
 def cublas_fp8_supported(M: int, N: int, K: int, x_mode: int, w_mode: int, out_dtype,
