@@ -134,14 +134,12 @@ class DecodeRunner:
         model.set_kernels(**{k: k not in OPT_IN_KERNELS for k in KERNELS})
         pdl_off = impl == "fastdecode-graph-no-pdl"  # the graph captured without programmatic dependent launch
         # the GEMVs' weight-slab L2 prefetch in the graph (a launch policy, like PDL): None the default rule
-        slabs = None
+        slabs = False if impl == "fastdecode-graph-no-weight_prefetch" else None
         # the next tokens: fastdecode.argmax on the fastdecode rows, torch.argmax on the torch rows and the ablation
         self.argmax = (fd_argmax if impl.startswith("fastdecode") and impl != "fastdecode-graph-no-argmax"
                        else _torch_argmax)
         if pdl_off or impl in ("fastdecode-graph-no-argmax", "fastdecode-graph-no-weight_prefetch"):
             model.backend = "triton"
-            if impl == "fastdecode-graph-no-weight_prefetch":
-                slabs = False
         elif impl.startswith("fastdecode-graph-no-"):
             k = impl[len("fastdecode-graph-no-"):]
             if k not in KERNELS or k in OPT_IN_KERNELS:
@@ -150,7 +148,8 @@ class DecodeRunner:
             model.set_kernels(**{k: False})
         elif impl.startswith("fastdecode-graph-with-"):  # opt-in switches on ("+" between several)
             ks = impl[len("fastdecode-graph-with-"):].split("+")
-            slabs = True if "weight_prefetch" in ks else None
+            if "weight_prefetch" in ks:
+                slabs = True
             ks = [k for k in ks if k not in OPT_IN_POLICIES]
             bad = [k for k in ks if k not in OPT_IN_KERNELS]
             if bad:
