@@ -91,12 +91,18 @@ def test_int4_norm_gemm_graph_decode_matches_the_unfused_step():
     """The int4 (W4A16) norm_gemm step (``ops.int4_norm_linear``: the norm inside the FMA kernels and splits the
     table picks for SmolLM2's shapes at group 32, the residual adds in their epilogues, norm weights other than ones
     kept in the kernels) replayed in CUDA graphs with PDL at batch 1 and 3 (bucket 4), against the unfused eager
-    step on the same int4 weights, step after step. An 8B int4 model, whose gate_up the table runs on the mma
-    kind, keeps the unfused step (``models.norm_gemm``: fused, it was slower)."""
+    step on the same int4 weights, step after step. An 8B int4 model takes the fused step only where this GPU's
+    int4 table runs every projection on the FMA kind at one token (``models.norm_gemm``: fused, the tensor-core
+    kinds were slower). The H200's table runs 8B gate_up on the mma kind. An H100 with no table of its own
+    (session 30) picks FMA everywhere by heuristics, so there the 8B model does fuse."""
     from fastdecode.models import norm_gemm
     from fastdecode.models.quantize import quantize_model_int4
+    from fastdecode.ops.int4 import get_int4_config
 
-    assert not norm_gemm.applies(quantize_model_int4(_llama8b("triton", layers=1)))
+    m8 = quantize_model_int4(_llama8b("triton", layers=1))
+    picks = [get_int4_config(1, p.out_features, p.in_features, p.group_size, p.qweight.device)
+             for p in norm_gemm._projections(m8.layers[0])]
+    assert norm_gemm.applies(m8) == all(impl == "triton" and cfg["kind"] == "fma" for impl, cfg in picks), picks
     cfg = ModelConfig.from_preset("smollm2-135m").replace(n_layers=LAYERS)
     model = random_model(cfg, device=DEV, dtype=torch.bfloat16, backend="triton", max_seq_len=512,
                          seed=int(torch.randint(0, 2**31, ())))
