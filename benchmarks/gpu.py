@@ -42,7 +42,7 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``overhead`` host time per eager call of the ops a patched transformers model runs, against the PyTorch ops
               they replace (``benchmarks/profile_eager_overhead.py``: why ``bench hf``'s patched rows are slower).
 * ``profile-small`` the same for the embedded model's shapes (SmolLM2-135M, random weights, bf16): the
-              launch-bound step of ``fastdecode generate``.
+              launch-bound step of ``fastdecode generate``; then for the embedded GGUF itself (native int4).
 * ``tp``      multi-GPU: the all-reduce tests, the all-reduce benchmark, 70B decode at TP = all GPUs.
 * ``attention`` ``benchmarks/sweep_attention.py``: the decode attention kernel's configs (RoPE + KV write
               inside) against the two kernels it replaces, 8B heads, short and long caches.
@@ -278,10 +278,13 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                 ("decode smollm2 bf16", _fd("bench", "decode", "--preset", "smollm2-135m", *small, "--impl",
                                             "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl",
                                             "fastdecode-graph-no-weight_prefetch"), 240)]
-    if name == "profile-small":
-        return [("profile smollm2", _fd("bench", "decode", "--preset", "smollm2-135m", "--profile", "--impl",
-                                        "fastdecode-graph-no-pdl", "fastdecode-graph",
-                                        "--out", str(out / "profile_decode.json")), 150)]
+    if name == "profile-small":  # the bf16 shapes, then the embedded GGUF itself (native int4: where its step's
+        # extra time over the bf16 step goes, session 30)
+        rows = ("--profile", "--impl", "fastdecode-graph-no-pdl", "fastdecode-graph")
+        return [("profile smollm2", _fd("bench", "decode", "--preset", "smollm2-135m", *rows,
+                                        "--out", str(out / "profile_decode.json")), 150),
+                ("profile embedded", _fd("bench", "decode", "--model", _embedded_gguf(), *rows,
+                                         "--out", str(out / "profile_embedded.json")), 150)]
     if name == "tp":
         if n_gpu < 2:
             return []

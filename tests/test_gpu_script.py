@@ -254,6 +254,15 @@ def test_decode_small_runs_the_embedded_model_and_its_bf16_shapes(gpu, tmp_path)
     assert steps[1][1][steps[1][1].index("--preset") + 1] == "smollm2-135m" and "peer-compile" in steps[1][1]
 
 
+def test_profile_small_profiles_the_bf16_shapes_and_the_embedded_gguf(gpu, tmp_path):
+    steps = gpu.suite_commands("profile-small", tmp_path, 1)
+    assert [label for label, _, _ in steps] == ["profile smollm2", "profile embedded"]
+    assert steps[0][1][steps[0][1].index("--preset") + 1] == "smollm2-135m"
+    assert steps[1][1][steps[1][1].index("--model") + 1].endswith(".gguf")
+    outs = [argv[argv.index("--out") + 1] for _, argv, _ in steps]
+    assert all("--profile" in argv for _, argv, _ in steps) and len(set(outs)) == 2  # one file each
+
+
 def test_int4_tune_merge_keeps_the_entries_it_does_not_tune(tmp_path):
     """The tuners' table start (``bench.harness.start_table``; the int4 and GEMM tuners both use it)."""
     import functools
