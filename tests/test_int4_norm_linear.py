@@ -278,7 +278,7 @@ def test_opcheck_both_ops():
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(_int4_add_linear_op.default,
                           (torch.randn(3, N, device=DEV).to(XDT), h.contiguous(), w.qweight, w.scales, zm, None,
-                           None, 32, "zero", "torch"),
+                           None, 32, "zero", "torch", False),
                           test_utils=("test_schema", "test_faketensor"))
 
 

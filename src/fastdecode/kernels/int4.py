@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
+from fastdecode.kernels.gemm import _epilogue, _fma_rows, _load_x, _split_k_partial
 from fastdecode.kernels.gemm_norm import _affine, _rows_rstd, norm_tile
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import (
@@ -75,7 +75,7 @@ def _int4_linear_kernel(
     UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
     FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, LOP3_ASM: tl.constexpr, USE_PDL: tl.constexpr,
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, X_GLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr,
 ):
@@ -113,12 +113,17 @@ def _int4_linear_kernel(
     columns a step and rows of that pass (``kernels.gemm_norm.norm_tile``). ACCUMULATE: out += the result (the
     residual add after wo / w2, in place; ``_epilogue``).
 
+    X_GLU (FMA path, 16-bit x, no X_NORM): x holds ``[gate | up]`` rows of 2K columns and the input is
+    ``silu(gate) * up``, computed at each load and rounded to x's dtype as the SiLU-and-mul kernel stores it
+    (``kernels.gemm._load_x``): w2 with SiLU-and-mul inside, the int4 ``int4_glu`` switch (session 30).
+
     L2_SLAB (bytes, 0: off; with USE_PDL, sm_90+; PF_LANES: the program's threads): before its PDL wait the program
     prefetches up to that much of its packed weight words (its BLOCK_N rows, its split's words) into L2, as
     ``kernels.gemm``'s skinny kernel does.
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
     tl.static_assert(not (X_NORM and X_FP8), "X_NORM takes a 16-bit residual stream, not an FP8 x")
+    tl.static_assert(not (X_GLU and (USE_DOT or X_NORM or X_FP8)), "X_GLU: the FMA path, 16-bit x, no X_NORM")
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -247,12 +252,12 @@ def _int4_linear_kernel(
                         f = _nibble_f32(qw, qw_hi, p)
                     INV = 1.0 / (16.0 ** (p % 4))
                     BIAS = 8388608.0 * INV
-                    x0 = tl.load(x0_ptr + kcol, mask=k_mask & (r0 < M), other=0.0)
+                    x0 = _load_x(x0_ptr + kcol, k_mask & (r0 < M), K, X_GLU)
                     if BLOCK_M > 1:
-                        x1 = tl.load(x0_ptr + stride_xm + kcol, mask=k_mask & (r0 + 1 < M), other=0.0)
+                        x1 = _load_x(x0_ptr + stride_xm + kcol, k_mask & (r0 + 1 < M), K, X_GLU)
                     if BLOCK_M > 2:
-                        x2 = tl.load(x0_ptr + 2 * stride_xm + kcol, mask=k_mask & (r0 + 2 < M), other=0.0)
-                        x3 = tl.load(x0_ptr + 3 * stride_xm + kcol, mask=k_mask & (r0 + 3 < M), other=0.0)
+                        x2 = _load_x(x0_ptr + 2 * stride_xm + kcol, k_mask & (r0 + 2 < M), K, X_GLU)
+                        x3 = _load_x(x0_ptr + 3 * stride_xm + kcol, k_mask & (r0 + 3 < M), K, X_GLU)
                     if NORM_AFFINE:  # one load of the norm weight for the BLOCK_M rows
                         g = tl.load(nw_ptr + kcol, mask=k_mask, other=0.0).to(tl.float32)
                         x0 = (x0.to(tl.float32) * g).to(W_DTYPE)
@@ -355,7 +360,7 @@ def fast_cvt_ok(x, uniform: bool, x_scale_mode: int = 0, scale_dtype=None) -> bo
 def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, bias, out, part, locks,
                        config: dict, x_scale=None, x_scale_mode: int = 0, warmup: bool = False, pdl: bool = False,
                        norm_weight=None, eps: float = 0.0, x_norm: bool = False, accumulate: bool = False,
-                       l2_slab: int = 0):
+                       l2_slab: int = 0, x_glu: bool = False):
     """Launch on 2-D views: x (M, K) unit stride in K (kernel column order), qweight (N, Kp // 8) int32,
     scales / zm (N, K // group_size) contiguous (zm: zeros uint8, mins, or None), out (M, N) contiguous.
 
@@ -376,8 +381,15 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     inline-PTX conversion where ``lop3_asm_ok``.
     ``l2_slab`` (bytes, 0: off; with ``pdl``, sm_90+ only: inline PTX): each program prefetches up to that much of its
     weight words into L2 before its PDL wait (the mma kind: instead of its first two tiles).
+    ``x_glu`` (the fma kind, 16-bit x, not ``x_norm``): x is (M, 2K) ``[gate | up]`` and the input ``silu(gate) *
+    up`` (X_GLU in the kernel).
     """
     M, K = x.shape
+    if x_glu:
+        if config["kind"] != "fma" or x_norm or x_scale is not None:
+            raise ValueError(f"x_glu runs on the fma kind with 16-bit x and no x_norm, got kind {config['kind']!r}, "
+                             f"x_norm={x_norm}, x_scale {'given' if x_scale is not None else 'None'}")
+        K //= 2
     _, split = split_k_blocks(K, config)
     if config["kind"] == "mma":
         return launch_int4_mma(x, qweight, scales, zm, group_size, zero_mode, bias, out, part, locks, config, split,
@@ -407,7 +419,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl,
         X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
         NORM_RM=norm_rm, NORM_NB=norm_nb,
-        ACCUMULATE=bool(accumulate), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
+        ACCUMULATE=bool(accumulate), X_GLU=bool(x_glu), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
         L2_SLAB=l2_slab, PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

@@ -13,7 +13,8 @@ of every block is a plain ``Linear`` (bf16 / fp16 / fp32) or, in a bf16 / fp16 m
 which the int4 table picks the FMA kernel at one token, or, in a bf16 / fp16 model, an ``Fp8Linear`` that runs
 W8A16 at the step's batch (``fp8_a16``, up to 4 rows). The int4 projections take the int4 ops of
 ``ops.int4_norm_linear`` (the norm weight stays in their kernels: it cannot be folded into int4 weights), and w2
-takes SiLU-and-mul as a kernel of its own, as on the unfused path: 6 kernels a block instead of 8.
+takes SiLU-and-mul as a kernel of its own, as on the unfused path: 6 kernels a block instead of 8. With
+``int4_glu`` (opt-in, session 30, not measured yet) w2's FMA kernel computes SiLU-and-mul in its loads: 5 kernels.
 
 FP8 blocks (session 26) take ``ops.w8a16``'s ``rms_norm_linear_w8a16`` / ``add_linear_w8a16_``: the attention norm
 inside wqkv's W8A16 GEMV, the residual adds in wo's and w2's epilogues (SiLU-and-mul in w2's loads). w13 keeps W8A8
@@ -173,13 +174,13 @@ def _norm_linear(h, norm, proj, be):
 
 
 def _add_linear(h, x, proj, be, glu: bool = False) -> None:
-    """h += proj(x) in place (``glu``: x is ``[gate | up]``, dense and FP8 projections only)."""
+    """h += proj(x) in place (``glu``: x is ``[gate | up]``; an int4 projection only with ``int4_glu``)."""
     if _dense(proj):
         add_linear_(h, x, proj.weight, proj.bias, glu=glu, backend=be, impl=proj.gemm_impl)
     elif _fp8(proj):
         add_linear_w8a16_(h, x, proj.weight, proj.weight_scale, proj.bias, glu=glu, backend=be)
     else:
-        int4_add_linear_(h, x, proj.packed, proj.bias, backend=be, impl=proj.impl if h.is_cuda else None)
+        int4_add_linear_(h, x, proj.packed, proj.bias, glu=glu, backend=be, impl=proj.impl if h.is_cuda else None)
 
 
 def _fp8(proj) -> bool:
@@ -205,7 +206,7 @@ def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens
         o = a.attend(qkv, model.rope, cache.k[i], cache.v[i], input_pos, seq_lens, be)
         _add_linear(h, o, wo, be)
         gu = _norm_linear(h, layer.ffn_norm, w13, be)
-        if f.fuse_down and f.fused and (_dense(w2) or _fp8(w2)):  # SiLU-and-mul in w2's loads
+        if f.fuse_down and f.fused and (_dense(w2) or _fp8(w2) or model.kernels["int4_glu"]):  # in w2's loads
             _add_linear(h, gu, w2, be, glu=True)
         else:
             _add_linear(h, silu_and_mul(gu, backend=be) if f.fused else silu_and_mul_ref(gu), w2, be)

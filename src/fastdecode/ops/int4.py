@@ -166,16 +166,18 @@ def _zm(w: Int4Weight) -> Optional[torch.Tensor]:
 
 
 def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=None, warmup: bool = False,
-                            norm_weight=None, eps: float = 0.0, x_norm: bool = False, accumulate: bool = False) -> None:
+                            norm_weight=None, eps: float = 0.0, x_norm: bool = False, accumulate: bool = False,
+                            glu: bool = False) -> None:
     """Run the kernel on 2-D views (x already in kernel column order) with an explicit config: the entry point of
     the int4 tuner and benchmark (``fastdecode.bench.int4``); no validation and no dispatch (``int4_linear`` /
     ``int4_linear_fp8`` are the checked ops). ``warmup``: compile only, see ``kernels.precompile``.
     ``norm_weight``, ``eps``, ``x_norm``, ``accumulate``: the RMSNorm of x inside and the residual add into out
-    (``ops.int4_norm_linear``; ``kernels.int4.launch_int4_linear``)."""
+    (``ops.int4_norm_linear``; ``kernels.int4.launch_int4_linear``). ``glu``: x is (M, 2K) ``[gate | up]`` and the
+    input ``silu(gate) * up`` (the fma kind only)."""
     from fastdecode.kernels.int4 import launch_int4_linear, split_k_blocks
     from fastdecode.kernels.int4_mma import mma_supported
 
-    M, K = x.shape
+    M, K = x.shape[0], x.shape[1] // (2 if glu else 1)
     N = w.N
     if config["kind"] == "mma" and (x_scale is not None
                                     or not mma_supported(x.dtype, w.scales.dtype, w.zero_mode, w.group_size, K)):
@@ -187,7 +189,7 @@ def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=N
     xs_mode = 0 if x_scale is None else (1 if x_scale.numel() == 1 else 2)
     launch_int4_linear(x, w.qweight, w.scales, _zm(w), w.group_size, w.zero_mode, bias, out, part, locks, config,
                        x_scale, xs_mode, warmup=warmup, pdl=pdl_enabled(x), norm_weight=norm_weight, eps=eps,
-                       x_norm=x_norm, accumulate=accumulate, l2_slab=weight_prefetch_bytes(x))
+                       x_norm=x_norm, accumulate=accumulate, l2_slab=weight_prefetch_bytes(x), x_glu=glu)
 
 
 def op_weight(qweight, scales, zm, perm, group_size: int, zero_mode: str, K: int) -> Int4Weight:

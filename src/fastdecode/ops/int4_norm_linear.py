@@ -4,6 +4,7 @@ dense ones.
 
     int4_rms_norm_linear(h, g, W):  rms_norm(h, g, eps) @ dequantize_int4(W).T + bias
     int4_add_linear_(r, x, W):      r += x @ dequantize_int4(W).T + bias   (in place)
+    int4_add_linear_(r, gu, W, glu=True):  r += silu_and_mul(gu) @ dequantize_int4(W).T + bias
 
 Unlike a dense weight, an int4 weight cannot take the norm weight ``g`` (``W * g`` is no longer int4 on the
 same scales), so ``g`` stays in the kernel: the loop multiplies ``h * g``, rounded to h's dtype as the norm kernel
@@ -15,6 +16,12 @@ the residual in the epilogue, one rounding (ACCUMULATE). Where the dispatcher pi
 or ``impl="dequant"``), the two ops run the norm kernel then the GEMM, or the GEMM then an add. Where it picks a
 tensor-core kind (dot, mma), ``int4_rms_norm_linear`` runs the norm kernel then that GEMM too: there the pass over
 whole rows in every program cost more than the norm kernel (session 18, H200; ``models.norm_gemm``).
+
+``glu=True`` (the ``int4_glu`` switch, opt-in, session 30): the FMA kernel computes ``silu(gate) * up`` as it loads
+its input, rounded to x's dtype as the SiLU-and-mul kernel stores it, so the result equals SiLU-and-mul then the
+GEMM bit for bit, one kernel fewer. Session 11 removed this form for the 8B (e4f24cd: its K = 14336 FMA loop is
+issue-bound, +201 us a step); it is back for the launch-bound small models (SmolLM2's w2: K = 1536), not measured
+yet. Other kinds, dequantise + cuBLAS and act-order weights run the SiLU-and-mul kernel first.
 """
 
 from __future__ import annotations
@@ -23,11 +30,11 @@ from typing import Optional
 
 import torch
 
-from fastdecode.ops._common import as_rows, check_eps, check_out, check_same_device
+from fastdecode.ops._common import as_rows, check_eps, check_out, check_same_device, check_tensor
 from fastdecode.ops._registry import define_op
 from fastdecode.ops.gemm import check_bias
 from fastdecode.ops.int4 import (
-    _zm, check_x, dispatch, int4_linear_dequant_cublas, int4_linear_with_config, op_weight, resolve_impl,
+    X_DTYPES, _zm, check_x, dispatch, int4_linear_dequant_cublas, int4_linear_with_config, op_weight, resolve_impl,
 )
 from fastdecode.ops.int4_format import Int4Weight, dequantize_int4
 from fastdecode.ops.norm_linear import check_norm_weight, check_residual
@@ -77,12 +84,22 @@ def _(h, norm_weight, qweight, scales, zm, perm, bias, out, group_size, zero_mod
 @define_op("int4_add_linear_", mutates_args=("residual",))
 def _int4_add_linear_op(residual: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                         zm: Optional[torch.Tensor], perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                        group_size: int, zero_mode: str, impl: str) -> None:
-    """residual (M, N) contiguous; x (M, K) original column order, unit stride in K."""
-    w = op_weight(qweight, scales, zm, perm, group_size, zero_mode, x.shape[1])
+                        group_size: int, zero_mode: str, impl: str, glu: bool) -> None:
+    """residual (M, N) contiguous; x (M, K) original column order, unit stride in K (``glu``: (M, 2K) ``[gate |
+    up]``)."""
+    from fastdecode.ops.activation import silu_and_mul
+
+    K = x.shape[1] // (2 if glu else 1)
+    w = op_weight(qweight, scales, zm, perm, group_size, zero_mode, K)
     if impl == "torch":
-        residual.copy_(int4_add_linear_ref(residual, x, w, bias))
+        residual.copy_(int4_add_linear_ref(residual, x, w, bias, glu=glu))
         return
+    if glu:
+        which, cfg = dispatch(impl, x.narrow(1, 0, K), w)
+        if which == "triton" and cfg["kind"] == "fma" and perm is None:
+            int4_linear_with_config(x, w, bias, residual, cfg, accumulate=True, glu=True)
+            return
+        x = silu_and_mul(x, backend="triton")  # the two kernels (module docstring)
     if perm is not None:
         x = x.index_select(1, perm)
     which, cfg = dispatch(impl, x, w)
@@ -95,7 +112,7 @@ def _int4_add_linear_op(residual: torch.Tensor, x: torch.Tensor, qweight: torch.
 
 
 @_int4_add_linear_op.register_fake
-def _(residual, x, qweight, scales, zm, perm, bias, group_size, zero_mode, impl):
+def _(residual, x, qweight, scales, zm, perm, bias, group_size, zero_mode, impl, glu):
     return None
 
 
@@ -130,14 +147,23 @@ def int4_rms_norm_linear(h, norm_weight, packed: Int4Weight, bias=None, *, eps: 
     return out
 
 
-def int4_add_linear_(residual, x, packed: Int4Weight, bias=None, *, backend: Optional[str] = None,
-                     impl: Optional[str] = None) -> torch.Tensor:
+def int4_add_linear_(residual, x, packed: Int4Weight, bias=None, *, glu: bool = False,
+                     backend: Optional[str] = None, impl: Optional[str] = None) -> torch.Tensor:
     """``residual += x @ dequantize_int4(packed).T + bias`` in place (fp32 sum, one rounding); returns residual.
 
     residual: (..., N) contiguous, x's dtype; x: (..., K) bf16/fp16 (rows may be strided); packed: an
-    :class:`Int4Weight` (N, K); bias: (N,) or None. Nothing is written when the arguments are rejected.
+    :class:`Int4Weight` (N, K); bias: (N,) or None. ``glu``: x is (..., 2K) ``[gate | up]`` and the input
+    ``silu_and_mul(x)``, computed inside the FMA kernel (module docstring). Nothing is written when the arguments
+    are rejected.
     """
-    check_x("x", x, packed)
+    if glu:
+        check_tensor("x", x, dtypes=X_DTYPES)
+        if x.dim() == 0 or x.shape[-1] != 2 * packed.K:
+            raise ValueError(f"x must have shape (..., 2 * K) = (..., {2 * packed.K}) with glu=True ([gate | up], "
+                             f"each K wide, for a weight of K = {packed.K}), got {tuple(x.shape)}")
+        check_x("x's gate half", x[..., :packed.K], packed)
+    else:
+        check_x("x", x, packed)
     N = packed.N
     bias = check_bias(bias, N, (x.dtype,), "the weight")
     check_residual(residual, (*x.shape[:-1], N), x.dtype)
@@ -147,7 +173,7 @@ def int4_add_linear_(residual, x, packed: Int4Weight, bias=None, *, backend: Opt
     if x2.shape[0] == 0 or N == 0:
         return residual
     _int4_add_linear_op(residual.view(-1, N), x2, packed.qweight, packed.scales, _zm(packed), packed.perm, bias,
-                        packed.group_size, packed.zero_mode, impl_s)
+                        packed.group_size, packed.zero_mode, impl_s, bool(glu))
     return residual
 
 
@@ -167,8 +193,13 @@ def int4_rms_norm_linear_ref(h, norm_weight, packed: Int4Weight, bias=None, *, e
     return y.to(h.dtype)
 
 
-def int4_add_linear_ref(residual, x, packed: Int4Weight, bias=None) -> torch.Tensor:
-    """Reference of :func:`int4_add_linear_` (out of place): ``residual + x @ W.T + bias`` in fp32, one rounding."""
+def int4_add_linear_ref(residual, x, packed: Int4Weight, bias=None, *, glu: bool = False) -> torch.Tensor:
+    """Reference of :func:`int4_add_linear_` (out of place): ``residual + x @ W.T + bias`` in fp32, one rounding
+    (``glu``: x is ``[gate | up]`` and ``silu_and_mul_ref(x)`` the input)."""
+    if glu:
+        from fastdecode.ops.activation import silu_and_mul_ref
+
+        x = silu_and_mul_ref(x)
     y = residual.float() + x.float() @ dequantize_int4(packed, x.dtype).float().t()
     if bias is not None:
         y = y + bias.float()

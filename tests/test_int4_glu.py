@@ -1,0 +1,149 @@
+"""SiLU-and-mul inside the int4 FMA kernel's loads: ``int4_add_linear_(residual, gu, W, glu=True)`` and the
+``int4_glu`` switch of the ``norm_gemm`` step (opt-in, session 30).
+
+The kernel computes ``silu(gate) * up`` in fp32 at each load and rounds it to x's dtype as the SiLU-and-mul kernel
+stores it, so the fused op equals SiLU-and-mul then the same int4 kernel bit for bit. Other kinds, act-order
+weights and the dequantise path run the two kernels. Device-agnostic: the interpreter on the CPU (fp16), bf16 on a
+GPU.
+"""
+
+import pytest
+import torch
+
+import fastdecode.ops.activation as A
+import fastdecode.ops.int4 as I
+from fastdecode.kernels.int4 import launch_int4_linear
+from fastdecode.ops.activation import silu_and_mul
+from fastdecode.ops.int4_norm_linear import int4_add_linear_, int4_add_linear_ref
+from fastdecode.quant import int4 as Q
+from helpers import poison_, strided_rows
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+XDT = torch.bfloat16 if CUDA else torch.float16
+N, K = 37, 640  # odd N: partial N tiles; K = 2.5 layout tiles: padding, a partial K block
+
+# (FMA config, M, weight format, group): one row and four, split-K, PREFETCH, a K block of 512, every zero mode
+FMA = {
+    "m1_sym_g128": (dict(kind="fma", BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1), 1, "sym", 128),
+    "m3_split3_prefetch_zero_g32": (dict(kind="fma", BLOCK_M=4, BLOCK_N=8, BLOCK_K=256, SPLIT_K=3, PREFETCH=True),
+                                    3, "zero", 32),
+    "m2_bk512_split2_min_g64": (dict(kind="fma", BLOCK_M=2, BLOCK_N=16, BLOCK_K=512, SPLIT_K=2), 2, "min", 64),
+}
+
+
+def _packed(fmt, g, g_idx=None):
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    s = (torch.rand(N, K // g) * 0.02 + 0.005).to(XDT)
+    kw = ({"zeros": torch.randint(0, 16, (N, K // g), dtype=torch.uint8)} if fmt == "zero"
+          else {"mins": (torch.randn(N, K // g) * 0.05).to(XDT)} if fmt == "min" else {})
+    return Q.prepack(q, s, group_size=g, g_idx=g_idx, **kw).to(DEV)
+
+
+def _gu(M):
+    """``[gate | up]`` rows (M, 2K) of the w13 output, strided."""
+    return (strided_rows(M, 2 * K, torch.float32, DEV) * 2).to(XDT)
+
+
+@pytest.mark.parametrize("name", list(FMA))
+def test_the_fma_kernel_with_glu_equals_silu_and_mul_then_the_kernel(name):
+    cfg, M, fmt, g = FMA[name]
+    w = _packed(fmt, g)
+    gu = _gu(M)
+    bias = torch.randn(N, device=DEV).to(XDT) if fmt == "zero" else None
+    r0 = (torch.randn(M, N, device=DEV) * 3).to(XDT)
+    fused, two = r0.clone(), r0.clone()
+    I.int4_linear_with_config(gu, w, bias, fused, cfg, accumulate=True, glu=True)
+    I.int4_linear_with_config(silu_and_mul(gu, backend="triton"), w, bias, two, cfg, accumulate=True)
+    assert not torch.equal(fused, r0)
+    assert torch.equal(fused, two)
+    out = poison_(torch.empty(M, N, dtype=XDT, device=DEV))  # without the add: every element written
+    I.int4_linear_with_config(gu, w, bias, out, cfg, glu=True)
+    torch.testing.assert_close(out.float() + r0.float(), two.float(), rtol=2 * torch.finfo(XDT).eps, atol=1e-2)
+
+
+def _count_silu(monkeypatch):
+    calls = []
+    real = A.silu_and_mul
+    monkeypatch.setattr(A, "silu_and_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("M", [1, 6])
+def test_the_op_fuses_on_the_fma_kind_else_runs_two_kernels(M, monkeypatch):
+    """M = 1 takes the FMA kind (no SiLU-and-mul kernel); M = 6 the dot kind (the heuristics on a CPU; a table on a
+    GPU may pick either): the two kernels. Both equal SiLU-and-mul then ``int4_add_linear_`` exactly."""
+    w = _packed("zero", 64)
+    gu = _gu(M)
+    r0 = (torch.randn(M, N, device=DEV) * 3).to(XDT)
+    expect = int4_add_linear_(r0.clone(), silu_and_mul(gu, backend="triton"), w, backend="triton")
+    calls = _count_silu(monkeypatch)
+    got = int4_add_linear_(r0.clone(), gu, w, glu=True, backend="triton")
+    assert torch.equal(got, expect)
+    _, cfg = I.dispatch("triton", gu[:, :K], w)
+    assert len(calls) == (0 if cfg["kind"] == "fma" else 1), (cfg, calls)
+
+
+def test_leading_dims_act_order_and_the_torch_backend():
+    w = _packed("sym", 128)
+    gu = _gu(6).view(2, 3, 2 * K)
+    r0 = (torch.randn(2, 3, N, device=DEV) * 3).to(XDT)
+    got = int4_add_linear_(r0.clone(), gu, w, glu=True, backend="triton")
+    assert torch.equal(got, int4_add_linear_(r0.clone(), silu_and_mul(gu, backend="triton"), w, backend="triton"))
+    ref = int4_add_linear_ref(r0, gu, w, glu=True)
+    assert torch.equal(int4_add_linear_(r0.clone(), gu, w, glu=True, backend="torch"), ref)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=5e-2)
+    # GPTQ act-order: the gather of [gate | up] is not fused, the two kernels run
+    wa = _packed("zero", 64, g_idx=torch.randperm(K) % (K // 64))
+    g1 = _gu(1)
+    r1 = (torch.randn(1, N, device=DEV) * 3).to(XDT)
+    assert torch.equal(int4_add_linear_(r1.clone(), g1, wa, glu=True, backend="triton"),
+                       int4_add_linear_(r1.clone(), silu_and_mul(g1, backend="triton"), wa, backend="triton"))
+
+
+def test_bad_input_is_refused_and_the_residual_left_alone():
+    w = _packed("sym", 128)
+    r0 = torch.randn(1, N, device=DEV).to(XDT)
+    r = r0.clone()
+    with pytest.raises(ValueError, match=r"\(\.\.\., 2 \* K\) = \(\.\.\., 1280\) with glu=True"):
+        int4_add_linear_(r, _gu(1)[:, :K], w, glu=True)
+    with pytest.raises(ValueError, match="x must have dtype|x"):
+        int4_add_linear_(r, _gu(1).float(), w, glu=True)
+    assert torch.equal(r, r0)
+    cfg = dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1)
+    with pytest.raises(ValueError, match="x_glu runs on the fma kind"):
+        launch_int4_linear(_gu(1), w.qweight, w.scales, None, 128, "sym", None, r, None, None, cfg, x_glu=True)
+    assert torch.equal(r, r0)
+
+
+def test_the_int4_glu_switch_gives_the_same_decode_steps(monkeypatch):
+    """A tiny int4 model on the ``norm_gemm`` step: with ``int4_glu`` w2 takes SiLU-and-mul in its loads (no
+    SiLU-and-mul kernel runs) and the steps are those of the switch off, bit for bit (logits and caches)."""
+    import fastdecode.models.norm_gemm as NG
+    from fastdecode.engine.kv_cache import KVCache
+    from fastdecode.engine.loader import random_model
+    from fastdecode.models.config import ModelConfig
+    from fastdecode.models.quantize import quantize_model_int4
+
+    cfg = ModelConfig.from_preset("tiny").replace(n_layers=2)
+    m = random_model(cfg, device=DEV, dtype=XDT, backend="triton", max_seq_len=64, std=0.2,
+                     seed=int(torch.randint(0, 2**31, ())))
+    quantize_model_int4(m)
+    assert not m.kernels["int4_glu"] and NG.applies(m)
+    toks = torch.randint(0, cfg.vocab_size, (2, 6), device=DEV)
+    caches = [KVCache(cfg, 2, 16, dtype=XDT, device=DEV) for _ in range(2)]
+    for c in caches:
+        m.prefill(toks[:, :4], c)
+    calls = _count_silu(monkeypatch)
+    monkeypatch.setattr(NG, "silu_and_mul", A.silu_and_mul)  # the step's own SiLU-and-mul, counted too
+    for t in (4, 5):
+        pos = torch.tensor([t, t - 2], device=DEV)
+        m.set_kernels(int4_glu=True)
+        on = m.decode(toks[:, t], pos, caches[0])
+        fused_calls = len(calls)
+        m.set_kernels(int4_glu=False)
+        off = m.decode(toks[:, t], pos, caches[1])
+        assert torch.equal(on, off)
+        assert fused_calls == 0 and len(calls) == cfg.n_layers, calls  # the two kernels: one a layer
+        calls.clear()
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
