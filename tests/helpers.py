@@ -108,6 +108,18 @@ def fp8_dequantised(w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
     return w.float() * (ws.reshape(-1, 1) if ws.numel() > 1 else ws)
 
 
+def random_int4(fmt: str, N: int, K: int, g: int, dtype, device, g_idx=None):
+    """A prepacked int4 weight (N, K), group ``g``, of random integers and scales of the activations' ``dtype``
+    (``fmt``: "sym", "zero" or "min"; ``g_idx``: GPTQ act-order groups)."""
+    from fastdecode.quant import int4 as Q
+
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    s = (torch.rand(N, K // g) * 0.02 + 0.005).to(dtype)
+    kw = ({"zeros": torch.randint(0, 16, (N, K // g), dtype=torch.uint8)} if fmt == "zero"
+          else {"mins": (torch.randn(N, K // g) * 0.05).to(dtype)} if fmt == "min" else {})
+    return Q.prepack(q, s, group_size=g, g_idx=g_idx, **kw).to(device)
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill an output buffer with NaN (or 0xFF bytes for FP8: NaN too) so unwritten elements fail."""
     if t.dtype == FP8:

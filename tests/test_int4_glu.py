@@ -12,11 +12,9 @@ import torch
 
 import fastdecode.ops.activation as A
 import fastdecode.ops.int4 as I
-from fastdecode.kernels.int4 import launch_int4_linear
 from fastdecode.ops.activation import silu_and_mul
 from fastdecode.ops.int4_norm_linear import int4_add_linear_, int4_add_linear_ref
-from fastdecode.quant import int4 as Q
-from helpers import poison_, strided_rows
+from helpers import poison_, random_int4, strided_rows
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -33,11 +31,7 @@ FMA = {
 
 
 def _packed(fmt, g, g_idx=None):
-    q = torch.randint(0, 16, (N, K), dtype=torch.uint8)
-    s = (torch.rand(N, K // g) * 0.02 + 0.005).to(XDT)
-    kw = ({"zeros": torch.randint(0, 16, (N, K // g), dtype=torch.uint8)} if fmt == "zero"
-          else {"mins": (torch.randn(N, K // g) * 0.05).to(XDT)} if fmt == "min" else {})
-    return Q.prepack(q, s, group_size=g, g_idx=g_idx, **kw).to(DEV)
+    return random_int4(fmt, N, K, g, XDT, DEV, g_idx)
 
 
 def _gu(M):
@@ -63,9 +57,14 @@ def test_the_fma_kernel_with_glu_equals_silu_and_mul_then_the_kernel(name):
 
 
 def _count_silu(monkeypatch):
+    """Count the SiLU-and-mul kernel's calls, from the activation module and from the int4 op's fallback."""
+    import fastdecode.ops.int4_norm_linear as INL
+
     calls = []
     real = A.silu_and_mul
-    monkeypatch.setattr(A, "silu_and_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    counted = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(A, "silu_and_mul", counted)
+    monkeypatch.setattr(INL, "silu_and_mul", counted)
     return calls
 
 
@@ -112,7 +111,7 @@ def test_bad_input_is_refused_and_the_residual_left_alone():
     assert torch.equal(r, r0)
     cfg = dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1)
     with pytest.raises(ValueError, match="x_glu runs on the fma kind"):
-        launch_int4_linear(_gu(1), w.qweight, w.scales, None, 128, "sym", None, r, None, None, cfg, x_glu=True)
+        I.int4_linear_with_config(_gu(1), w, None, r, cfg, accumulate=True, glu=True)
     assert torch.equal(r, r0)
 
 

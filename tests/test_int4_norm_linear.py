@@ -20,8 +20,7 @@ from fastdecode.ops.int4_format import dequantize_int4
 from fastdecode.ops.int4_norm_linear import (
     int4_add_linear_, int4_add_linear_ref, int4_rms_norm_linear, int4_rms_norm_linear_ref,
 )
-from fastdecode.quant import int4 as Q
-from helpers import assert_product_close, poison_, precompile_calls, strided_rows
+from helpers import assert_product_close, poison_, precompile_calls, random_int4, strided_rows
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -46,12 +45,7 @@ CASES = {
 def _packed(fmt, g, g_idx=None):
     """Random integers, scales of the activations' dtype (the mma kind computes "min" only then:
     ``int4_mma.mma_supported``); ``g_idx``: GPTQ act-order groups."""
-    G = K // g
-    q = torch.randint(0, 16, (N, K), dtype=torch.uint8)
-    s = (torch.rand(N, G) * 0.02 + 0.005).to(XDT)
-    kw = ({"zeros": torch.randint(0, 16, (N, G), dtype=torch.uint8)} if fmt == "zero"
-          else {"mins": (torch.randn(N, G) * 0.05).to(XDT)} if fmt == "min" else {})
-    return Q.prepack(q, s, group_size=g, g_idx=g_idx, **kw).to(DEV)
+    return random_int4(fmt, N, K, g, XDT, DEV, g_idx)
 
 
 def _h(M, k=K):

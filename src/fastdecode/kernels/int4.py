@@ -381,15 +381,10 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     inline-PTX conversion where ``lop3_asm_ok``.
     ``l2_slab`` (bytes, 0: off; with ``pdl``, sm_90+ only: inline PTX): each program prefetches up to that much of its
     weight words into L2 before its PDL wait (the mma kind: instead of its first two tiles).
-    ``x_glu`` (the fma kind, 16-bit x, not ``x_norm``): x is (M, 2K) ``[gate | up]`` and the input ``silu(gate) *
-    up`` (X_GLU in the kernel).
+    ``x_glu`` (the fma kind, 16-bit x, not ``x_norm``; ``ops.int4.int4_linear_with_config`` checks it): x is (M, 2K)
+    ``[gate | up]`` and the input ``silu(gate) * up`` (X_GLU in the kernel).
     """
-    M, K = x.shape
-    if x_glu:
-        if config["kind"] != "fma" or x_norm or x_scale is not None:
-            raise ValueError(f"x_glu runs on the fma kind with 16-bit x and no x_norm, got kind {config['kind']!r}, "
-                             f"x_norm={x_norm}, x_scale {'given' if x_scale is not None else 'None'}")
-        K //= 2
+    M, K = x.shape[0], x.shape[1] // (2 if x_glu else 1)
     _, split = split_k_blocks(K, config)
     if config["kind"] == "mma":
         return launch_int4_mma(x, qweight, scales, zm, group_size, zero_mode, bias, out, part, locks, config, split,

@@ -178,6 +178,9 @@ def int4_linear_with_config(x, w: Int4Weight, bias, out, config: dict, x_scale=N
     from fastdecode.kernels.int4_mma import mma_supported
 
     M, K = x.shape[0], x.shape[1] // (2 if glu else 1)
+    if glu and (config["kind"] != "fma" or x_norm or x_scale is not None):
+        raise ValueError(f"x_glu runs on the fma kind with 16-bit x and no x_norm, got kind {config['kind']!r}, "
+                         f"x_norm={x_norm}, x_scale {'given' if x_scale is not None else 'None'}")
     N = w.N
     if config["kind"] == "mma" and (x_scale is not None
                                     or not mma_supported(x.dtype, w.scales.dtype, w.zero_mode, w.group_size, K)):

@@ -32,6 +32,7 @@ import torch
 
 from fastdecode.ops._common import as_rows, check_eps, check_out, check_same_device, check_tensor
 from fastdecode.ops._registry import define_op
+from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref
 from fastdecode.ops.gemm import check_bias
 from fastdecode.ops.int4 import (
     X_DTYPES, _zm, check_x, dispatch, int4_linear_dequant_cublas, int4_linear_with_config, op_weight, resolve_impl,
@@ -87,28 +88,22 @@ def _int4_add_linear_op(residual: torch.Tensor, x: torch.Tensor, qweight: torch.
                         group_size: int, zero_mode: str, impl: str, glu: bool) -> None:
     """residual (M, N) contiguous; x (M, K) original column order, unit stride in K (``glu``: (M, 2K) ``[gate |
     up]``)."""
-    from fastdecode.ops.activation import silu_and_mul
-
     K = x.shape[1] // (2 if glu else 1)
     w = op_weight(qweight, scales, zm, perm, group_size, zero_mode, K)
     if impl == "torch":
         residual.copy_(int4_add_linear_ref(residual, x, w, bias, glu=glu))
         return
-    if glu:
-        which, cfg = dispatch(impl, x.narrow(1, 0, K), w)
-        if which == "triton" and cfg["kind"] == "fma" and perm is None:
-            int4_linear_with_config(x, w, bias, residual, cfg, accumulate=True, glu=True)
-            return
-        x = silu_and_mul(x, backend="triton")  # the two kernels (module docstring)
+    which, cfg = dispatch(impl, x.narrow(1, 0, K), w)  # the shape of the GEMM's input, glu or not
+    if glu and (which == "dequant" or cfg["kind"] != "fma" or perm is not None):
+        x, glu = silu_and_mul(x, backend="triton"), False  # the two kernels (module docstring)
     if perm is not None:
         x = x.index_select(1, perm)
-    which, cfg = dispatch(impl, x, w)
     if which == "dequant":  # dequantise + cuBLAS, then the add
         y = torch.empty_like(residual)
         int4_linear_dequant_cublas(x, w, bias, y)
         residual.add_(y)
     else:
-        int4_linear_with_config(x, w, bias, residual, cfg, accumulate=True)
+        int4_linear_with_config(x, w, bias, residual, cfg, accumulate=True, glu=glu)
 
 
 @_int4_add_linear_op.register_fake
@@ -197,8 +192,6 @@ def int4_add_linear_ref(residual, x, packed: Int4Weight, bias=None, *, glu: bool
     """Reference of :func:`int4_add_linear_` (out of place): ``residual + x @ W.T + bias`` in fp32, one rounding
     (``glu``: x is ``[gate | up]`` and ``silu_and_mul_ref(x)`` the input)."""
     if glu:
-        from fastdecode.ops.activation import silu_and_mul_ref
-
         x = silu_and_mul_ref(x)
     y = residual.float() + x.float() @ dequantize_int4(packed, x.dtype).float().t()
     if bias is not None:
