@@ -146,8 +146,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
             # fp8_a16 (on): wqkv, wo and w2 W8A16 at decode (ops.w8a16); off: W8A8; fp8_a16_all (opt-in): w13 too
             "fp8": ("decode fp8", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8", "--impl",
                                           "peer-compile", *abl, "fastdecode-graph-no-norm_gemm",
-                                          "fastdecode-graph-no-fp8_a16", "fastdecode-graph-with-fp8_a16_all",
-                                          "fastdecode-graph-with-fp8_norm_gemm"), 420),
+                                          "fastdecode-graph-no-fp8_a16", "fastdecode-graph-with-fp8_a16_all"), 420),
             # int4_a8 (opt-in): W4A8 with int8 activations at decode
             "int4": ("decode int4", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
                                             "--impl", "peer-compile", *abl, "fastdecode-graph-no-norm_gemm",
@@ -177,10 +176,9 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "profile-switches":
         # the opt-in switches against the default step, PDL off for the whole process (durations that do not
         # overlap: the rows record pdl false), so the families say where a switch's gain or loss goes
-        # with-fp8_norm_gemm: w13's norm inside its GEMM (the norms and gate_up families)
         # with-l2_prefetch: where the attention's prefetch of wo moves time (o and attention families); the slabs'
         # policy needs PDL, so it has no row here
-        switch = {"fp8": ("no-norm_gemm", "no-fp8_a16", "with-fp8_a16_all", "with-l2_prefetch", "with-fp8_norm_gemm"),
+        switch = {"fp8": ("no-norm_gemm", "no-fp8_a16", "with-fp8_a16_all", "with-l2_prefetch"),
                   "int4": ("with-int4_a8", "with-l2_prefetch")}
         return [(f"profile {q} {' '.join(switch[q])}", ["env", "FASTDECODE_PDL=0"] + _fd(
                     "bench", "decode", "--preset", "llama-3.1-8b", "--profile", "--quant", q, "--impl",
@@ -242,10 +240,6 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         diag = str(ROOT / "benchmarks" / "diag_norm_gemm_test_bounds.py")
         return [("diag norm_gemm test bounds", [PY, diag, "--seeds", "150",
                                                 "--out", str(out / "diag_norm_gemm_test_bounds.json")], 240)]
-    if name == "norm-fp8":
-        # w13's norm and FP8 quantisation inside its W8A8 GEMM (fp8_norm_gemm) against the two kernels it replaces
-        return [("diag norm fp8", [PY, str(ROOT / "benchmarks" / "diag_norm_fp8.py"),
-                                   "--out", str(out / "diag_norm_fp8.json")], 180)]
     if name == "int8-producers":
         return [("diag int8 producers", [PY, str(ROOT / "benchmarks" / "diag_int8_producers.py"),
                                          "--out", str(out / "diag_int8_producers.json")], 180)]
@@ -308,8 +302,7 @@ WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attenti
 SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile",
           "profile-switches", "hf", "serve",
           "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
-          "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16", "int8-producers", "test-bounds", "l2-prefetch",
-          "norm-fp8")
+          "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16", "int8-producers", "test-bounds", "l2-prefetch")
 
 
 def _ncu() -> str | None:
@@ -647,7 +640,7 @@ def main(argv=None) -> int:
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
     # tp: with 2+ GPUs only
     not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-norm-pdl", "int4-diag", "int4-a8", "profile-switches",
-                  "w8a16", "int8-producers", "test-bounds", "l2-prefetch", "norm-fp8")
+                  "w8a16", "int8-producers", "test-bounds", "l2-prefetch")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")

@@ -309,8 +309,7 @@ def w8a16_ptx(num_warps: int = 4, num_stages: int = 1, **consts) -> str:
     otherwise (the kernel's constexpr names)."""
     base = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=2, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
                 USE_PDL=True, PREFETCH=True, W_EVICT=False, X_GLU=False, X_NORM=False, NORM_VEC=8, NORM_AFFINE=False,
-                NORM_ROWS=1, ACCUMULATE=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT=True, L2_SLAB=False,
-                PF_LANES=128)
+                ACCUMULATE=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT=True, L2_SLAB=False, PF_LANES=128)
     return sm90_ptx(_W8A16_PTX, json.dumps({"consts": {**base, **consts}, "num_warps": num_warps,
                                             "num_stages": num_stages}))
 

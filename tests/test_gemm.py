@@ -402,7 +402,7 @@ consts = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=0, USE_DOT=False, DOT
               USE_PDL=cfg.get("USE_PDL", False), PREFETCH=cfg.get("PREFETCH", False), W_EVICT=cfg.get("EVICT", False),
               X_GLU=False, L2_SLAB=cfg.get("L2_SLAB", 0), PF_LANES=32 * cfg["num_warps"],
               X_NORM=cfg.get("X_NORM", False), NORM_VEC=16 // (1 if "fp8" in elem_ty else 2),
-              NORM_AFFINE=cfg.get("NORM_AFFINE", True), NORM_ROWS=cfg["BLOCK_M"],
+              NORM_AFFINE=cfg.get("NORM_AFFINE", True),
               ACCUMULATE=cfg.get("ACCUMULATE", False),
               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
               SPLIT=not cfg.get("X_NORM", False))

@@ -197,10 +197,10 @@ def test_l2_prefetch_suite_runs_its_diagnosis_on_the_archived_w8a16_table(gpu, t
 def test_profile_switches_profiles_each_opt_in_switch_beside_the_default_step(gpu, tmp_path):
     steps = gpu.suite_commands("profile-switches", tmp_path, 1, formats=("fp8", "int4"))
     assert [label for label, _, _ in steps] == [
-        "profile fp8 no-norm_gemm no-fp8_a16 with-fp8_a16_all with-l2_prefetch with-fp8_norm_gemm",
+        "profile fp8 no-norm_gemm no-fp8_a16 with-fp8_a16_all with-l2_prefetch",
         "profile int4 with-int4_a8 with-l2_prefetch"]
     for (_, argv, _), q, switches in zip(steps, ("fp8", "int4"), (("no-norm_gemm", "no-fp8_a16", "with-fp8_a16_all",
-                                                                   "with-l2_prefetch", "with-fp8_norm_gemm"),
+                                                                   "with-l2_prefetch"),
                                                                   ("with-int4_a8", "with-l2_prefetch"))):
         assert argv[:2] == ["env", "FASTDECODE_PDL=0"] and "--profile" in argv
         assert argv[argv.index("--quant") + 1] == q
@@ -410,13 +410,3 @@ def test_part_arguments_are_checked(gpu, capsys):
         assert "--part wants K/N" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gpu.main(["tests", "--part", "1/2", "--workers", "2"])
-
-
-def test_norm_fp8_suite_runs_its_diagnosis(gpu, tmp_path):
-    [(label, argv, timeout)] = gpu.suite_commands("norm-fp8", tmp_path, 1)
-    assert label == "diag norm fp8" and argv[1].endswith("diag_norm_fp8.py") and timeout < 600
-    assert argv[argv.index("--out") + 1] == str(tmp_path / "diag_norm_fp8.json")
-    import runpy
-
-    shapes = runpy.run_path(argv[1])["SHAPES"]
-    assert shapes["8b_gate_up"] == (28672, 4096)

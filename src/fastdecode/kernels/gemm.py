@@ -17,10 +17,6 @@ products (constexpr ``USE_DOT``):
   large N dimension fills the MMA's 64-row side and the few tokens sit in its narrow side (>= 16).
   The tensor cores have ~100x headroom here, so padding M to 16 costs nothing but registers.
 
-X_NORM (RMSNorm of the input inside the GEMM, one split): on the FMA path with a 16-bit x; on the FP8 dot path
-with a 16-bit h that each K block quantises to e4m3 itself, one scale a row and block
-(``fastdecode.ops.norm_linear_fp8``: the norm kernel before a W8A8 GEMM folded into it).
-
 Split-K with a deterministic in-kernel fix-up: when ``SPLIT_K > 1`` the ``SPLIT_K`` programs of one
 output tile each write an fp32 partial to ``part[SPLIT_K, M, N]``, then bump the tile's counter
 (acq_rel atomic); the program that sees ``SPLIT_K - 1`` sums the partials in split order 0..SPLIT_K-1
@@ -35,7 +31,7 @@ import triton.language as tl
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
-from fastdecode.kernels.gemm_norm import _norm_fp8_block, _norm_input, _norm_rows, _spread_rows, _sum_squares
+from fastdecode.kernels.gemm_norm import _norm_input, _norm_rows, _sum_squares
 
 # x (activation) and w (weight) scales are applied in the epilogue by constexpr *_SCALE_MODE:
 # fastdecode.constants.SCALE_NONE / SCALE_TENSOR / SCALE_VECTOR.
@@ -143,7 +139,7 @@ def _skinny_linear_kernel(
     HAS_BIAS: tl.constexpr, X_SCALE_MODE: tl.constexpr, W_SCALE_MODE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP8: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr, W_EVICT: tl.constexpr, X_GLU: tl.constexpr, X_NORM: tl.constexpr,
-    NORM_VEC: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_ROWS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    NORM_VEC: tl.constexpr, NORM_AFFINE: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr,
 ):
@@ -152,15 +148,12 @@ def _skinny_linear_kernel(
     X_GLU: x is the ``[gate | up]`` output of the projection before (``(M, 2K)``, row stride stride_xm) and
     the input is ``silu(gate) * up`` computed at each load (``_load_x``): SiLU-and-mul fused into the GEMM.
 
-    X_NORM (no split): x holds the residual stream h and the input is ``rms_norm(h) * nw`` (RMSNorm
+    X_NORM (FMA path, no split): x holds the residual stream h and the input is ``rms_norm(h) * nw`` (RMSNorm
     with weight ``nw``, epsilon ``eps``). Each program streams its whole x row anyway (no split), so the row's
     sum of squares is accumulated beside the products of ``h * nw`` (rounded to x's dtype) with the weights, and
     the per-row ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums once at the end: no pass over x before the
-    weights (``ops.norm_linear.rms_norm_linear``). NORM_VEC: the elements of one thread's 16-byte x load (FMA).
+    weights (``ops.norm_linear.rms_norm_linear``). NORM_VEC: the elements of one thread's 16-byte x load.
     NORM_AFFINE: False for a norm without weight (nw_ptr unused), as when nw is folded into the GEMM's weight.
-    On the FP8 dot path (DOT_FP8, an FP8 weight, a 16-bit h) each K block of ``h * nw`` is quantised to e4m3 in the
-    loop, one scale a row (``kernels.gemm_norm._norm_fp8_block``; ``ops.norm_linear_fp8``), on NORM_ROWS rows spread
-    to the tile's (1 at one token, else BLOCK_M).
     ACCUMULATE: out += the result (the residual add after wo / w2, in place; ``_epilogue``).
 
     USE_PDL (programmatic dependent launch): this grid may be scheduled while the previous kernel
@@ -177,8 +170,7 @@ def _skinny_linear_kernel(
     but the first tile, which it loads) into L2 (``kernels.prefetch.l2_prefetch_rows``): the slabs of the programs
     resident early stream during the previous kernel's tail.
     """
-    tl.static_assert(not (X_NORM and (SPLIT or X_GLU or (USE_DOT and not DOT_FP8))),
-                     "X_NORM: one split, no X_GLU; FMA, or the FP8 dot path (a 16-bit h quantised per K block)")
+    tl.static_assert(not (X_NORM and (USE_DOT or SPLIT or X_GLU)), "X_NORM: FMA path, one split, no X_GLU")
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -209,37 +201,17 @@ def _skinny_linear_kernel(
 
     w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_k)[None, :]
     if USE_DOT:
-        # X_NORM with NORM_ROWS < BLOCK_M (M <= NORM_ROWS, one M tile: tile row i wraps onto row i % M): the block's
-        # norm and quantisation run on NORM_ROWS rows, spread to the tile's rows for the MMA (row i takes loaded row
-        # i % NORM_ROWS: the same for every stored row i < M)
-        xr = ((pid_m * BLOCK_M + tl.arange(0, NORM_ROWS)) % M).to(tl.int64)
         x_ptrs = x_ptr + rm[:, None] * stride_xm + (k0 + offs_k)[None, :]
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if X_NORM:  # h's squares, summed along K after the loop
-            sq = tl.zeros((NORM_ROWS, BLOCK_K), dtype=tl.float32)
         for kb in range(kb_start, kb_end):
-            k_mask = (kb * BLOCK_K + offs_k) < K
             if EVEN_K:
                 w = _load_w(w_ptrs, W_EVICT)
-            else:
-                w = _load_w_masked(w_ptrs, k_mask[None, :], W_EVICT)
-            if X_NORM and NORM_ROWS < BLOCK_M:
-                x = tl.load(x_ptr + xr[:, None] * stride_xm + (kb * BLOCK_K + offs_k)[None, :], mask=k_mask[None, :],
-                            other=0.0)
-            elif EVEN_K:
                 x = _load_x(x_ptrs, m_valid[:, None], K, X_GLU)
             else:
+                k_mask = (kb * BLOCK_K + offs_k) < K
+                w = _load_w_masked(w_ptrs, k_mask[None, :], W_EVICT)
                 x = _load_x(x_ptrs, m_valid[:, None] & k_mask[None, :], K, X_GLU)
-            if X_NORM:
-                # the norm's and the FP8 quantisation's work on this K block of h: one scale a row and block, the
-                # block's fp32 MMA sums times it (each block its own MMA chain, promoted as below)
-                q, s, h2 = _norm_fp8_block(x, nw_ptr, kb * BLOCK_K + offs_k, k_mask, NORM_AFFINE)
-                sq += h2
-                if NORM_ROWS < BLOCK_M:
-                    q = _spread_rows(q, BLOCK_M)
-                    s = tl.reshape(_spread_rows(s[:, None], BLOCK_M), (BLOCK_M,))
-                acc_t += tl.dot(w, tl.trans(q), max_num_imprecise_acc=FP8_PROMOTE_K) * s[None, :]
-            elif DOT_FP8:
+            if DOT_FP8:
                 # Hopper's FP8 MMA adds into a reduced-precision accumulator; by default Triton lets it
                 # run over the whole K (max_num_imprecise_acc = 2**30): 1e-3 relative errors, seen on
                 # the H200 at K = 64. Promoting into the fp32 accumulator after every MMA (K = 32) keeps
@@ -259,9 +231,6 @@ def _skinny_linear_kernel(
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         acc = tl.trans(acc_t)
-        if X_NORM:  # each row's rsqrt(mean(h^2) + eps)
-            rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
-            acc = acc * (_spread_rows(rstd, BLOCK_M) if NORM_ROWS < BLOCK_M else rstd)
     else:
         # one 2-D [BLOCK_N, BLOCK_K] fp32 accumulator per x row (BLOCK_M <= 4, unrolled at compile
         # time): each is in the weight tile's own register layout, so the loop is loads and FMAs
@@ -379,8 +348,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     PREFETCH (FMA path: register double buffer of the weight tile), EVICT (weights ``evict_first``)).
     ``pdl``: programmatic dependent launch (``kernels.pdl``) whatever the config says.
     ``glu``: x is (M, 2K) ``[gate | up]`` and the input is ``silu(gate) * up`` (SiLU-and-mul fused in).
-    ``norm_weight`` (K,): the input is ``rms_norm(x) * norm_weight`` with ``eps`` (one split; an FMA config, or a
-    DOT_FP8 one on FP8 weights with a 16-bit x, quantised per row and K block in the kernel);
+    ``norm_weight`` (K,): the input is ``rms_norm(x) * norm_weight`` with ``eps`` (FMA config, one split only);
     ``x_norm`` without ``norm_weight``: the input is ``rms_norm(x)`` with no weight (one folded into ``weight``).
     ``accumulate``: ``out += x @ weight.T (+ bias)``, one rounding (out's old values read in the epilogue).
     ``l2_slab`` (bytes, 0: off; with PDL, sm_90+ only: inline PTX): each program prefetches up to that much of its
@@ -394,14 +362,9 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     dummy = out
     pdl = pdl or bool(config.get("PDL", False))
     x_norm = x_norm or norm_weight is not None
-    fp8_dot = config["kind"] == "dot" and bool(config.get("DOT_FP8", False)) and weight.element_size() == 1
-    if x_norm and (not (config["kind"] == "fma" or fp8_dot) or split > 1 or glu):
-        raise ValueError("the RMSNorm in the GEMV needs one split, no glu and an FMA config, or a DOT_FP8 config on "
-                         "FP8 weights (the caller checks)")
+    if x_norm and (config["kind"] != "fma" or split > 1 or glu):
+        raise ValueError("the RMSNorm in the GEMV needs an FMA config with one split and no glu (the caller checks)")
     norm_vec = min(16 // x.element_size(), bk)  # one thread's 16-byte load of x (BLOCK_K: a power of 2)
-    # the rows X_NORM on the dot path computes: one at one token; 2 and 4 rows (sm_90 SASS: 266 and 334 a K step, 11
-    # and 9 barriers) were not cheaper than the tile's 16 (370, 6)
-    norm_rows = 1 if (x_norm and fp8_dot and M == 1) else bm
     l2_slab = slab_bytes(l2_slab, pdl, weight, bk * weight.element_size())
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,
@@ -413,7 +376,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
         USE_DOT=config["kind"] == "dot", DOT_FP8=bool(config.get("DOT_FP8", False)),
         EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=bool(config.get("PREFETCH", False)),
         W_EVICT=bool(config.get("EVICT", False)), X_GLU=glu, X_NORM=x_norm,
-        NORM_VEC=norm_vec, NORM_AFFINE=norm_weight is not None, NORM_ROWS=norm_rows, ACCUMULATE=accumulate,
+        NORM_VEC=norm_vec, NORM_AFFINE=norm_weight is not None, ACCUMULATE=accumulate,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, L2_SLAB=l2_slab,
         PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),

@@ -1,19 +1,15 @@
 """The RMSNorm inside the GEMMs (X_NORM): the helpers of ``kernels.gemm``'s skinny kernel and of the int4 kernels.
 
 Two forms. Where a program streams its whole x row (one split), the row's squares are summed beside the products and
-its ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums once at the end: the FMA kinds (``_sum_squares``, ``_norm_rows``)
-and the FP8 dot kind, which also quantises each K block of h itself (``_norm_fp8_block``). Where it sees a slice of K
-(split-K, the int4 kernels' tensor-core kinds), a pass over whole rows first (``_rows_rstd``, ``norm_tile``).
+its ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums once at the end: the skinny kernel's FMA kind (``_sum_squares``,
+``_norm_rows``). Where it sees a slice of K (split-K, the int4 kernels' tensor-core kinds), a pass over whole rows
+first (``_rows_rstd``, ``norm_tile``).
 """
 
 import triton
 import triton.language as tl
 
-from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
 from fastdecode.kernels.host import next_pow2
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
 
 
 @triton.jit
@@ -84,38 +80,6 @@ def _affine(x, g_ptr, cols, mask, XDT: tl.constexpr):
     arithmetic is wrong) -> XDT."""
     g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     return (x.to(tl.float32) * g).to(XDT)
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _norm_fp8_block(h, nw_ptr, cols, k_ok, NORM_AFFINE: tl.constexpr):
-    """X_NORM on the FP8 dot path: one K block of the h rows [BLOCK_M, BLOCK_K] -> (q, s, h^2): ``z = h * g``
-    rounded to h's dtype (h without g), quantised to e4m3 with one dynamic scale a row (``s = max(amax(|z|) / 448,
-    min)``, NaN for a row holding a NaN: ``kernels.quant``'s rule, carried by a NaN-propagating max, one reduction),
-    and h's squares in fp32 (the row's rstd is applied after the loop: it scales z, so it cancels in q)."""
-    hf = h.to(tl.float32)
-    if NORM_AFFINE:
-        g = tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
-        z = (hf * g[None, :]).to(h.dtype).to(tl.float32)
-    else:
-        z = hf
-    amax = tl.reduce(tl.abs(z), 1, _max_nan)  # NaN wins: one reduction carries the NaN rule too
-    s = tl.where(amax != amax, amax, tl.maximum(amax / _FP8_MAX, _FP8_MIN_SCALE))
-    q = tl.minimum(tl.maximum(z / s[:, None], -_FP8_MAX), _FP8_MAX)
-    return q.to(tl.float8e4nv), s, hf * hf
-
-
-@triton.jit
-def _spread_rows(x, ROWS: tl.constexpr):
-    """[R, C] -> [ROWS, C] (R divides ROWS), row i = x[i % R]: X_NORM's rows computed once, spread onto a tile whose
-    rows wrap onto them."""
-    R: tl.constexpr = x.shape[0]
-    C: tl.constexpr = x.shape[1]
-    return tl.reshape(tl.broadcast_to(x[None, :, :], (ROWS // R, R, C)), (ROWS, C))
 
 
 def norm_tile(block_m: int, m: int) -> tuple[int, int]:

@@ -52,7 +52,6 @@ by default): W4A8 decode with int8 activations (``fastdecode.models.int4.set_int
 ``fused_down``), two launches a layer fewer; ``w13`` keeps W8A8 (its norm emits FP8). ``fp8_a16_all`` (off by
 default): ``w13`` too, its norm then emitting 16-bit rows as well. ``l2_prefetch`` (off by default): the decode
 attention kernel prefetches wo's weight into L2 (``Attention.l2_prefetch_limit`` bytes of it; None: all).
-``fp8_norm_gemm`` (off by default): on the ``norm_gemm`` step, w13's norm and FP8 quantisation inside its W8A8 GEMM.
 ``int4_glu`` (off by default): on the ``norm_gemm`` step, SiLU-and-mul inside an int4 w2's FMA kernel.
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
@@ -95,13 +94,13 @@ from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
 KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm", "fused_rope",
-           "norm_gemm", "int4_a8", "fp8_a16", "fp8_a16_all", "l2_prefetch", "fp8_norm_gemm", "int4_glu")
+           "norm_gemm", "int4_a8", "fp8_a16", "fp8_a16_all", "l2_prefetch", "int4_glu")
 # switches off by default (``bench decode``'s ``-with-<switch>`` rows turn them on): a new kernel waits here until a
 # GPU has measured it (norm_gemm for int4 blocks did, sessions 17-18); int4_a8 also changes the numbers (int8
 # activations), so it would stay a choice even when it wins; fp8_a16 is on since session 25: W8A16 wqkv, wo and w2 were
 # faster than W8A8 in every H100 step measured (3300.7 against 3495.7 us, benchmarks/NOTES.md), with a perplexity
 # closer to the unquantised model's; fp8_a16_all (w13 too) was slower there
-OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16_all", "l2_prefetch", "fp8_norm_gemm", "int4_glu")
+OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16_all", "l2_prefetch", "int4_glu")
 
 
 def _lead(x) -> tuple:
@@ -167,7 +166,6 @@ class Fp8Linear(nn.Module):
                      if bias else None)
         self.gemm_impl: Optional[str] = None
         self.a16_max_rows = 0  # fp8_a16: up to this many rows of a 16-bit x run W8A16 (ops.w8a16), no quantisation
-        self.norm_in_gemm = False  # fp8_norm_gemm (w13, models.norm_gemm): the norm and the quantisation inside
 
     def _w8a16(self, x, backend: str, glu: bool = False) -> Optional[torch.Tensor]:
         """fp8_a16: x's rows as W8A16 (the reference for the "ref" backend, fp32 (the CPU engine) and more rows than
@@ -461,8 +459,6 @@ class Transformer(nn.Module):
             f.fuse_down = k["fused_down"]
             a.fused_rope, a.l2_prefetch = k["fused_rope"], k["l2_prefetch"]
             f.fp8_act = isinstance(f.w2, Fp8Linear) and k["fused_act"]
-            if isinstance(f.w13, Fp8Linear):
-                f.w13.norm_in_gemm = k["fp8_norm_gemm"]
             for lin in (a.wo, f.w2):
                 if isinstance(lin, Fp8Linear):
                     lin.a16_max_rows = a16

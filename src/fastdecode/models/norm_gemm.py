@@ -19,12 +19,9 @@ takes SiLU-and-mul as a kernel of its own, as on the unfused path: 6 kernels a b
 FP8 blocks (session 26) take ``ops.w8a16``'s ``rms_norm_linear_w8a16`` / ``add_linear_w8a16_``: the attention norm
 inside wqkv's W8A16 GEMV, the residual adds in wo's and w2's epilogues (SiLU-and-mul in w2's loads). w13 keeps W8A8
 after its norm kernel (FP8 output; the residual add has moved into wo), or with ``fp8_a16_all`` takes the norm
-inside its W8A16 GEMV too: 5 kernels a block (4 with ``fp8_a16_all``) instead of 6. With ``fp8_norm_gemm``
-(opt-in, session 28; it lost on an H100: +165 us on the 8B FP8 step, ``benchmarks/NOTES.md`` session 29) the W8A8
-w13 takes its norm and the activation's FP8 quantisation inside its tensor-core GEMM
-(``ops.norm_linear_fp8``: one e4m3 scale a row and 128-column block): 4 kernels a block, W8A8 kept. The norm
-weights stay in the kernels, as for int4: folding them into FP8 weights would round those weights to FP8 a second
-time. Beyond the W8A16 rows (batch > 4, or ``fp8_a16`` off) an FP8 model keeps the unfused step.
+inside its W8A16 GEMV too: 5 kernels a block (4 with ``fp8_a16_all``) instead of 6. The norm weights stay in the
+kernels, as for int4: folding them into FP8 weights would round those weights to FP8 a second time. Beyond the
+W8A16 rows (batch > 4, or ``fp8_a16`` off) an FP8 model keeps the unfused step.
 
 Why FMA only (session 18, H200, c13d239): every program of a fused int4 kernel first sums its rows' squares over
 the whole of K. In the FMA kernel (few tokens a program) that pass paid for itself: SmolLM2 Q4_1 shapes at M = 1
@@ -62,7 +59,6 @@ import torch
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref
 from fastdecode.ops.int4_norm_linear import int4_add_linear_, int4_rms_norm_linear
 from fastdecode.ops.norm_linear import add_linear_, fold_norm_weight, rms_norm_linear
-from fastdecode.ops.norm_linear_fp8 import rms_norm_linear_fp8
 from fastdecode.ops.w8a16 import add_linear_w8a16_, rms_norm_linear_w8a16
 
 
@@ -163,9 +159,6 @@ def _norm_linear(h, norm, proj, be):
         return rms_norm_linear(h, None, proj.weight, proj.bias, eps=norm.eps, backend=be, impl=proj.gemm_impl)
     if _fp8(proj):
         if not _a16(proj, h.shape[0]):  # W8A8 w13 (fp8_a16 without fp8_a16_all)
-            if proj.norm_in_gemm:  # fp8_norm_gemm: the norm and the quantisation inside the GEMM
-                return rms_norm_linear_fp8(h, norm.weight, proj.weight, proj.weight_scale, proj.bias, eps=norm.eps,
-                                           backend=be)
             return proj(norm(h, be), be)  # the norm emits FP8
         return rms_norm_linear_w8a16(h, norm.weight, proj.weight, proj.weight_scale, proj.bias, eps=norm.eps,
                                      backend=be)

@@ -210,10 +210,9 @@ def _(residual, x, weight, weight_scale, bias, glu, impl):
 
 
 def check_norm_fp8_args(h, norm_weight, weight_fp8, weight_scale, bias, eps) -> tuple:
-    """The checks of an op computing ``rms_norm(h, norm_weight, eps) @ (weight_fp8 * weight_scale).T + bias`` (this
-    module's and ``ops.norm_linear_fp8``'s): h (..., K) bf16 / fp16, norm_weight (K,) of h's dtype or None, an e4m3
-    weight (N, K), a bias of h's dtype -> (K, N, bias, the scale as an (N,) or (1,) vector, the contiguous
-    norm weight)."""
+    """The checks of an op computing ``rms_norm(h, norm_weight, eps) @ (weight_fp8 * weight_scale).T + bias``
+    (``rms_norm_linear_w8a16``): h (..., K) bf16 / fp16, norm_weight (K,) of h's dtype or None, an e4m3 weight
+    (N, K), a bias of h's dtype -> (K, N, bias, the scale as an (N,) or (1,) vector, the contiguous norm weight)."""
     from fastdecode.ops.norm_linear import check_norm_weight
 
     check_tensor("h", h, dtypes=X_DTYPES)
