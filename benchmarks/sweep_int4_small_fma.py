@@ -1,0 +1,131 @@
+"""Development sweep: the int4 FMA kind's tiles on SmolLM2's small shapes at one token (GPU), as the embedded
+model's ``norm_gemm`` step runs them, against the bf16 GEMVs of the same step.
+
+Session 31's profile of the embedded GGUF step (Q4_1: group 32, "min", fp16 scales; H100, PDL off) put each int4
+GEMV at 4.1-5.3 us of kernel time against 2.6-3.8 us for the bf16 GEMV of the same shape, though it reads a
+quarter of the bytes: ~1.5 us a call, ~170 us a step over 120 calls. The tuned tables' tiles on these shapes are
+BLOCK_N 16 (36-192 programs) and BLOCK_K 256 (K = 576 pads to 768: three steps); the bf16 kernel's are BLOCK_N
+4-8 and BLOCK_K 1024 (one step, 144-768 programs). ``bench.int4.candidates`` proposes no fma tile below
+BLOCK_N 16, under 4 warps or above BLOCK_K 256. This times, per shape, the op the step runs
+(``int4_rms_norm_linear``'s kernel for qkv / gate_up, ``int4_add_linear_``'s for o / down) with the table's tile
+and with a grid of smaller, wider tiles (BLOCK_N 4-16, 1-4 warps, BLOCK_K 256 or 1024, split-K 1-4), each
+checked against its fp32 reference first, in one process on rotated weights (CUDA graphs, PDL off:
+``bench.harness.time_cuda``); the bf16 op on the same shape is the baseline row.
+
+    PYTHONPATH=src python benchmarks/sweep_int4_small_fma.py --out rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep_int4_norm_gemv import EPS, SHAPES, _weight  # noqa: E402
+
+from fastdecode.bench.harness import make_row, rotation_count, time_cuda, write_rows  # noqa: E402
+from fastdecode.ops.int4 import get_int4_config, int4_linear_with_config  # noqa: E402
+from fastdecode.ops.int4_norm_linear import int4_add_linear_ref, int4_rms_norm_linear_ref  # noqa: E402
+from fastdecode.ops.norm_linear import add_linear_, rms_norm_linear  # noqa: E402
+
+SMALL = [name for name in SHAPES if name.startswith("smollm2.")]
+
+
+def tiles(K: int) -> list[dict]:
+    """The grid: fma tiles of 4-16 weight rows on 1-4 warps (at least one 16-byte word load a thread), BLOCK_K 256
+    with split-K 1, 2, 4 (fewer where K has fewer steps) or BLOCK_K 1024 (one step for K <= 1024)."""
+    out = []
+    for bn, nw, (bk, sk) in itertools.product((4, 8, 16), (1, 2, 4), ((256, 1), (256, 2), (256, 4), (1024, 1))):
+        if bn * bk // 8 < 32 * nw:  # fewer words than threads
+            continue
+        if bk == 256 and sk > -(-K // 256):
+            continue
+        out.append({"kind": "fma", "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
+                    "num_stages": 1, "PREFETCH": True})
+    return out
+
+
+def _name(cfg: dict) -> str:
+    return f"fma_n{cfg['BLOCK_N']}_k{cfg['BLOCK_K']}_s{cfg['SPLIT_K']}_w{cfg['num_warps']}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=",".join(SMALL))
+    p.add_argument("--out")
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a smoke run (tests)
+    p.add_argument("--max-tiles", type=int, default=0, help=argparse.SUPPRESS)  # smoke runs: the first n tiles
+    a = p.parse_args()
+    dev, dt, M = torch.device(a.device), torch.bfloat16, 1
+    rows = []
+    for name in a.shapes.split(","):
+        N, K, g, fmt, side = SHAPES[name]
+        w0 = _weight(N, K, g, fmt, dev)
+        wbytes = N * K // 2 + sum(t.numel() * t.element_size() for t in (w0.scales, w0.zeros, w0.mins) if t is not None)
+        n_rot = rotation_count(wbytes) if dev.type == "cuda" else 1
+        ws = [w0] + [_weight(N, K, g, fmt, dev) for _ in range(n_rot - 1)]
+        dense = [(torch.randn(N, K, device=dev) * 0.02).to(dt) for _ in range(n_rot)]
+        nw = (1 + 0.1 * torch.randn(K, device=dev)).to(dt)
+        xs = [(torch.randn(M, K, device=dev) * 3).to(dt) for _ in range(n_rot)]
+        out = torch.empty(M, N, device=dev, dtype=dt)
+        res = [(torch.randn(M, N, device=dev) * 3).to(dt) for _ in range(n_rot)]
+        r0 = res[0].clone()
+        table = get_int4_config(M, N, K, g, dev)
+        shape = {"M": M, "N": N, "K": K, "group": g, "format": fmt, "name": name, "dtype": "bfloat16",
+                 "table": list(table)}
+        if side == "norm":
+            ref = int4_rms_norm_linear_ref(xs[0], nw, ws[0], eps=EPS).float()
+
+            def make(cfg):
+                return [lambda i=i: int4_linear_with_config(xs[i], ws[i], None, out, cfg, norm_weight=nw, eps=EPS,
+                                                            x_norm=True) for i in range(n_rot)]
+            bf16 = [lambda i=i: rms_norm_linear(xs[i], nw, dense[i], eps=EPS, out=out) for i in range(n_rot)]
+            got = out
+        else:
+            ref = int4_add_linear_ref(r0, xs[0], ws[0]).float()
+
+            def make(cfg):
+                return [lambda i=i: int4_linear_with_config(xs[i], ws[i], None, res[i], cfg, accumulate=True)
+                        for i in range(n_rot)]
+            bf16 = [lambda i=i: add_linear_(res[i], xs[i], dense[i]) for i in range(n_rot)]
+            got = res[0]
+        cands = [("table", table[1])] if table[0] == "triton" else []
+        grid = tiles(K)
+        cands += [(_name(c), c) for c in grid[:a.max_tiles or None]]
+        base = None
+        for impl, cfg in [("bf16", None)] + cands:
+            try:
+                calls = bf16 if cfg is None else make(cfg)
+                if cfg is not None:  # checked once on fresh inputs (the add side restores its residual)
+                    res[0].copy_(r0)
+                    calls[0]()
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    err = float((got.float() - ref).abs().max() / ref.abs().max())
+                    if not err < 2e-2:
+                        raise AssertionError(f"max error {err:.3g} of the output's max against the reference")
+                if dev.type != "cuda":
+                    continue
+                t = time_cuda(calls, graph=True)
+            except Exception as e:  # recorded, not timed
+                rows.append(make_row("sweep_int4_small_fma", impl, shape, None, error=e, config=cfg))
+                print(f"{name:>16} {impl:<24} FAILED {e}", flush=True)
+                continue
+            base = base or t.median_us
+            rows.append(make_row("sweep_int4_small_fma", impl, shape, t, bytes_moved=wbytes, config=cfg,
+                                 vs_bf16=round(t.median_us / base, 3)))
+            print(f"{name:>16} {impl:<24} {t.median_us:7.2f} us  x{t.median_us / base:.3f} of bf16", flush=True)
+        best = min((r for r in rows if r["shape"] == shape and r["median_us"] and r["impl"] != "bf16"),
+                   key=lambda r: r["median_us"], default=None)
+        if best is not None:
+            print(f"{name:>16} best {best['impl']} {best['median_us']:.2f} us", flush=True)
+        if a.out:  # after each shape: a run cut short keeps the shapes it finished
+            write_rows(rows, a.out)
+
+
+if __name__ == "__main__":
+    main()
