@@ -271,10 +271,10 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                     "--out", str(out / "eager_overhead.json")], 180)]
     if name == "decode-small":  # the embedded model (GGUF Q4_1: native int4 on CUDA) and its shapes in bf16
         small = ("--batch", "1", "--iters", "30", "--out", str(out / "decode_small.json"))
-        # with-int4_glu: SiLU-and-mul in w2's int4 FMA loads (session 30, opt-in until measured)
+        # no-int4_glu: w2 without SiLU-and-mul in its int4 FMA loads (on by default since session 31)
         return [("decode embedded", _fd("bench", "decode", "--model", _embedded_gguf(), *small, "--impl",
                                         "fastdecode-graph", "fastdecode-graph-no-pdl",
-                                        "fastdecode-graph-no-norm_gemm", "fastdecode-graph-with-int4_glu"), 240),
+                                        "fastdecode-graph-no-norm_gemm", "fastdecode-graph-no-int4_glu"), 240),
                 ("decode smollm2 bf16", _fd("bench", "decode", "--preset", "smollm2-135m", *small, "--impl",
                                             "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl",
                                             "fastdecode-graph-no-weight_prefetch"), 240)]
@@ -284,7 +284,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         return [("profile smollm2", _fd("bench", "decode", "--preset", "smollm2-135m", *rows,
                                         "--out", str(out / "profile_decode.json")), 150),
                 ("profile embedded", _fd("bench", "decode", "--model", _embedded_gguf(), *rows,
-                                         "fastdecode-graph-with-int4_glu", "--out", str(out / "profile_embedded.json")),
+                                         "fastdecode-graph-no-int4_glu", "--out", str(out / "profile_embedded.json")),
                  150)]
     if name == "tp":
         if n_gpu < 2:

@@ -251,7 +251,7 @@ def test_decode_small_runs_the_embedded_model_and_its_bf16_shapes(gpu, tmp_path)
     steps = gpu.suite_commands("decode-small", tmp_path, 1)
     assert [label for label, _, _ in steps] == ["decode embedded", "decode smollm2 bf16"]
     assert steps[0][1][steps[0][1].index("--model") + 1].endswith(".gguf")
-    assert "fastdecode-graph-with-int4_glu" in steps[0][1]  # the opt-in switch beside the default (session 30)
+    assert "fastdecode-graph-no-int4_glu" in steps[0][1]  # the switch's ablation (on by default, session 31)
     assert steps[1][1][steps[1][1].index("--preset") + 1] == "smollm2-135m" and "peer-compile" in steps[1][1]
 
 

@@ -1,5 +1,6 @@
 """SiLU-and-mul inside the int4 FMA kernel's loads: ``int4_add_linear_(residual, gu, W, glu=True)`` and the
-``int4_glu`` switch of the ``norm_gemm`` step (opt-in, session 30).
+``int4_glu`` switch of the ``norm_gemm`` step (session 30; on by default since session 31, for w2 of at most
+``norm_gemm.INT4_GLU_MAX_K`` input features).
 
 The kernel computes ``silu(gate) * up`` in fp32 at each load and rounds it to x's dtype as the SiLU-and-mul kernel
 stores it, so the fused op equals SiLU-and-mul then the same int4 kernel bit for bit. Other kinds, act-order
@@ -115,11 +116,7 @@ def test_bad_input_is_refused_and_the_residual_left_alone():
     assert torch.equal(r, r0)
 
 
-def test_the_int4_glu_switch_gives_the_same_decode_steps(monkeypatch):
-    """A tiny int4 model on the ``norm_gemm`` step: with ``int4_glu`` w2 takes SiLU-and-mul in its loads (no
-    SiLU-and-mul kernel runs) and the steps are those of the switch off, bit for bit (logits and caches)."""
-    import fastdecode.models.norm_gemm as NG
-    from fastdecode.engine.kv_cache import KVCache
+def _tiny_int4_model():
     from fastdecode.engine.loader import random_model
     from fastdecode.models.config import ModelConfig
     from fastdecode.models.quantize import quantize_model_int4
@@ -128,7 +125,18 @@ def test_the_int4_glu_switch_gives_the_same_decode_steps(monkeypatch):
     m = random_model(cfg, device=DEV, dtype=XDT, backend="triton", max_seq_len=64, std=0.2,
                      seed=int(torch.randint(0, 2**31, ())))
     quantize_model_int4(m)
-    assert not m.kernels["int4_glu"] and NG.applies(m)
+    return cfg, m
+
+
+def test_the_int4_glu_switch_gives_the_same_decode_steps(monkeypatch):
+    """A tiny int4 model on the ``norm_gemm`` step: with ``int4_glu`` (the default) w2 takes SiLU-and-mul in its
+    loads (no SiLU-and-mul kernel runs) and the steps are those of the switch off, bit for bit (logits and
+    caches)."""
+    import fastdecode.models.norm_gemm as NG
+    from fastdecode.engine.kv_cache import KVCache
+
+    cfg, m = _tiny_int4_model()
+    assert m.kernels["int4_glu"] and NG.applies(m)
     toks = torch.randint(0, cfg.vocab_size, (2, 6), device=DEV)
     caches = [KVCache(cfg, 2, 16, dtype=XDT, device=DEV) for _ in range(2)]
     for c in caches:
@@ -146,3 +154,24 @@ def test_the_int4_glu_switch_gives_the_same_decode_steps(monkeypatch):
         assert fused_calls == 0 and len(calls) == cfg.n_layers, calls  # the two kernels: one a layer
         calls.clear()
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+def test_int4_glu_leaves_a_w2_of_large_k_to_the_two_kernels(monkeypatch):
+    """Above ``INT4_GLU_MAX_K`` input features (the 8B's w2, K = 14336, lost with SiLU in the int4 loads) w2 keeps
+    the SiLU-and-mul kernel with the switch on; at the limit it takes the fused loads."""
+    import fastdecode.models.norm_gemm as NG
+    from fastdecode.engine.kv_cache import KVCache
+
+    assert NG.INT4_GLU_MAX_K < 14336
+    cfg, m = _tiny_int4_model()
+    toks = torch.randint(0, cfg.vocab_size, (1, 5), device=DEV)
+    cache = KVCache(cfg, 1, 16, dtype=XDT, device=DEV)
+    m.prefill(toks[:, :4], cache)
+    calls = _count_silu(monkeypatch)
+    monkeypatch.setattr(NG, "silu_and_mul", A.silu_and_mul)
+    pos = torch.tensor([4], device=DEV)
+    for limit, want in ((cfg.intermediate_size - 1, cfg.n_layers), (cfg.intermediate_size, 0)):
+        monkeypatch.setattr(NG, "INT4_GLU_MAX_K", limit)
+        m.decode(toks[:, 4], pos, cache)
+        assert len(calls) == want, (limit, calls)
+        calls.clear()

@@ -189,8 +189,10 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
     M = 1-4 on most shapes (up to 2x at M = 4), yet the 8B int4 decode step with that table ran at 3407 us
     against 3203 us with the fma table (H200, benchmarks/NOTES.md, session 6); not explained yet.
 
-    fma tiles keep BLOCK_K = 256 (one layout tile: the per-group scaling of the kernel needs it);
-    ``quick``: 4 warps only and fewer dot tiles (a tuning run that fits a few device minutes).
+    fma tiles keep BLOCK_K = 256 (one layout tile: the per-group scaling of the kernel needs it; BLOCK_K 1024 lost on
+    every SmolLM2 shape, session 31) and take 4-128 weight rows (4 and 8 on 1, 2 or 4 warps);
+    ``quick``: the wide fma tiles on 4 warps, the small ones on 2, fewer dot tiles (a tuning run that fits a few
+    device minutes).
     ``smem_limit`` (bytes, ``fastdecode.ops.int4.smem_limit(device)``): configs whose shared-memory
     estimate (``ops.int4.smem_bytes``) exceeds it are not proposed; None keeps them all."""
     from fastdecode.ops.int4 import smem_bytes
@@ -199,8 +201,11 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
     splits = (1, 2, 4, 8, 16)
     if M <= 8:
         bm = min(4, 1 << max(M - 1, 0).bit_length())
-        for bn, nw, pf in itertools.product((16, 32, 64, 128), (4,) if quick else (4, 8),
-                                            (True,) if quick else (True, False)):
+        # tiles of 4-8 weight rows on 1-4 warps: more programs on small N (session 31, H100, SmolLM2's Q4_1 shapes
+        # at M = 1: qkv 3.61 -> 3.35 us at 4 rows on 2 warps, gate_up 5.93 -> 5.15, o 3.51 -> 3.10 at 8 rows)
+        small = ((4, 2), (8, 2)) if quick else ((4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4))
+        wide = [(bn, nw) for bn in (16, 32, 64, 128) for nw in ((4,) if quick else (4, 8))]
+        for (bn, nw), pf in itertools.product(small + tuple(wide), (True,) if quick else (True, False)):
             if bm * bn * 256 // 8 // (32 * nw) > 128:  # accumulator registers per thread
                 continue
             for sk in splits:

@@ -52,7 +52,8 @@ by default): W4A8 decode with int8 activations (``fastdecode.models.int4.set_int
 ``fused_down``), two launches a layer fewer; ``w13`` keeps W8A8 (its norm emits FP8). ``fp8_a16_all`` (off by
 default): ``w13`` too, its norm then emitting 16-bit rows as well. ``l2_prefetch`` (off by default): the decode
 attention kernel prefetches wo's weight into L2 (``Attention.l2_prefetch_limit`` bytes of it; None: all).
-``int4_glu`` (off by default): on the ``norm_gemm`` step, SiLU-and-mul inside an int4 w2's FMA kernel.
+``int4_glu`` (on): on the ``norm_gemm`` step, SiLU-and-mul inside an int4 w2's FMA kernel where w2 has at most
+``norm_gemm.INT4_GLU_MAX_K`` input features.
 
 Backends: ``model.backend`` is passed to every fastdecode op (``"auto"``, ``"triton"``, ``"torch"``);
 ``"ref"`` calls the plain-PyTorch ``*_ref`` functions instead of the registered ops, so that
@@ -99,8 +100,9 @@ KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allred
 # GPU has measured it (norm_gemm for int4 blocks did, sessions 17-18); int4_a8 also changes the numbers (int8
 # activations), so it would stay a choice even when it wins; fp8_a16 is on since session 25: W8A16 wqkv, wo and w2 were
 # faster than W8A8 in every H100 step measured (3300.7 against 3495.7 us, benchmarks/NOTES.md), with a perplexity
-# closer to the unquantised model's; fp8_a16_all (w13 too) was slower there
-OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16_all", "l2_prefetch", "int4_glu")
+# closer to the unquantised model's; fp8_a16_all (w13 too) was slower there; int4_glu is on since session 31 (the
+# embedded Q4_1 step on an H100: -7.7, -10.4 and -10.3 us in three processes; for small K only, models.norm_gemm)
+OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16_all", "l2_prefetch")
 
 
 def _lead(x) -> tuple:

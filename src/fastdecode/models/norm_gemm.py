@@ -13,8 +13,13 @@ of every block is a plain ``Linear`` (bf16 / fp16 / fp32) or, in a bf16 / fp16 m
 which the int4 table picks the FMA kernel at one token, or, in a bf16 / fp16 model, an ``Fp8Linear`` that runs
 W8A16 at the step's batch (``fp8_a16``, up to 4 rows). The int4 projections take the int4 ops of
 ``ops.int4_norm_linear`` (the norm weight stays in their kernels: it cannot be folded into int4 weights), and w2
-takes SiLU-and-mul as a kernel of its own, as on the unfused path: 6 kernels a block instead of 8. With
-``int4_glu`` (opt-in, session 30, not measured yet) w2's FMA kernel computes SiLU-and-mul in its loads: 5 kernels.
+takes SiLU-and-mul as a kernel of its own, as on the unfused path: 6 kernels a block instead of 8, unless the
+``int4_glu`` switch (on by default since session 31) has w2's FMA kernel compute SiLU-and-mul in its loads: 5
+kernels. That holds where w2 has at most ``INT4_GLU_MAX_K`` input features. On an H100, on the embedded SmolLM2's
+step (w2's K = 1536; the H200's tables), it measured 610.3 against 620.7 us, 609.9 against 620.2, and 618.15
+against 625.85 in three processes. On the 8B (K = 14336), where the K loop is issue-bound, SiLU in the int4
+kernel's loads cost 201 us a step in session 11. The limit lies between the two measured sizes and is not
+measured itself.
 
 FP8 blocks (session 26) take ``ops.w8a16``'s ``rms_norm_linear_w8a16`` / ``add_linear_w8a16_``: the attention norm
 inside wqkv's W8A16 GEMV, the residual adds in wo's and w2's epilogues (SiLU-and-mul in w2's loads). w13 keeps W8A8
@@ -60,6 +65,10 @@ from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref
 from fastdecode.ops.int4_norm_linear import int4_add_linear_, int4_rms_norm_linear
 from fastdecode.ops.norm_linear import add_linear_, fold_norm_weight, rms_norm_linear
 from fastdecode.ops.w8a16 import add_linear_w8a16_, rms_norm_linear_w8a16
+
+# the largest int4 w2 input size (intermediate size) that takes SiLU-and-mul in its loads with ``int4_glu``: above the
+# embedded SmolLM2's 1536 (faster), below the 8B's 14336 (slower in session 11); the value itself is not measured
+INT4_GLU_MAX_K = 4096
 
 
 def _projections(layer):
@@ -166,6 +175,11 @@ def _norm_linear(h, norm, proj, be):
                                 impl=proj.impl if h.is_cuda else None)
 
 
+def _int4_glu(model, w2) -> bool:
+    """SiLU-and-mul in an int4 w2's loads: the ``int4_glu`` switch, for w2 of small K (module docstring)."""
+    return model.kernels["int4_glu"] and w2.in_features <= INT4_GLU_MAX_K
+
+
 def _add_linear(h, x, proj, be, glu: bool = False) -> None:
     """h += proj(x) in place (``glu``: x is ``[gate | up]``; an int4 projection only with ``int4_glu``)."""
     if _dense(proj):
@@ -199,11 +213,11 @@ def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens
         o = a.attend(qkv, model.rope, cache.k[i], cache.v[i], input_pos, seq_lens, be)
         _add_linear(h, o, wo, be)
         gu = _norm_linear(h, layer.ffn_norm, w13, be)
-        if f.fuse_down and f.fused and (_dense(w2) or _fp8(w2) or model.kernels["int4_glu"]):  # in w2's loads
+        if f.fuse_down and f.fused and (_dense(w2) or _fp8(w2) or _int4_glu(model, w2)):  # in w2's loads
             _add_linear(h, gu, w2, be, glu=True)
         else:
             _add_linear(h, silu_and_mul(gu, backend=be) if f.fused else silu_and_mul_ref(gu), w2, be)
     return model._head(model.norm(h, be)).view(B, -1)
 
 
-__all__ = ["applies", "decode", "fold"]
+__all__ = ["INT4_GLU_MAX_K", "applies", "decode", "fold"]

@@ -5,8 +5,9 @@ dtype (the values the SiLU-and-mul kernel stores), so the result equals the two 
 (M, K) intermediate never goes through memory (``X_GLU`` in ``fastdecode.kernels.gemm``). The dispatcher is the
 linear one (``fastdecode.ops.gemm``): where its table picks cuBLAS, SiLU-and-mul runs first as its own kernel.
 Measured on the H200 (benchmarks/NOTES.md, session 10): the 8B bf16 decode step 4098.0 -> 4079.8 us. The int4
-GEMM has it only behind the opt-in ``int4_glu`` switch (``int4_add_linear_(..., glu=True)``, session 30): on the 8B
-its issue-bound loop ran slower fused (+201 us a step, session 11). FP8 W8A8 has no such form: its activation is
+GEMM has it through the ``int4_glu`` switch (``int4_add_linear_(..., glu=True)``, session 30), on by default only for
+a w2 of small K (``models.norm_gemm.INT4_GLU_MAX_K``): on the 8B its issue-bound loop ran slower fused (+201 us a
+step, session 11). FP8 W8A8 has no such form: its activation is
 quantised per token over the whole row before the GEMM (``silu_and_mul_fp8``).
 """
 

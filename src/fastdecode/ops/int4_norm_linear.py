@@ -17,11 +17,12 @@ or ``impl="dequant"``), the two ops run the norm kernel then the GEMM, or the GE
 tensor-core kind (dot, mma), ``int4_rms_norm_linear`` runs the norm kernel then that GEMM too: there the pass over
 whole rows in every program cost more than the norm kernel (session 18, H200; ``models.norm_gemm``).
 
-``glu=True`` (the ``int4_glu`` switch, opt-in, session 30): the FMA kernel computes ``silu(gate) * up`` as it loads
-its input, rounded to x's dtype as the SiLU-and-mul kernel stores it, so the result equals SiLU-and-mul then the
-GEMM bit for bit, one kernel fewer. Session 11 removed this form for the 8B (e4f24cd: its K = 14336 FMA loop is
-issue-bound, +201 us a step); it is back for the launch-bound small models (SmolLM2's w2: K = 1536), not measured
-yet. Other kinds, dequantise + cuBLAS and act-order weights run the SiLU-and-mul kernel first.
+``glu=True`` (the ``int4_glu`` switch, session 30; on by default for a w2 of small K since session 31): the FMA
+kernel computes ``silu(gate) * up`` as it loads its input, rounded to x's dtype as the SiLU-and-mul kernel stores
+it, so the result equals SiLU-and-mul then the GEMM bit for bit, one kernel fewer. Session 11 removed this form for
+the 8B (e4f24cd: its K = 14336 FMA loop is issue-bound, +201 us a step); it is back for the launch-bound small
+models (SmolLM2's w2: K = 1536; on an H100 the embedded step took about 10 us less, session 31). Other kinds,
+dequantise + cuBLAS and act-order weights run the SiLU-and-mul kernel first.
 """
 
 from __future__ import annotations
