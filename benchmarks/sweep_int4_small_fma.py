@@ -36,7 +36,7 @@ SMALL = [name for name in SHAPES if name.startswith("smollm2.")]
 
 
 def tiles(K: int) -> list[dict]:
-    """The grid: fma tiles of 4-16 weight rows on 1-4 warps (at least one 16-byte word load a thread), BLOCK_K 256
+    """The grid: fma tiles of 4-16 weight rows on 1-4 warps (at least one weight word a thread), BLOCK_K 256
     with split-K 1, 2, 4 (fewer where K has fewer steps) or BLOCK_K 1024 (one step for K <= 1024)."""
     out = []
     for bn, nw, (bk, sk) in itertools.product((4, 8, 16), (1, 2, 4), ((256, 1), (256, 2), (256, 4), (1024, 1))):
