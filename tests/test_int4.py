@@ -555,7 +555,7 @@ consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"
               X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048 // cfg["BLOCK_M"],
               NORM_RM=cfg["BLOCK_M"],
               ACCUMULATE=cfg.get("XN", False) or cfg.get("GLU", False), X_GLU=cfg.get("GLU", False),
-              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=256, SPLIT=True)
+              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=256, SPLIT=cfg.get("SPLIT", True))
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "xs_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K",
            "G", "KW", "stride_xm", "stride_om"}
@@ -573,10 +573,12 @@ sys.stdout.write(cc.asm["ptx"])
     # the norm inside (with its weight) and the residual add: the loop keeps its per-value instructions
     dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True, XN=True),
     dict(kind="dot", BLOCK_M=16, BLOCK_N=64, ZM=1, x="bf16", XN=True),
+    # one split: the FMA loop sums the rows' squares itself (session 31), no pass over the rows before it
+    dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True, XN=True, SPLIT=False),
     # SiLU-and-mul in the loads (int4_glu, session 30): the weights' instructions stay, the SiLU is added per x
     dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=1, x="bf16", PF=True, GLU=True),
 ], ids=["fma_m1_sym", "fma_m4_min", "dot_m16_zero_bf16", "dot_m64_min_fp16", "fma_m1_sym_norm", "dot_m16_zero_norm",
-        "fma_m1_zero_glu"])
+        "fma_m1_sym_norm_one_split", "fma_m1_zero_glu"])
 def test_sm90_code_converts_int4_without_float_conversions(cfg):
     """Speed guard, compiled ahead of time for sm_90 (Triton bundles ptxas; no GPU needed): the FMA loop
     turns nibbles into fp32 with one LOP3 each (no cvt of weights), then one FFMA per value for q - zero
@@ -584,7 +586,12 @@ def test_sm90_code_converts_int4_without_float_conversions(cfg):
     16-bit FMA (the inline PTX)."""
     import re
 
-    body = k_loop(sm90_ptx(_COMPILE_SNIPPET, json.dumps(cfg)), 1 if cfg.get("XN") else 0)  # X_NORM: its pass first
+    # X_NORM: its pass over the rows first, but on the FMA kind with one split (the loop sums the squares)
+    in_loop = cfg["kind"] == "fma" and not cfg.get("SPLIT", True)
+    ptx = sm90_ptx(_COMPILE_SNIPPET, json.dumps(cfg))
+    body = k_loop(ptx, 1 if cfg.get("XN") and not in_loop else 0)
+    if cfg.get("XN") and in_loop:  # no loop before the K loop: the first loop holds the weights' LOP3s
+        assert len(re.findall(r"lop3\.b32", k_loop(ptx, 0))) > 0
     values = cfg["BLOCK_N"] * 256 // 128  # weights per thread per K step (4 warps)
     if cfg["kind"] == "fma":
         # with GLU one rounding of silu(gate) * up per loaded column (an exp each): fewer than the values (sm_90

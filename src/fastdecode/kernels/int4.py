@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fastdecode.kernels.gemm import _epilogue, _fma_rows, _load_x, _split_k_partial
-from fastdecode.kernels.gemm_norm import _affine, _rows_rstd, norm_tile
+from fastdecode.kernels.gemm_norm import _affine, _norm_rows, _rows_rstd, norm_tile
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import (
     _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _nibble_f32, _nibble_f32_asm, _slice_params, _uniform,
@@ -106,8 +106,10 @@ def _int4_linear_kernel(
     (+ ``min[n] * sum(x)`` for "min"); x_scale in the epilogue.
 
     X_NORM (16-bit x, any path and split): x holds the residual stream h and the input is ``rms_norm(h) * nw``:
-    each program first sums its rows' squares over the whole of K (``_rows_rstd``; a split sees only its slice of
-    K, so the loop cannot), the loop multiplies ``h * nw`` rounded to x's dtype (NORM_AFFINE; else h: a norm
+    on the FMA path with one split the loop, which loads every column of its rows once, also sums their squares
+    (as ``kernels.gemm``'s skinny kernel does; session 31); elsewhere each program first sums its rows' squares
+    over the whole of K (``_rows_rstd``; a split sees only its slice of K, a dot tile's loads are not the row's
+    once each), the loop multiplies ``h * nw`` rounded to x's dtype (NORM_AFFINE; else h: a norm
     without weight) with the weights, and the per-row ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums (or this
     split's partial: the scale is linear) before the bias (``ops.int4_norm_linear``). NORM_NB, NORM_RM:
     columns a step and rows of that pass (``kernels.gemm_norm.norm_tile``). ACCUMULATE: out += the result (the
@@ -122,6 +124,7 @@ def _int4_linear_kernel(
     ``kernels.gemm``'s skinny kernel does.
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
+    NORM_IN_LOOP: tl.constexpr = X_NORM and not (USE_DOT or SPLIT)  # the rows' squares summed in the loop
     tl.static_assert(not (X_NORM and X_FP8), "X_NORM takes a 16-bit residual stream, not an FP8 x")
     tl.static_assert(not (X_GLU and (USE_DOT or X_NORM or X_FP8)), "X_GLU: the FMA path, 16-bit x, no X_NORM")
     pid_m = tl.program_id(0)
@@ -171,6 +174,11 @@ def _int4_linear_kernel(
         xs1 = tl.zeros((BK8,), dtype=tl.float32)
         xs2 = tl.zeros((BK8,), dtype=tl.float32)
         xs3 = tl.zeros((BK8,), dtype=tl.float32)
+        if NORM_IN_LOOP:  # h's squares, per thread, reduced after the loop (``_norm_rows``)
+            ss0 = tl.zeros((BK8,), dtype=tl.float32)
+            ss1 = tl.zeros((BK8,), dtype=tl.float32)
+            ss2 = tl.zeros((BK8,), dtype=tl.float32)
+            ss3 = tl.zeros((BK8,), dtype=tl.float32)
         x0_ptr = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm
         r0 = pid_m * BLOCK_M + tl.zeros((BK8,), dtype=tl.int32)  # a splat: the tile's first row
     if PREFETCH:  # register double buffer: the next step's words are in flight during this step's maths
@@ -181,7 +189,8 @@ def _int4_linear_kernel(
             qw_next = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
         if USE_PDL:  # the first weight words are in flight while the previous kernel finishes
             pdl_wait()
-    if X_NORM:  # after the wait: h is the previous kernel's output (with PREFETCH the first words are in flight)
+    if X_NORM and not NORM_IN_LOOP:  # after the wait: h is the previous kernel's output (with PREFETCH the first
+        # words are in flight)
         rstd = _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M, NORM_NB, NORM_RM)
     for kb in range(kb_start, kb_end):
         k0 = kb * BLOCK_K
@@ -258,6 +267,13 @@ def _int4_linear_kernel(
                     if BLOCK_M > 2:
                         x2 = _load_x(x0_ptr + 2 * stride_xm + kcol, k_mask & (r0 + 2 < M), K, X_GLU)
                         x3 = _load_x(x0_ptr + 3 * stride_xm + kcol, k_mask & (r0 + 3 < M), K, X_GLU)
+                    if NORM_IN_LOOP:  # h itself, before the norm weight (masked columns and rows load 0)
+                        ss0 += x0.to(tl.float32) * x0.to(tl.float32)
+                        if BLOCK_M > 1:
+                            ss1 += x1.to(tl.float32) * x1.to(tl.float32)
+                        if BLOCK_M > 2:
+                            ss2 += x2.to(tl.float32) * x2.to(tl.float32)
+                            ss3 += x3.to(tl.float32) * x3.to(tl.float32)
                     if NORM_AFFINE:  # one load of the norm weight for the BLOCK_M rows
                         g = tl.load(nw_ptr + kcol, mask=k_mask, other=0.0).to(tl.float32)
                         x0 = (x0.to(tl.float32) * g).to(W_DTYPE)
@@ -303,7 +319,9 @@ def _int4_linear_kernel(
                             acc3 += w * x3[None, :]
     if not USE_DOT:
         acc = _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M)
-    if X_NORM:
+    if NORM_IN_LOOP:
+        acc = acc * _norm_rows(ss0, ss1, ss2, ss3, K, eps, BLOCK_M)[:, None]
+    elif X_NORM:
         acc = acc * rstd[:, None]
 
     if not SPLIT:
