@@ -28,14 +28,14 @@ inside its W8A16 GEMV too: 5 kernels a block (4 with ``fp8_a16_all``) instead of
 kernels, as for int4: folding them into FP8 weights would round those weights to FP8 a second time. Beyond the
 W8A16 rows (batch > 4, or ``fp8_a16`` off) an FP8 model keeps the unfused step.
 
-Why FMA only (session 18, H200, c13d239): every program of a fused int4 kernel first sums its rows' squares over
-the whole of K. In the FMA kernel (few tokens a program) that pass paid for itself: SmolLM2 Q4_1 shapes at M = 1
-and 4 and 8B at M = 1 ran faster fused than as the two kernels (``benchmarks/sweep_int4_norm_gemv.py``), and the
-embedded model's graph step went from 648.2 to 605.7 us. The tensor-core kernels (tiles of 16 tokens, many more
-programs) lost: 8B gate_up at M = 1 (mma) 46.18 against 31.51 us, qkv at M = 4 17.90 against 13.50; the 8B int4
-step with every block fused took 3431.1 us against 2619.2 unfused. A model with any int4 projection on another
-kind keeps the unfused path, and ``int4_rms_norm_linear`` itself runs the norm kernel first where its dispatch
-picks a tensor-core kind (larger M).
+Why FMA only (session 18, H200, c13d239): every program of a fused int4 kernel then first summed its rows' squares
+over the whole of K (since session 31 the FMA kind with one split does it inside its K loop). In the FMA kernel (few
+tokens a program) that pass paid for itself: SmolLM2 Q4_1 shapes at M = 1 and 4 and 8B at M = 1 ran faster fused
+than as the two kernels (``benchmarks/sweep_int4_norm_gemv.py``), and the embedded model's graph step went from
+648.2 to 605.7 us. The tensor-core kernels (tiles of 16 tokens, many more programs) lost: 8B gate_up at M = 1 (mma)
+46.18 against 31.51 us, qkv at M = 4 17.90 against 13.50; the 8B int4 step with every block fused took 3431.1 us
+against 2619.2 unfused. A model with any int4 projection on another kind keeps the unfused path, and
+``int4_rms_norm_linear`` itself runs the norm kernel first where its dispatch picks a tensor-core kind (larger M).
 
 The norm weights are folded into wqkv / w13 (``fold``): ``W[n, k] <- W[n, k] * g[k]`` (fp32 product, one
 rounding) and ``g <- 1``, in place, so the model's parameters keep computing the same function on every path (the

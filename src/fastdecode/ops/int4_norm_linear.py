@@ -8,8 +8,9 @@ dense ones.
 
 Unlike a dense weight, an int4 weight cannot take the norm weight ``g`` (``W * g`` is no longer int4 on the
 same scales), so ``g`` stays in the kernel: the loop multiplies ``h * g``, rounded to h's dtype as the norm kernel
-rounds its output. Every program of the int4 kernels (fma, dot and mma kinds, any split: ``kernels.int4``) can first
-sum its rows' squares over the whole of K, and the row's ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums at the end
+rounds its output. Every program of the int4 kernels (fma, dot and mma kinds, any split: ``kernels.int4``) sums its
+rows' squares over the whole of K (the fma kind with one split in its K loop, since session 31; the others in a
+pass over the rows before it), and the row's ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums at the end
 (``kernels.int4``'s X_NORM). So the normed activation is never rounded as a whole, only ``h * g``: logits differ
 from the two-kernel path by about one rounding of the normed rows. The residual add is the fp32 product added to
 the residual in the epilogue, one rounding (ACCUMULATE). Where the dispatcher picks dequantise + cuBLAS (large M,
