@@ -189,8 +189,7 @@ def _int4_linear_kernel(
             qw_next = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
         if USE_PDL:  # the first weight words are in flight while the previous kernel finishes
             pdl_wait()
-    if X_NORM and not NORM_IN_LOOP:  # after the wait: h is the previous kernel's output (with PREFETCH the first
-        # words are in flight)
+    if X_NORM and not NORM_IN_LOOP:  # after the wait (h is the previous kernel's output), the first words in flight
         rstd = _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M, NORM_NB, NORM_RM)
     for kb in range(kb_start, kb_end):
         k0 = kb * BLOCK_K
