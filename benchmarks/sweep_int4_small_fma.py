@@ -37,7 +37,8 @@ SMALL = [name for name in SHAPES if name.startswith("smollm2.")]
 
 def tiles(K: int) -> list[dict]:
     """The grid: fma tiles of 4-16 weight rows on 1-4 warps (at least one weight word a thread), BLOCK_K 256
-    with split-K 1, 2, 4 (fewer where K has fewer steps) or BLOCK_K 1024 (one step for K <= 1024)."""
+    with split-K 1, 2, 4 (fewer where K has fewer steps) or BLOCK_K 1024 (one step for K <= 1024); then four
+    one-split tiles with PREFETCH 2."""
     out = []
     for bn, nw, (bk, sk) in itertools.product((4, 8, 16), (1, 2, 4), ((256, 1), (256, 2), (256, 4), (1024, 1))):
         if bn * bk // 8 < 32 * nw:  # fewer words than threads
@@ -46,11 +47,16 @@ def tiles(K: int) -> list[dict]:
             continue
         out.append({"kind": "fma", "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
                     "num_stages": 1, "PREFETCH": True})
+    # PREFETCH 2 (the words of two steps ahead in flight; session 31, not timed yet) on the one-split tiles that won
+    for bn, nw in ((4, 2), (8, 2), (8, 4), (16, 4)):
+        out.append({"kind": "fma", "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": nw,
+                    "num_stages": 1, "PREFETCH": 2})
     return out
 
 
 def _name(cfg: dict) -> str:
-    return f"fma_n{cfg['BLOCK_N']}_k{cfg['BLOCK_K']}_s{cfg['SPLIT_K']}_w{cfg['num_warps']}"
+    pf = "_pf2" if cfg.get("PREFETCH") == 2 else ""
+    return f"fma_n{cfg['BLOCK_N']}_k{cfg['BLOCK_K']}_s{cfg['SPLIT_K']}_w{cfg['num_warps']}{pf}"
 
 
 def main() -> None:

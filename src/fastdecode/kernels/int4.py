@@ -43,6 +43,17 @@ from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 
 @triton.jit
+def _next_words(qw_row, kb, kb_end, offs_w, KW, BLOCK_N: tl.constexpr, BK8: tl.constexpr, EVEN_K: tl.constexpr):
+    """PREFETCH: the packed words of K step ``kb`` ([BLOCK_N, BK8]), zeros for a step past the split's end."""
+    kw = kb * BK8 + offs_w
+    more = (kb + tl.zeros((BLOCK_N, BK8), dtype=tl.int32)) < kb_end  # past the last step: nothing loaded
+    if EVEN_K:
+        return tl.load(qw_row + kw[None, :], mask=more, other=0)
+    else:
+        return tl.load(qw_row + kw[None, :], mask=more & (kw < KW)[None, :], other=0)
+
+
+@triton.jit
 def _fma_group(acc, t, s, z, xsum, ZERO_MODE: tl.constexpr):
     """Fold a finished group's unscaled sums ``t = sum (q - zero) x`` into ``acc``: ``acc += t * scale``
     (+ ``min * sum(x)`` for "min")."""
@@ -187,20 +198,21 @@ def _int4_linear_kernel(
             qw_next = tl.load(qw_row + kw[None, :])
         else:
             qw_next = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
+        if PREFETCH == 2:  # and the step after it (a split has at least one step; this one may be past its end)
+            qw_next2 = _next_words(qw_row, kb_start + 1, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
         if USE_PDL:  # the first weight words are in flight while the previous kernel finishes
             pdl_wait()
     if X_NORM and not NORM_IN_LOOP:  # after the wait (h is the previous kernel's output), the first words in flight
         rstd = _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M, NORM_NB, NORM_RM)
     for kb in range(kb_start, kb_end):
         k0 = kb * BLOCK_K
-        if PREFETCH:
+        if PREFETCH == 2:  # two steps ahead: ptxas sinks the load late into the body (benchmarks/sass_int4_loop.py)
             qw = qw_next
-            kw = (kb + 1) * BK8 + offs_w
-            more = (kb + 1 + tl.zeros((BLOCK_N, BK8), dtype=tl.int32)) < kb_end  # the last step loads nothing
-            if EVEN_K:
-                qw_next = tl.load(qw_row + kw[None, :], mask=more, other=0)
-            else:
-                qw_next = tl.load(qw_row + kw[None, :], mask=more & (kw < KW)[None, :], other=0)
+            qw_next = qw_next2
+            qw_next2 = _next_words(qw_row, kb + 2, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
+        elif PREFETCH:
+            qw = qw_next
+            qw_next = _next_words(qw_row, kb + 1, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
         else:
             kw = kb * BK8 + offs_w
             if EVEN_K:  # K % BLOCK_K == 0: no masks, so loads stay 16-byte vectors
@@ -386,7 +398,8 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     (a power-of-2 multiple of 256), SPLIT_K, num_warps, num_stages).
     W4A8: x is float8_e4m3fn, ``x_scale`` fp32 (1,) (x_scale_mode 1) or (M,) (mode 2); the dot path
     then needs every 32-column slice of a tile in one group (BLOCK_K == 256 or a multiple of it
-    dividing group_size). Optional config keys: PREFETCH (register double buffer of the weight words),
+    dividing group_size). Optional config keys: PREFETCH (register double buffer of the weight words; 2: a
+    triple buffer, the words of two steps ahead in flight),
     fast_cvt (default True: the packed-pair PTX conversion where it applies).
     ``warmup``: compile (or, under ``kernels.precompile``, queue the compile of) the kernel, launch nothing.
     ``pdl``: programmatic dependent launch (``kernels.pdl``).
@@ -427,7 +440,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         M, N, K, scales.shape[1], qweight.shape[1], x.stride(0), out.stride(0), M * N, split,
         GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
         USE_DOT=config["kind"] == "dot", UNIFORM=uniform, SPG=spg, EVEN_K=K % bk == 0,
-        X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=bool(config.get("PREFETCH", False)),
+        X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=int(config.get("PREFETCH", False)),
         LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl,
         X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
         NORM_RM=norm_rm, NORM_NB=norm_nb,

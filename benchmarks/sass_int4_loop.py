@@ -1,0 +1,100 @@
+"""Where the int4 FMA kernel's K loop issues its global loads, in the sm_90 SASS (CPU only: Triton bundles ptxas and
+nvdisasm; no GPU needed).
+
+At one token the FMA kernel is latency-bound: each K step waits on its loads, and a load issued late in the loop
+body waits a whole memory latency on the critical path. This compiles ``kernels.int4._int4_linear_kernel`` for sm_90
+with the embedded model's int4 format (Q4_1: group 32, "min", fp16 scales and mins, bf16 x) and a tile, disassembles
+it, and prints each global load of the K loop (the body between the loop's label and its backward branch) with its
+position as a fraction of the body: the weight words (``LDG.E.128``), x (``LDG.E.64`` and narrower vector loads) and
+the scales and mins (``LDG.E.U16``). Session 31: the next step's words issue at 77 % of the body, so the double buffer
+(PREFETCH) overlaps only the last quarter; half of the scale and min loads issue in the second half.
+
+    PYTHONPATH=src python benchmarks/sass_int4_loop.py --block-n 16 --warps 4 [--norm] [--prefetch 0|1|2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fastdecode.kernels.int4 import _int4_linear_kernel
+
+_SIG = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "bias_ptr": "*bf16", "xs_ptr": "*fp32",
+        "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "nw_ptr": "*bf16", "eps": "fp32", "M": "i32",
+        "N": "i32", "K": "i32", "G": "i32", "KW": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_part": "i32",
+        "split_k": "i32"}
+# 16-byte aligned, as the launcher's tensors are (Triton specialises them so at launch)
+_ALIGNED = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "xs_ptr", "out_ptr", "part_ptr", "lock_ptr", "nw_ptr",
+            "N", "K", "G", "KW", "stride_xm", "stride_om"}
+
+
+def sass(block_n: int, warps: int, norm: bool, prefetch: int = 1, even_k: bool = False) -> str:
+    """The kernel's sm_90 SASS at one token (BLOCK_M 1, BLOCK_K 256, one split, PDL on): with ``norm`` the RMSNorm
+    inside (qkv / gate_up of the norm_gemm step), else the residual add (o / down); ``prefetch``: the kernel's
+    PREFETCH (0 none, 1 the next step's words, 2 two steps ahead)."""
+    consts = dict(GROUP=32, ZERO_MODE=2, HAS_BIAS=False, USE_DOT=False, UNIFORM=True, SPG=1, EVEN_K=even_k,
+                  X_SCALE_MODE=0, FAST_CVT=False, PREFETCH=prefetch, LOP3_ASM=True, USE_PDL=True, L2_SLAB=0,
+                  PF_LANES=32 * warps, X_NORM=norm, NORM_AFFINE=norm, NORM_NB=2048, NORM_RM=1, ACCUMULATE=not norm,
+                  X_GLU=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=256, SPLIT=False)
+    sig = {**_SIG, **{k: "constexpr" for k in consts}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in _ALIGNED}
+    cc = triton.compile(ASTSource(_int4_linear_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": warps, "num_stages": 1})
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cc.asm["cubin"])
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_loads(text: str) -> list[tuple[float, str]]:
+    """(position in the loop body, 0 to 1; the load's opcode) of each global load of the innermost backward-branch
+    loop (the K loop: the last loop whose body holds a 128-bit load)."""
+    lines = text.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", ln.strip()))}
+    loops = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
+        if m and labels.get(m.group(1), i) < i:
+            loops.append((labels[m.group(1)], i))
+    body = None
+    for start, end in loops:
+        if any("LDG.E.128" in ln for ln in lines[start:end]):
+            body = (start, end)
+    if body is None:
+        raise ValueError("no K loop with a 128-bit load found in the SASS")
+    start, end = body
+    out = []
+    for i in range(start, end):
+        m = re.search(r"\b(LDG\.E[.\w]*)", lines[i])
+        if m:
+            out.append((round((i - start) / (end - start), 3), m.group(1)))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--block-n", type=int, default=16)
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--norm", action="store_true", help="the RMSNorm inside (else the residual add)")
+    p.add_argument("--prefetch", type=int, default=1, choices=(0, 1, 2), help="the kernel's PREFETCH depth")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    loads = loop_loads(sass(a.block_n, a.warps, a.norm, prefetch=a.prefetch))
+    if a.json:
+        print(json.dumps([{"at": at, "op": op} for at, op in loads]))
+        return
+    for at, op in loads:
+        print(f"{at:6.3f}  {op}")
+
+
+if __name__ == "__main__":
+    main()
