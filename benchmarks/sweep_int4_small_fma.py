@@ -5,10 +5,11 @@ Session 31's profile of the embedded GGUF step (Q4_1: group 32, "min", fp16 scal
 GEMV at 4.1-5.3 us of kernel time against 2.6-3.8 us for the bf16 GEMV of the same shape, though it reads a
 quarter of the bytes: ~1.5 us a call, ~170 us a step over 120 calls. The tuned tables' tiles on these shapes are
 BLOCK_N 16 (36-192 programs) and BLOCK_K 256 (K = 576 pads to 768: three steps); the bf16 kernel's are BLOCK_N
-4-8 and BLOCK_K 1024 (one step, 144-768 programs). ``bench.int4.candidates`` proposes no fma tile below
-BLOCK_N 16, under 4 warps or above BLOCK_K 256. This times, per shape, the op the step runs
+4-8 and BLOCK_K 1024 (one step, 144-768 programs). ``bench.int4.candidates`` proposed no fma tile below
+BLOCK_N 16 or under 4 warps until session 31, and none above BLOCK_K 256. This times, per shape, the op the step runs
 (``int4_rms_norm_linear``'s kernel for qkv / gate_up, ``int4_add_linear_``'s for o / down) with the table's tile
-and with a grid of smaller, wider tiles (BLOCK_N 4-16, 1-4 warps, BLOCK_K 256 or 1024, split-K 1-4), each
+and with a grid of smaller tiles (BLOCK_N 4-16, 1-4 warps, split-K 1-4; at 04d59ae also BLOCK_K 1024), and
+with PREFETCH 2 and SCALE_PF (session 31's kernel options for the loop's load latency), each
 checked against its fp32 reference first, in one process on rotated weights (CUDA graphs, PDL off:
 ``bench.harness.time_cuda``); the bf16 op on the same shape is the baseline row.
 
@@ -37,25 +38,28 @@ SMALL = [name for name in SHAPES if name.startswith("smollm2.")]
 
 def tiles(K: int) -> list[dict]:
     """The grid: fma tiles of 4-16 weight rows on 1-4 warps (at least one weight word a thread), BLOCK_K 256
-    with split-K 1, 2, 4 (fewer where K has fewer steps) or BLOCK_K 1024 (one step for K <= 1024); then four
-    one-split tiles with PREFETCH 2."""
+    with split-K 1, 2, 4 (fewer where K has fewer steps); then four one-split tiles with PREFETCH 2, four with
+    SCALE_PF and two with both."""
     out = []
-    for bn, nw, (bk, sk) in itertools.product((4, 8, 16), (1, 2, 4), ((256, 1), (256, 2), (256, 4), (1024, 1))):
+    # BLOCK_K 1024 (no per-group scaling there: SPG 0) lost on every shape at 04d59ae and is no longer tried
+    for bn, nw, (bk, sk) in itertools.product((4, 8, 16), (1, 2, 4), ((256, 1), (256, 2), (256, 4))):
         if bn * bk // 8 < 32 * nw:  # fewer words than threads
             continue
         if bk == 256 and sk > -(-K // 256):
             continue
         out.append({"kind": "fma", "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
                     "num_stages": 1, "PREFETCH": True})
-    # PREFETCH 2 (the words of two steps ahead in flight; session 31, not timed yet) on the one-split tiles that won
-    for bn, nw in ((4, 2), (8, 2), (8, 4), (16, 4)):
+    # PREFETCH 2 (the words of two steps ahead in flight) and SCALE_PF (the next step's scales and mins with its
+    # words), session 31, not timed yet, on the one-split tiles that won
+    for (bn, nw), pf, spf in [(t, 2, False) for t in ((4, 2), (8, 2), (8, 4), (16, 4))] + \
+            [(t, 1, True) for t in ((4, 2), (8, 2), (8, 4), (16, 4))] + [(t, 2, True) for t in ((8, 2), (16, 4))]:
         out.append({"kind": "fma", "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": nw,
-                    "num_stages": 1, "PREFETCH": 2})
+                    "num_stages": 1, "PREFETCH": pf, "SCALE_PF": spf})
     return out
 
 
 def _name(cfg: dict) -> str:
-    pf = "_pf2" if cfg.get("PREFETCH") == 2 else ""
+    pf = ("_pf2" if cfg.get("PREFETCH") == 2 else "") + ("_spf" if cfg.get("SCALE_PF") else "")
     return f"fma_n{cfg['BLOCK_N']}_k{cfg['BLOCK_K']}_s{cfg['SPLIT_K']}_w{cfg['num_warps']}{pf}"
 
 

@@ -324,6 +324,10 @@ CONFIGS = {
     "fma_m2_prefetch2": dict(kind="fma", BLOCK_M=2, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, PREFETCH=2),
     "fma_m1_prefetch2_split2": dict(kind="fma", BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=2, PREFETCH=2),
     "dot_prefetch2": dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, PREFETCH=2),
+    # SCALE_PF (session 31): the next step's group parameters with its words (one split, and splits of 2 and 1)
+    "fma_m2_scale_pf": dict(kind="fma", BLOCK_M=2, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, PREFETCH=True, SCALE_PF=True),
+    "fma_m1_prefetch2_scale_pf_split2": dict(kind="fma", BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=2, PREFETCH=2,
+                                             SCALE_PF=True),
     "fma_m4_bk512_split2": dict(kind="fma", BLOCK_M=4, BLOCK_N=4, BLOCK_K=512, SPLIT_K=2),
     "dot_bk512": dict(kind="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, SPLIT_K=1),
     "dot_split3": dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=3),
@@ -554,6 +558,7 @@ sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", 
        "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"] == "dot", UNIFORM=True, SPG=4,
               EVEN_K=True, X_SCALE_MODE=0, FAST_CVT=cfg["kind"] == "dot", PREFETCH=cfg.get("PF", False),
+              SCALE_PF=cfg.get("SPF", False),
               LOP3_ASM=cfg["kind"] == "fma", USE_PDL=cfg.get("PDL", False), L2_SLAB=cfg.get("SLAB", 0),
               PF_LANES=128,
               X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048 // cfg["BLOCK_M"],
@@ -575,6 +580,8 @@ sys.stdout.write(cc.asm["ptx"])
     dict(kind="fma", BLOCK_M=4, BLOCK_N=32, ZM=2, x="fp16"),
     # PREFETCH 2 (session 31): the words of two steps ahead; the loop's per-value instructions are unchanged
     dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=2),
+    # SCALE_PF (session 31): the next step's scales and mins with its words; the per-value instructions stay
+    dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=2, x="bf16", PF=True, SPF=True),
     dict(kind="dot", BLOCK_M=16, BLOCK_N=64, ZM=1, x="bf16"), dict(kind="dot", BLOCK_M=64, BLOCK_N=64, ZM=2, x="fp16"),
     # the norm inside (with its weight) and the residual add: the loop keeps its per-value instructions
     dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True, XN=True),
@@ -583,8 +590,8 @@ sys.stdout.write(cc.asm["ptx"])
     dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True, XN=True, SPLIT=False),
     # SiLU-and-mul in the loads (int4_glu, session 30): the weights' instructions stay, the SiLU is added per x
     dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=1, x="bf16", PF=True, GLU=True),
-], ids=["fma_m1_sym", "fma_m4_min", "fma_m1_sym_prefetch2", "dot_m16_zero_bf16", "dot_m64_min_fp16", "fma_m1_sym_norm", "dot_m16_zero_norm",
-        "fma_m1_sym_norm_one_split", "fma_m1_zero_glu"])
+], ids=["fma_m1_sym", "fma_m4_min", "fma_m1_sym_prefetch2", "fma_m1_min_scale_pf", "dot_m16_zero_bf16",
+        "dot_m64_min_fp16", "fma_m1_sym_norm", "dot_m16_zero_norm", "fma_m1_sym_norm_one_split", "fma_m1_zero_glu"])
 def test_sm90_code_converts_int4_without_float_conversions(cfg):
     """Speed guard, compiled ahead of time for sm_90 (Triton bundles ptxas; no GPU needed): the FMA loop
     turns nibbles into fp32 with one LOP3 each (no cvt of weights), then one FFMA per value for q - zero

@@ -37,6 +37,8 @@ CASES = {
     # one split: the loop sums the rows' squares itself (session 31), padding rows (M = 3 of 4), a K block of 512
     "fma_m3_prefetch": (dict(kind="fma", BLOCK_M=4, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, PREFETCH=True), 3, "zero", 32),
     "fma_m2_bk512": (dict(kind="fma", BLOCK_M=2, BLOCK_N=16, BLOCK_K=512, SPLIT_K=1), 2, "min", 64),
+    "fma_m1_scale_pf": (dict(kind="fma", BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, PREFETCH=True, SCALE_PF=True), 1,
+                        "min", 32),
     "dot_split2": (dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=2), 19, "min", 32),
     "mma_split3": (dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=3), 5, "zero", 64),
     # fewer tokens than the tile's 16: the norm pass loads the M rows only (kernels.gemm_norm.norm_tile)

@@ -34,7 +34,8 @@ from fastdecode.kernels.gemm import _epilogue, _fma_rows, _load_x, _split_k_part
 from fastdecode.kernels.gemm_norm import _affine, _norm_rows, _rows_rstd, norm_tile
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import (
-    _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _nibble_f32, _nibble_f32_asm, _slice_params, _uniform,
+    _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _group_params8, _nibble_f32, _nibble_f32_asm, _pick8,
+    _slice_params, _uniform,
     slices_per_group,
 )
 from fastdecode.kernels.int4_mma import launch_int4_mma
@@ -84,7 +85,8 @@ def _int4_linear_kernel(
     M, N, K, G, KW, stride_xm, stride_om, stride_part, split_k,
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
     UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
-    FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, LOP3_ASM: tl.constexpr, USE_PDL: tl.constexpr,
+    FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, SCALE_PF: tl.constexpr, LOP3_ASM: tl.constexpr,
+    USE_PDL: tl.constexpr,
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
     ACCUMULATE: tl.constexpr, X_GLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
@@ -136,6 +138,8 @@ def _int4_linear_kernel(
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
     NORM_IN_LOOP: tl.constexpr = X_NORM and not (USE_DOT or SPLIT)  # the rows' squares summed in the loop
+    # the next step's group parameters loaded with its words (FMA, one group a shift's slice)
+    SCALES_NEXT: tl.constexpr = SCALE_PF and PREFETCH and not USE_DOT and SPG > 0
     tl.static_assert(not (X_NORM and X_FP8), "X_NORM takes a 16-bit residual stream, not an FP8 x")
     tl.static_assert(not (X_GLU and (USE_DOT or X_NORM or X_FP8)), "X_GLU: the FMA path, 16-bit x, no X_NORM")
     pid_m = tl.program_id(0)
@@ -200,6 +204,9 @@ def _int4_linear_kernel(
             qw_next = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
         if PREFETCH == 2:  # and the step after it (a split has at least one step; this one may be past its end)
             qw_next2 = _next_words(qw_row, kb_start + 1, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
+        if SCALES_NEXT:  # the scales (and zeros / mins) of the first step too: weights, never written by a kernel
+            gs0n, gs1n, gs2n, gs3n, gs4n, gs5n, gs6n, gs7n, gz0n, gz1n, gz2n, gz3n, gz4n, gz5n, gz6n, gz7n = \
+                _group_params8(s_ptr, z_ptr, rn, G, kb_start * BLOCK_K, GROUP, ZERO_MODE)
         if USE_PDL:  # the first weight words are in flight while the previous kernel finishes
             pdl_wait()
     if X_NORM and not NORM_IN_LOOP:  # after the wait (h is the previous kernel's output), the first words in flight
@@ -219,6 +226,11 @@ def _int4_linear_kernel(
                 qw = tl.load(qw_row + kw[None, :])
             else:
                 qw = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
+        if SCALES_NEXT:  # this step's from the last, the next step's now (clamped to the last group past the end)
+            gs0, gs1, gs2, gs3, gs4, gs5, gs6, gs7 = gs0n, gs1n, gs2n, gs3n, gs4n, gs5n, gs6n, gs7n
+            gz0, gz1, gz2, gz3, gz4, gz5, gz6, gz7 = gz0n, gz1n, gz2n, gz3n, gz4n, gz5n, gz6n, gz7n
+            gs0n, gs1n, gs2n, gs3n, gs4n, gs5n, gs6n, gs7n, gz0n, gz1n, gz2n, gz3n, gz4n, gz5n, gz6n, gz7n = \
+                _group_params8(s_ptr, z_ptr, rn, G, k0 + BLOCK_K, GROUP, ZERO_MODE)
         if USE_DOT and FAST_CVT:
             ws = _dequant8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, W_DTYPE)
             for p in tl.static_range(8):
@@ -302,7 +314,11 @@ def _int4_linear_kernel(
                     if SPG > 0:
                         first = p % SPG == 0
                         last = p % SPG == SPG - 1
-                        s, z = _group_params(s_ptr, z_ptr, rn, G, k0, p, GROUP, ZERO_MODE)
+                        if SCALES_NEXT:
+                            s = _pick8(p, gs0, gs1, gs2, gs3, gs4, gs5, gs6, gs7)
+                            z = _pick8(p, gz0, gz1, gz2, gz3, gz4, gz5, gz6, gz7)
+                        else:
+                            s, z = _group_params(s_ptr, z_ptr, rn, G, k0, p, GROUP, ZERO_MODE)
                         if ZERO_MODE == 0:
                             d = f * INV - (BIAS + 8.0)  # constants: one FFMA
                         elif ZERO_MODE == 1:
@@ -399,7 +415,8 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     W4A8: x is float8_e4m3fn, ``x_scale`` fp32 (1,) (x_scale_mode 1) or (M,) (mode 2); the dot path
     then needs every 32-column slice of a tile in one group (BLOCK_K == 256 or a multiple of it
     dividing group_size). Optional config keys: PREFETCH (register double buffer of the weight words; 2: a
-    triple buffer, the words of two steps ahead in flight),
+    triple buffer, the words of two steps ahead in flight), SCALE_PF (with PREFETCH, the fma kind where a shift's
+    slice is one group: the next step's scales and zeros / mins loaded with its words),
     fast_cvt (default True: the packed-pair PTX conversion where it applies).
     ``warmup``: compile (or, under ``kernels.precompile``, queue the compile of) the kernel, launch nothing.
     ``pdl``: programmatic dependent launch (``kernels.pdl``).
@@ -441,6 +458,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
         USE_DOT=config["kind"] == "dot", UNIFORM=uniform, SPG=spg, EVEN_K=K % bk == 0,
         X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=int(config.get("PREFETCH", False)),
+        SCALE_PF=bool(config.get("SCALE_PF", False)),
         LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl,
         X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
         NORM_RM=norm_rm, NORM_NB=norm_nb,

@@ -115,6 +115,41 @@ def _group_params(s_ptr, z_ptr, rn, G, k0, p: tl.constexpr, GROUP: tl.constexpr,
     return s, z
 
 
+@triton.jit
+def _group_params8(s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr):
+    """``_group_params`` of the eight shifts of the layout tile at column ``k0``: (s0, ..., s7, z0, ..., z7)."""
+    s0, z0 = _group_params(s_ptr, z_ptr, rn, G, k0, 0, GROUP, ZERO_MODE)
+    s1, z1 = _group_params(s_ptr, z_ptr, rn, G, k0, 1, GROUP, ZERO_MODE)
+    s2, z2 = _group_params(s_ptr, z_ptr, rn, G, k0, 2, GROUP, ZERO_MODE)
+    s3, z3 = _group_params(s_ptr, z_ptr, rn, G, k0, 3, GROUP, ZERO_MODE)
+    s4, z4 = _group_params(s_ptr, z_ptr, rn, G, k0, 4, GROUP, ZERO_MODE)
+    s5, z5 = _group_params(s_ptr, z_ptr, rn, G, k0, 5, GROUP, ZERO_MODE)
+    s6, z6 = _group_params(s_ptr, z_ptr, rn, G, k0, 6, GROUP, ZERO_MODE)
+    s7, z7 = _group_params(s_ptr, z_ptr, rn, G, k0, 7, GROUP, ZERO_MODE)
+    return s0, s1, s2, s3, s4, s5, s6, s7, z0, z1, z2, z3, z4, z5, z6, z7
+
+
+@triton.jit
+def _pick8(p: tl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
+    """The ``p``-th of eight values (p a compile-time shift)."""
+    if p == 0:
+        return a0
+    elif p == 1:
+        return a1
+    elif p == 2:
+        return a2
+    elif p == 3:
+        return a3
+    elif p == 4:
+        return a4
+    elif p == 5:
+        return a5
+    elif p == 6:
+        return a6
+    else:
+        return a7
+
+
 # Fast 4-bit -> 16-bit conversion on the GPU (inline PTX; the interpreter runs the bitcast forms):
 # per 32-bit word, (word >> 4j) & 0x000F000F | MAGIC puts nibbles j and j+4 into the mantissas of a
 # packed pair of 16-bit floats MAGIC + q (bf16 0x4300 = 128, fp16 0x6400 = 1024: the ulp is 1 there),
@@ -172,14 +207,8 @@ def _dequant8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: t
         MAGIC: tl.constexpr = 128.0
     else:
         MAGIC: tl.constexpr = 1024.0
-    s0, z0 = _group_params(s_ptr, z_ptr, rn, G, k0, 0, GROUP, ZERO_MODE)
-    s1, z1 = _group_params(s_ptr, z_ptr, rn, G, k0, 1, GROUP, ZERO_MODE)
-    s2, z2 = _group_params(s_ptr, z_ptr, rn, G, k0, 2, GROUP, ZERO_MODE)
-    s3, z3 = _group_params(s_ptr, z_ptr, rn, G, k0, 3, GROUP, ZERO_MODE)
-    s4, z4 = _group_params(s_ptr, z_ptr, rn, G, k0, 4, GROUP, ZERO_MODE)
-    s5, z5 = _group_params(s_ptr, z_ptr, rn, G, k0, 5, GROUP, ZERO_MODE)
-    s6, z6 = _group_params(s_ptr, z_ptr, rn, G, k0, 6, GROUP, ZERO_MODE)
-    s7, z7 = _group_params(s_ptr, z_ptr, rn, G, k0, 7, GROUP, ZERO_MODE)
+    s0, s1, s2, s3, s4, s5, s6, s7, z0, z1, z2, z3, z4, z5, z6, z7 = _group_params8(s_ptr, z_ptr, rn, G, k0, GROUP,
+                                                                                   ZERO_MODE)
     if ZERO_MODE == 2:  # w = q * scale + min
         n0, n1, n2, n3 = -MAGIC + 0 * s0, -MAGIC + 0 * s0, -MAGIC + 0 * s0, -MAGIC + 0 * s0
         c0, c1, c2, c3 = _pair_bits(z0, z4, W_DTYPE), _pair_bits(z1, z5, W_DTYPE), \
