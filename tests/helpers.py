@@ -32,6 +32,16 @@ TOLERANCES = {
 INTERPRETER_BF16 = dict(atol=1.6e-2, rtol=1.6e-2)
 
 
+def load_script(path, name: str):
+    """A benchmark script (``benchmarks/*.py``, not a package) imported as module ``name``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

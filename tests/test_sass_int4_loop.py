@@ -1,7 +1,6 @@
 """``benchmarks/sass_int4_loop.py``: where the int4 FMA kernel's K loop issues its global loads (sm_90 SASS, compiled
 on the CPU; session 31)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,15 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("sass_int4_loop", ROOT / "benchmarks" / "sass_int4_loop.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "benchmarks" / "sass_int4_loop.py", "sass_int4_loop")
 
 
 SASS = """
