@@ -42,12 +42,10 @@ def tiles(K: int) -> list[dict]:
     SCALE_PF and two with both."""
     out = []
     # BLOCK_K 1024 (no per-group scaling there: SPG 0) lost on every shape at 04d59ae and is no longer tried
-    for bn, nw, (bk, sk) in itertools.product((4, 8, 16), (1, 2, 4), ((256, 1), (256, 2), (256, 4))):
-        if bn * bk // 8 < 32 * nw:  # fewer words than threads
+    for bn, nw, sk in itertools.product((4, 8, 16), (1, 2, 4), (1, 2, 4)):
+        if bn * 256 // 8 < 32 * nw or sk > -(-K // 256):  # fewer words than threads, or more splits than steps
             continue
-        if bk == 256 and sk > -(-K // 256):
-            continue
-        out.append({"kind": "fma", "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
+        out.append({"kind": "fma", "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk, "num_warps": nw,
                     "num_stages": 1, "PREFETCH": True})
     # PREFETCH 2 (the words of two steps ahead in flight) and SCALE_PF (the next step's scales and mins with its
     # words), session 31, not timed yet, on the one-split tiles that won

@@ -1,6 +1,5 @@
 """benchmarks/gpu.py, the one script for GPU runs: its report parsing and what it may write."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -219,9 +218,7 @@ def test_a8_sweep_table_section_is_what_the_dispatcher_reads(tmp_path, monkeypat
     from fastdecode.ops import int4_a8 as A
 
     saved = list(sys.path)
-    spec = importlib.util.spec_from_file_location("sweep_int4_a8", ROOT / "benchmarks" / "sweep_int4_a8.py")
-    S = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(S)
+    S = load_script(ROOT / "benchmarks" / "sweep_int4_a8.py", "sweep_int4_a8")
     sys.path[:] = saved  # the script puts src / and benchmarks / first
 
     path = tmp_path / "int4_linear_nvidia_h200.json"

@@ -20,7 +20,7 @@ from fastdecode.ops.int4_format import dequantize_int4
 from fastdecode.ops.int4_norm_linear import (
     int4_add_linear_, int4_add_linear_ref, int4_rms_norm_linear, int4_rms_norm_linear_ref,
 )
-from helpers import assert_product_close, poison_, precompile_calls, random_int4, strided_rows
+from helpers import assert_product_close, load_script, poison_, precompile_calls, random_int4, strided_rows
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -208,7 +208,6 @@ def test_the_norm_kernel_runs_first_only_off_the_fma_kind(monkeypatch):
 def test_the_diagnosis_widens_the_fused_kinds_and_restores_them(monkeypatch):
     """benchmarks/diag_int4_norm_gemm_pdl.py's ``every-kind`` mode: the norm inside the dot kind too (no norm
     kernel), every int4 block accepted by norm_gemm, both restored after."""
-    import importlib.util
     from pathlib import Path
 
     import fastdecode.ops.int4_norm_linear as ops
@@ -216,9 +215,7 @@ def test_the_diagnosis_widens_the_fused_kinds_and_restores_them(monkeypatch):
     from fastdecode.models import norm_gemm
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "diag_int4_norm_gemm_pdl.py"
-    spec = importlib.util.spec_from_file_location("diag_int4_norm_gemm_pdl", path)
-    diag = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(diag)
+    diag = load_script(path, "diag_int4_norm_gemm_pdl")
     calls = []
     real = norm_ops.rms_norm
     monkeypatch.setattr(norm_ops, "rms_norm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))

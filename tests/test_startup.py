@@ -167,15 +167,13 @@ def test_cli_options():
 def test_gpu_script_startup_suite(tmp_path):
     """benchmarks/gpu.py's ``startup`` suite: bench startup on the embedded model (cold then warm Triton cache), then
     32 KV slots eager and lazy, every row into <out-dir>/startup.json, each step within 240 s."""
-    import importlib.util
     from pathlib import Path
 
     from fastdecode.cli import build_parser
 
-    spec = importlib.util.spec_from_file_location("gpu_script_startup", Path(__file__).resolve().parent.parent
-                                                  / "benchmarks" / "gpu.py")
-    gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu)
+    from helpers import load_script
+
+    gpu = load_script(Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py", "gpu_script_startup")
     assert "startup" in gpu.SUITES
     steps = gpu.suite_commands("startup", tmp_path, 1)
     assert [s[0] for s in steps] == ["bench startup", "bench startup serve eager", "bench startup serve lazy"]
