@@ -37,13 +37,15 @@ _ALIGNED = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "xs_ptr", "out_ptr"
             "N", "K", "G", "KW", "stride_xm", "stride_om"}
 
 
-def sass(block_n: int, warps: int, norm: bool, prefetch: int = 1, scale_pf: bool = False, even_k: bool = False) -> str:
+def sass(block_n: int, warps: int, norm: bool, prefetch: int = 1, scale_pf: bool = False, even_k: bool = False,
+         norm_loop: bool = False) -> str:
     """The kernel's sm_90 SASS at one token (BLOCK_M 1, BLOCK_K 256, one split, PDL on): with ``norm`` the RMSNorm
     inside (qkv / gate_up of the norm_gemm step), else the residual add (o / down); ``prefetch``: the kernel's
     PREFETCH (0 none, 1 the next step's words, 2 two steps ahead); ``scale_pf``: SCALE_PF (the next step's scales
-    and mins with its words)."""
+    and mins with its words); ``norm_loop``: NORM_LOOP (with ``norm``, the loop sums the rows' squares)."""
     consts = dict(GROUP=32, ZERO_MODE=2, HAS_BIAS=False, USE_DOT=False, UNIFORM=True, SPG=1, EVEN_K=even_k,
-                  X_SCALE_MODE=0, FAST_CVT=False, PREFETCH=prefetch, SCALE_PF=scale_pf, LOP3_ASM=True, USE_PDL=True,
+                  X_SCALE_MODE=0, FAST_CVT=False, PREFETCH=prefetch, SCALE_PF=scale_pf, NORM_LOOP=norm_loop,
+                  LOP3_ASM=True, USE_PDL=True,
                   L2_SLAB=0, PF_LANES=32 * warps, X_NORM=norm, NORM_AFFINE=norm, NORM_NB=2048, NORM_RM=1,
                   ACCUMULATE=not norm, X_GLU=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=256, SPLIT=False)
     sig = {**_SIG, **{k: "constexpr" for k in consts}}
@@ -89,9 +91,11 @@ def main() -> None:
     p.add_argument("--norm", action="store_true", help="the RMSNorm inside (else the residual add)")
     p.add_argument("--prefetch", type=int, default=1, choices=(0, 1, 2), help="the kernel's PREFETCH depth")
     p.add_argument("--scale-pf", action="store_true", help="SCALE_PF: the next step's scales with its words")
+    p.add_argument("--norm-loop", action="store_true", help="NORM_LOOP: with --norm, the loop sums the squares")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    loads = loop_loads(sass(a.block_n, a.warps, a.norm, prefetch=a.prefetch, scale_pf=a.scale_pf))
+    loads = loop_loads(sass(a.block_n, a.warps, a.norm, prefetch=a.prefetch, scale_pf=a.scale_pf,
+                           norm_loop=a.norm_loop))
     if a.json:
         print(json.dumps([{"at": at, "op": op} for at, op in loads]))
         return

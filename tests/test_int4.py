@@ -558,7 +558,7 @@ sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", 
        "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"] == "dot", UNIFORM=True, SPG=4,
               EVEN_K=True, X_SCALE_MODE=0, FAST_CVT=cfg["kind"] == "dot", PREFETCH=cfg.get("PF", False),
-              SCALE_PF=cfg.get("SPF", False),
+              SCALE_PF=cfg.get("SPF", False), NORM_LOOP=cfg.get("NL", False),
               LOP3_ASM=cfg["kind"] == "fma", USE_PDL=cfg.get("PDL", False), L2_SLAB=cfg.get("SLAB", 0),
               PF_LANES=128,
               X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048 // cfg["BLOCK_M"],
@@ -586,8 +586,8 @@ sys.stdout.write(cc.asm["ptx"])
     # the norm inside (with its weight) and the residual add: the loop keeps its per-value instructions
     dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True, XN=True),
     dict(kind="dot", BLOCK_M=16, BLOCK_N=64, ZM=1, x="bf16", XN=True),
-    # one split: the FMA loop sums the rows' squares itself (session 31), no pass over the rows before it
-    dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True, XN=True, SPLIT=False),
+    # one split and NORM_LOOP: the FMA loop sums the rows' squares itself (session 31), no pass over the rows
+    dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=0, x="bf16", PF=True, XN=True, SPLIT=False, NL=True),
     # SiLU-and-mul in the loads (int4_glu, session 30): the weights' instructions stay, the SiLU is added per x
     dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=1, x="bf16", PF=True, GLU=True),
 ], ids=["fma_m1_sym", "fma_m4_min", "fma_m1_sym_prefetch2", "fma_m1_min_scale_pf", "dot_m16_zero_bf16",
@@ -599,8 +599,8 @@ def test_sm90_code_converts_int4_without_float_conversions(cfg):
     16-bit FMA (the inline PTX)."""
     import re
 
-    # X_NORM: its pass over the rows first, but on the FMA kind with one split (the loop sums the squares)
-    in_loop = cfg["kind"] == "fma" and not cfg.get("SPLIT", True)
+    # X_NORM: its pass over the rows first, but with NORM_LOOP on the FMA kind with one split (the loop sums them)
+    in_loop = cfg["kind"] == "fma" and not cfg.get("SPLIT", True) and cfg.get("NL", False)
     ptx = sm90_ptx(_COMPILE_SNIPPET, json.dumps(cfg))
     body = k_loop(ptx, 1 if cfg.get("XN") and not in_loop else 0)
     if cfg.get("XN") and in_loop:  # no loop before the K loop: the first loop holds the weights' LOP3s

@@ -34,9 +34,13 @@ CASES = {
     "fma_m3_split3_prefetch": (dict(kind="fma", BLOCK_M=4, BLOCK_N=8, BLOCK_K=256, SPLIT_K=3, PREFETCH=True), 3,
                                "zero", 32),
     "fma_m2_bk512_split2": (dict(kind="fma", BLOCK_M=2, BLOCK_N=16, BLOCK_K=512, SPLIT_K=2), 2, "min", 64),
-    # one split: the loop sums the rows' squares itself (session 31), padding rows (M = 3 of 4), a K block of 512
+    # one split: the pass over the rows first; with NORM_LOOP the loop sums the rows' squares itself (session 31),
+    # padding rows (M = 3 of 4), a K block of 512
     "fma_m3_prefetch": (dict(kind="fma", BLOCK_M=4, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, PREFETCH=True), 3, "zero", 32),
-    "fma_m2_bk512": (dict(kind="fma", BLOCK_M=2, BLOCK_N=16, BLOCK_K=512, SPLIT_K=1), 2, "min", 64),
+    "fma_m3_prefetch_norm_loop": (dict(kind="fma", BLOCK_M=4, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, PREFETCH=True,
+                                       NORM_LOOP=True), 3, "zero", 32),
+    "fma_m2_bk512_norm_loop": (dict(kind="fma", BLOCK_M=2, BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, NORM_LOOP=True), 2,
+                               "min", 64),
     "fma_m1_scale_pf": (dict(kind="fma", BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, PREFETCH=True, SCALE_PF=True), 1,
                         "min", 32),
     "dot_split2": (dict(kind="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, SPLIT_K=2), 19, "min", 32),

@@ -190,7 +190,8 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
     against 3203 us with the fma table (H200, benchmarks/NOTES.md, session 6); not explained yet.
 
     fma tiles keep BLOCK_K = 256 (one layout tile: the per-group scaling of the kernel needs it; BLOCK_K 1024 lost on
-    every SmolLM2 shape, session 31) and take 4-128 weight rows (4 and 8 on 1, 2 or 4 warps);
+    every SmolLM2 shape, session 31) and take 4-128 weight rows (4 and 8 on 1, 2 or 4 warps); the one-split tiles of
+    up to 16 rows also with PREFETCH 2 and / or SCALE_PF (the kernel's options for the loop's load latency);
     ``quick``: the wide fma tiles on 4 warps, the small ones on 2, fewer dot tiles (a tuning run that fits a few
     device minutes).
     ``smem_limit`` (bytes, ``fastdecode.ops.int4.smem_limit(device)``): configs whose shared-memory
@@ -211,6 +212,13 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
             for sk in splits:
                 out.append({"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
                             "num_warps": nw, "num_stages": 1, "PREFETCH": pf})
+        # one split, up to 16 rows: the words of two steps ahead (PREFETCH 2) and the next step's scales with its
+        # words (SCALE_PF). Session 32, H100, SmolLM2's Q4_1 shapes at M = 1: qkv 3.55 -> 3.15 us (16 rows on 4
+        # warps, PREFETCH 2), gate_up 5.93 -> 4.43 (8 on 2, SCALE_PF), o 3.49 -> 2.81 (8 on 4, SCALE_PF)
+        for (bn, nw), (pf, spf) in itertools.product(small + ((16, 4),) + (() if quick else ((16, 8),)),
+                                                     ((2, False), (True, True)) + (() if quick else ((2, True),))):
+            out.append({"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": 1,
+                        "num_warps": nw, "num_stages": 1, "PREFETCH": pf, "SCALE_PF": spf})
     if M < 8 and not small_m_dot:
         bms = []
     else:

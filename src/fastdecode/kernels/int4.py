@@ -85,8 +85,8 @@ def _int4_linear_kernel(
     M, N, K, G, KW, stride_xm, stride_om, stride_part, split_k,
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
     UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
-    FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, SCALE_PF: tl.constexpr, LOP3_ASM: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, SCALE_PF: tl.constexpr, NORM_LOOP: tl.constexpr,
+    LOP3_ASM: tl.constexpr, USE_PDL: tl.constexpr,
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
     ACCUMULATE: tl.constexpr, X_GLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
@@ -119,10 +119,11 @@ def _int4_linear_kernel(
     (+ ``min[n] * sum(x)`` for "min"); x_scale in the epilogue.
 
     X_NORM (16-bit x, any path and split): x holds the residual stream h and the input is ``rms_norm(h) * nw``:
-    on the FMA path with one split the loop, which loads every column of its rows once, also sums their squares
-    (as ``kernels.gemm``'s skinny kernel does; session 31); elsewhere each program first sums its rows' squares
-    over the whole of K (``_rows_rstd``; a split sees only its slice of K, a dot tile's loads are not the row's
-    once each), the loop multiplies ``h * nw`` rounded to x's dtype (NORM_AFFINE; else h: a norm
+    each program first sums its rows' squares over the whole of K (``_rows_rstd``), or, with NORM_LOOP on the FMA
+    path with one split, the loop, which loads every column of its rows once, sums them too (as ``kernels.gemm``'s
+    skinny kernel does; session 31; opt-in since the step's qkv ran 0.26 us a call slower with it on an H100,
+    session 32; a split sees only its slice of K, a dot tile's loads are not the row's once each); the loop
+    multiplies ``h * nw`` rounded to x's dtype (NORM_AFFINE; else h: a norm
     without weight) with the weights, and the per-row ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums (or this
     split's partial: the scale is linear) before the bias (``ops.int4_norm_linear``). NORM_NB, NORM_RM:
     columns a step and rows of that pass (``kernels.gemm_norm.norm_tile``). ACCUMULATE: out += the result (the
@@ -137,7 +138,7 @@ def _int4_linear_kernel(
     ``kernels.gemm``'s skinny kernel does.
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
-    NORM_IN_LOOP: tl.constexpr = X_NORM and not (USE_DOT or SPLIT)  # the rows' squares summed in the loop
+    NORM_IN_LOOP: tl.constexpr = X_NORM and NORM_LOOP and not (USE_DOT or SPLIT)  # the rows' squares in the loop
     # the next step's group parameters loaded with its words (FMA, one group a shift's slice)
     SCALES_NEXT: tl.constexpr = SCALE_PF and PREFETCH and not USE_DOT and SPG > 0
     tl.static_assert(not (X_NORM and X_FP8), "X_NORM takes a 16-bit residual stream, not an FP8 x")
@@ -416,7 +417,8 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     then needs every 32-column slice of a tile in one group (BLOCK_K == 256 or a multiple of it
     dividing group_size). Optional config keys: PREFETCH (register double buffer of the weight words; 2: a
     triple buffer, the words of two steps ahead in flight), SCALE_PF (with PREFETCH, the fma kind where a shift's
-    slice is one group: the next step's scales and zeros / mins loaded with its words),
+    slice is one group: the next step's scales and zeros / mins loaded with its words), NORM_LOOP (with x_norm, the
+    fma kind with one split: the loop sums the rows' squares instead of a pass before it),
     fast_cvt (default True: the packed-pair PTX conversion where it applies).
     ``warmup``: compile (or, under ``kernels.precompile``, queue the compile of) the kernel, launch nothing.
     ``pdl``: programmatic dependent launch (``kernels.pdl``).
@@ -458,7 +460,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         GROUP=group_size, ZERO_MODE=_ZERO_MODES[zero_mode], HAS_BIAS=bias is not None,
         USE_DOT=config["kind"] == "dot", UNIFORM=uniform, SPG=spg, EVEN_K=K % bk == 0,
         X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=int(config.get("PREFETCH", False)),
-        SCALE_PF=bool(config.get("SCALE_PF", False)),
+        SCALE_PF=bool(config.get("SCALE_PF", False)), NORM_LOOP=bool(config.get("NORM_LOOP", False)),
         LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl,
         X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
         NORM_RM=norm_rm, NORM_NB=norm_nb,

@@ -1,0 +1,77 @@
+"""Development tool: an int4 config table with the fastest M = 1 tile of each shape of a ``gpu.py int4-small`` sweep
+put in (CPU), for timing the embedded SmolLM2 step on those tiles against the shipped table.
+
+Reads the sweep's rows (``benchmarks/sweep_int4_small_fma.py``), a base table (default: the package's H200
+``int4_linear`` table) and writes ``int4_linear_<gpu key>.json`` into ``--out-dir``, a directory to point
+``FASTDECODE_CONFIG_DIR`` at (with the base's other families copied beside it). Per shape, the M = 1 entry becomes
+the fastest int4 tile of the sweep if it beat the row of the table's own tile, else it is kept. ``--norm-loop``
+also sets NORM_LOOP (the int4 FMA kernel's in-loop norm, opt-in since session 32) on the norm shapes' tiles (qkv,
+gate_up), which the sweep at 5006ffb ran with; ``--norm-loop-only`` changes nothing but that, on the base's tiles.
+
+    python benchmarks/int4_small_table.py sweep_int4_small_fma.json --gpu nvidia_h100_80gb_hbm3 --out-dir /tmp/cfg3
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parents[1] / "src" / "fastdecode" / "configs"
+NORM_SHAPES = ("smollm2.qkv", "smollm2.gate_up")  # the step's int4_rms_norm_linear calls
+
+
+def build(rows: list[dict], base: dict, norm_loop: bool = False, norm_loop_only: bool = False,
+          source: str = "") -> dict:
+    """The base table (unchanged) copied, with each swept shape's M = 1 entry replaced as the module says."""
+    table = copy.deepcopy(base)
+    shapes = {}
+    for r in rows:
+        shapes.setdefault(r["shape"]["name"], []).append(r)
+    for name, rs in sorted(shapes.items()):
+        s = rs[0]["shape"]
+        key = f"{s['N']},{s['K']},{s['group']}"
+        entry = table["int4_linear"][key]["1"]
+        own = next(r for r in rs if r["impl"] == "table")
+        tiles = [r for r in rs if r.get("config") and r["impl"] != "table"]
+        best = min(tiles, key=lambda r: r["median_us"], default=own)
+        if not norm_loop_only and best["median_us"] < own["median_us"]:
+            entry.update(config=dict(best["config"]), us=best["median_us"])
+        if (norm_loop or norm_loop_only) and name in NORM_SHAPES:
+            entry["config"]["NORM_LOOP"] = True
+    table["int4_small_source"] = source
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("sweep", help="a gpu.py int4-small result (sweep_int4_small_fma.json)")
+    p.add_argument("--base", default=str(CONFIGS / "int4_linear_nvidia_h200.json"))
+    p.add_argument("--gpu", required=True, help="the table's GPU key (fastdecode.ops._common.gpu_key)")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--norm-loop", action="store_true", help="NORM_LOOP on the norm shapes' M = 1 tiles")
+    p.add_argument("--norm-loop-only", action="store_true", help="the base's tiles, with NORM_LOOP on the norm shapes")
+    a = p.parse_args()
+    data = json.loads(Path(a.sweep).read_text())
+    rows = data["rows"] if isinstance(data, dict) else data
+    what = "NORM_LOOP on the norm shapes' M = 1 tiles" if a.norm_loop_only else "the fastest M = 1 tiles of " + (
+        Path(a.sweep).name + (" with NORM_LOOP on the norm shapes" if a.norm_loop else ""))
+    sha = {r.get("git_sha") for r in rows}
+    table = build(rows, json.loads(Path(a.base).read_text()), a.norm_loop, a.norm_loop_only,
+                  f"{Path(a.base).name} with {what} (sweep at {', '.join(sorted(map(str, sha)))})")
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for fam in ("linear", "allreduce"):  # the base GPU's other tables beside it, under the same GPU key
+        src = Path(a.base).with_name(Path(a.base).name.replace("int4_linear", fam))
+        if src.exists():
+            shutil.copy(src, out / f"{fam}_{a.gpu}.json")
+    (out / f"int4_linear_{a.gpu}.json").write_text(json.dumps(table, indent=1) + "\n")
+    for key, by_m in table["int4_linear"].items():
+        if key.endswith(",32"):
+            print(key, by_m["1"]["config"], by_m["1"]["us"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""``benchmarks/int4_small_table.py``: the int4 table with a small-tile sweep's fastest M = 1 tiles put in (CPU;
+session 32)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ROOT / "src" / "fastdecode" / "configs" / "int4_linear_nvidia_h200.json"
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return load_script(ROOT / "benchmarks" / "int4_small_table.py", "int4_small_table")
+
+
+def _rows():
+    """A sweep's rows: on qkv a tile beats the table's, on down none does; the bf16 row has no config."""
+    def shape(name, n, k):
+        return {"M": 1, "N": n, "K": k, "group": 32, "name": name}
+
+    qkv, down = shape("smollm2.qkv", 960, 576), shape("smollm2.down", 576, 1536)
+    fast = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 8, "SPLIT_K": 1, "PREFETCH": 2}
+    slow = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 4, "SPLIT_K": 1, "SCALE_PF": True}
+    own = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 16, "SPLIT_K": 16}
+    return [
+        {"shape": qkv, "impl": "bf16", "config": None, "median_us": 1.0, "git_sha": "abc"},
+        {"shape": qkv, "impl": "table", "config": own, "median_us": 3.5, "git_sha": "abc"},
+        {"shape": qkv, "impl": "fast", "config": fast, "median_us": 3.1, "git_sha": "abc"},
+        {"shape": down, "impl": "table", "config": own, "median_us": 4.4, "git_sha": "abc"},
+        {"shape": down, "impl": "slow", "config": slow, "median_us": 5.0, "git_sha": "abc"},
+    ]
+
+
+def test_the_fastest_tile_replaces_only_a_slower_one(tool):
+    """qkv takes the fastest tile (not the bf16 row, which is faster but no int4 tile); down keeps the table's; every
+    other entry and M stays the base's; the base itself is not changed."""
+    base = json.loads(BASE.read_text())
+    before = json.dumps(base)
+    t = tool.build(_rows(), base, source="s")
+    assert json.dumps(base) == before
+    assert t["int4_linear"]["960,576,32"]["1"] == {**base["int4_linear"]["960,576,32"]["1"], "us": 3.1,
+                                                   "config": _rows()[2]["config"]}
+    assert t["int4_linear"]["576,1536,32"] == base["int4_linear"]["576,1536,32"]
+    for key in base["int4_linear"]:
+        for m in base["int4_linear"][key]:
+            if (key, m) != ("960,576,32", "1"):
+                assert t["int4_linear"][key][m] == base["int4_linear"][key][m], (key, m)
+    assert t["int4_small_source"] == "s"
+
+
+@pytest.mark.parametrize("only", [False, True])
+def test_norm_loop_goes_on_the_norm_shapes_only(tool, only):
+    """NORM_LOOP on qkv's M = 1 tile (a norm shape), not on down's; with ``norm_loop_only`` on the base's tile."""
+    base = json.loads(BASE.read_text())
+    t = tool.build(_rows(), base, norm_loop=not only, norm_loop_only=only)
+    qkv = t["int4_linear"]["960,576,32"]["1"]["config"]
+    want = base["int4_linear"]["960,576,32"]["1"]["config"] if only else _rows()[2]["config"]
+    assert qkv == {**want, "NORM_LOOP": True}
+    assert "NORM_LOOP" not in t["int4_linear"]["576,1536,32"]["1"]["config"]
+
+
+def test_cli_writes_a_config_dir(tmp_path):
+    """The command line writes the int4 table under the GPU key given, with the base GPU's other tables beside it."""
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"rows": _rows()}))
+    out = tmp_path / "cfg"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "int4_small_table.py"), str(sweep), "--gpu", "gpu_x",
+                    "--out-dir", str(out)], check=True, capture_output=True)
+    assert {p.name for p in out.iterdir()} >= {"int4_linear_gpu_x.json", "linear_gpu_x.json"}
+    t = json.loads((out / "int4_linear_gpu_x.json").read_text())
+    assert t["int4_linear"]["960,576,32"]["1"]["us"] == 3.1
+    assert "sweep at abc" in t["int4_small_source"]
