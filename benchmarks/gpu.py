@@ -50,6 +50,8 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               (``norm_gemm`` of int4 blocks) against the two kernels each replaces, 8B and SmolLM2 shapes, M = 1 and 4.
 * ``int4-small`` ``benchmarks/sweep_int4_small_fma.py``: the int4 FMA kind's tiles on SmolLM2's Q4_1 shapes at one token
               (the embedded step's norm and add kernels), the tables' tile and smaller / wider ones, beside bf16.
+* ``int4-8b-options`` the same script, ``--grid table`` on the 8B shapes: the table's tile with PREFETCH 2 and / or
+              SCALE_PF, and on half its rows (``sweep_int4_8b_options.json``).
 * ``int4-diag`` ``benchmarks/diag_int4_gemv.py``: the int4 GEMV at decode sizes against its access pattern's ceiling
               (a kernel that only streams the packed words), the copy rate, mma variants, cuBLAS BF16 and tinygemm;
               then, where ``ncu`` is installed, one launch of each of a few cases under it (``ncu_int4.txt``).
@@ -208,6 +210,10 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "int4-small":
         return [("sweep int4 small", [PY, str(ROOT / "benchmarks" / "sweep_int4_small_fma.py"),
                                       "--out", str(out / "sweep_int4_small_fma.json")], 420)]
+    if name == "int4-8b-options":
+        return [("sweep int4 8b options", [PY, str(ROOT / "benchmarks" / "sweep_int4_small_fma.py"), "--grid", "table",
+                                           "--shapes", "8b.qkv,8b.o,8b.gate_up,8b.down",
+                                           "--out", str(out / "sweep_int4_8b_options.json")], 300)]
     if name == "int4-a8":
         # the sweep's best GEMV configs into a copy of the int4 table (main copies it), then the 8B int4 step on them
         cfg_dir = out / "configs"
@@ -307,7 +313,8 @@ WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attenti
 SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile",
           "profile-switches", "hf", "serve",
           "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
-          "int4-small", "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16", "int8-producers", "test-bounds",
+          "int4-small", "int4-8b-options", "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16", "int8-producers",
+          "test-bounds",
           "l2-prefetch")
 
 
@@ -645,8 +652,8 @@ def main(argv=None) -> int:
 
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
     # tp: with 2+ GPUs only
-    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-small", "int4-norm-pdl", "int4-diag", "int4-a8",
-                  "profile-switches", "w8a16", "int8-producers", "test-bounds", "l2-prefetch")
+    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-small", "int4-8b-options", "int4-norm-pdl",
+                  "int4-diag", "int4-a8", "profile-switches", "w8a16", "int8-producers", "test-bounds", "l2-prefetch")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")

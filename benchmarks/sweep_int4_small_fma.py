@@ -14,6 +14,9 @@ checked against its fp32 reference first, in one process on rotated weights (CUD
 ``bench.harness.time_cuda``); the bf16 op on the same shape is the baseline row.
 
     PYTHONPATH=src python benchmarks/sweep_int4_small_fma.py --out rows.json
+    PYTHONPATH=src python benchmarks/sweep_int4_small_fma.py --grid table --shapes 8b.qkv,8b.o --out rows.json
+
+``--grid table`` times the table's own tile with the same options instead (session 32: the 8B shapes, g128).
 """
 
 from __future__ import annotations
@@ -56,6 +59,23 @@ def tiles(K: int) -> list[dict]:
     return out
 
 
+def table_variants(table_cfg: dict) -> list[dict]:
+    """``--grid table`` (the 8B shapes; session 32): the table's fma tile and the same tile on half its rows, each with
+    PREFETCH 1 or 2 and with or without SCALE_PF (the table's own tile is the "table" row); for a table tile of
+    another kind, fma tiles of 64 rows on 4 warps with one and two splits, the same four ways."""
+    if table_cfg.get("kind") == "fma":
+        bases = [table_cfg, {**table_cfg, "BLOCK_N": max(4, table_cfg["BLOCK_N"] // 2)}]
+    else:
+        bases = [{"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": sk, "num_warps": 4,
+                  "num_stages": 1} for sk in (1, 2)]
+    out = []
+    for b, (pf, spf) in itertools.product(bases, ((True, False), (2, False), (True, True), (2, True))):
+        c = {**b, "PREFETCH": pf, "SCALE_PF": spf}
+        if not (c == {**table_cfg, "SCALE_PF": False} and pf is True):  # the table's own tile: its own row
+            out.append(c)
+    return out
+
+
 def _name(cfg: dict) -> str:
     pf = ("_pf2" if cfg.get("PREFETCH") == 2 else "") + ("_spf" if cfg.get("SCALE_PF") else "")
     return f"fma_n{cfg['BLOCK_N']}_k{cfg['BLOCK_K']}_s{cfg['SPLIT_K']}_w{cfg['num_warps']}{pf}"
@@ -64,6 +84,8 @@ def _name(cfg: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(SMALL))
+    p.add_argument("--grid", choices=("small", "table"), default="small",
+                   help="small: the grid of small tiles (SmolLM2); table: the table's tile with PREFETCH 2 / SCALE_PF")
     p.add_argument("--out")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a smoke run (tests)
     p.add_argument("--max-tiles", type=int, default=0, help=argparse.SUPPRESS)  # smoke runs: the first n tiles
@@ -102,7 +124,7 @@ def main() -> None:
             bf16 = [lambda i=i: add_linear_(res[i], xs[i], dense[i]) for i in range(n_rot)]
             got = res[0]
         cands = [("table", table[1])] if table[0] == "triton" else []
-        grid = tiles(K)
+        grid = tiles(K) if a.grid == "small" else table_variants(table[1])
         cands += [(_name(c), c) for c in grid[:a.max_tiles or None]]
         base = None
         for impl, cfg in [("bf16", None)] + cands:

@@ -351,6 +351,22 @@ def test_every_path_and_format(name, fmt):
     assert_close(out, I.int4_linear_ref(x, w, b))
 
 
+@pytest.mark.parametrize("g", [128, 512])
+@pytest.mark.parametrize("cfg", [dict(PREFETCH=True, SCALE_PF=True, SPLIT_K=2), dict(PREFETCH=2, SCALE_PF=True)],
+                         ids=["scale_pf_split2", "prefetch2_scale_pf"])
+def test_scale_pf_groups_of_several_shifts(cfg, g):
+    """SCALE_PF where a group spans four shifts (g128, the 8B's: one load serves four) or two layout tiles (g512),
+    (g128: 4.5 layout tiles of K, a partial last step; g512: 6) whose next-step parameters clamp to the last group
+    past the end (``--grid table`` of the small-tile sweep times these on the 8B shapes, session 32)."""
+    N, K = 40, 1152 if g == 128 else 1536
+    w = _packed("zero", N, K, g)
+    x = _x(2, K)
+    out = poison_(torch.empty(2, N, dtype=torch.float16))
+    base = dict(kind="fma", BLOCK_M=2, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1)
+    I.int4_linear_with_config(x, w, None, out, {**base, **cfg})
+    assert_close(out, I.int4_linear_ref(x, w, None))
+
+
 @pytest.mark.parametrize("g", [32, 128, 256])
 @pytest.mark.parametrize("M", [1, 4, 33])
 def test_dispatch_group_sizes(M, g):

@@ -76,3 +76,21 @@ def test_cli_writes_a_config_dir(tmp_path):
     t = json.loads((out / "int4_linear_gpu_x.json").read_text())
     assert t["int4_linear"]["960,576,32"]["1"]["us"] == 3.1
     assert "sweep at abc" in t["int4_small_source"]
+
+
+@pytest.mark.parametrize("shape", ["smollm2.o", "smollm2.qkv"])
+def test_sweep_checks_its_option_tiles_on_the_cpu(tmp_path, shape):
+    """The sweep's smoke run (the interpreter, no timing): each tile it would time passes its check against the fp32
+    reference, on the add side (o) and the norm side (qkv); ``--grid table`` on the CPU's heuristic tile (a split
+    one) with PREFETCH 2 and SCALE_PF. A failed check prints FAILED and records an error row. (The small grid's tiles of
+    4 rows take ~50 s here; their options are the kernel tests' cases.)"""
+    import os
+
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sweep_int4_small_fma.py"), "--device", "cpu",
+                        "--grid", "table", "--shapes", shape, "--max-tiles", "4", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "FAILED" not in r.stdout, r.stdout
+    assert json.loads(out.read_text()) in ([], {"rows": []})  # nothing timed, no error row
