@@ -71,7 +71,7 @@ def table_variants(table_cfg: dict) -> list[dict]:
     out = []
     for b, (pf, spf) in itertools.product(bases, ((True, False), (2, False), (True, True), (2, True))):
         c = {**b, "PREFETCH": pf, "SCALE_PF": spf}
-        if not (c == {**table_cfg, "SCALE_PF": False} and pf is True):  # the table's own tile: its own row
+        if c != {**table_cfg, "SCALE_PF": False}:  # the table's own tile: its own row
             out.append(c)
     return out
 

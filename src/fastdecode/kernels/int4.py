@@ -119,11 +119,11 @@ def _int4_linear_kernel(
     (+ ``min[n] * sum(x)`` for "min"); x_scale in the epilogue.
 
     X_NORM (16-bit x, any path and split): x holds the residual stream h and the input is ``rms_norm(h) * nw``:
-    each program first sums its rows' squares over the whole of K (``_rows_rstd``), or, with NORM_LOOP on the FMA
-    path with one split, the loop, which loads every column of its rows once, sums them too (as ``kernels.gemm``'s
-    skinny kernel does; session 31; opt-in since the step's qkv ran 0.26 us a call slower with it on an H100,
-    session 32; a split sees only its slice of K, a dot tile's loads are not the row's once each); the loop
-    multiplies ``h * nw`` rounded to x's dtype (NORM_AFFINE; else h: a norm
+    each program first sums its rows' squares over the whole of K (``_rows_rstd``). With NORM_LOOP (opt-in) on the
+    FMA path with one split, the loop sums them instead, as it loads every column of its rows once (as
+    ``kernels.gemm``'s skinny kernel does; session 31; in the embedded step on an H100 its qkv ran 0.26 us a call
+    slower so, session 32). A split sees only its slice of K, and a dot tile's loads are not the row's once each.
+    The loop multiplies ``h * nw`` rounded to x's dtype (NORM_AFFINE; else h: a norm
     without weight) with the weights, and the per-row ``rsqrt(mean(h^2) + eps)`` scales the fp32 sums (or this
     split's partial: the scale is linear) before the bias (``ops.int4_norm_linear``). NORM_NB, NORM_RM:
     columns a step and rows of that pass (``kernels.gemm_norm.norm_tile``). ACCUMULATE: out += the result (the
