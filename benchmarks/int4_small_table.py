@@ -4,9 +4,11 @@ put in (CPU), for timing the embedded SmolLM2 step on those tiles against the sh
 Reads the sweep's rows (``benchmarks/sweep_int4_small_fma.py``), a base table (default: the package's H200
 ``int4_linear`` table) and writes ``int4_linear_<gpu key>.json`` into ``--out-dir``, a directory to point
 ``FASTDECODE_CONFIG_DIR`` at (with the base's other families copied beside it). Per shape, the M = 1 entry becomes
-the fastest int4 tile of the sweep if it beat the row of the table's own tile, else it is kept. ``--norm-loop``
-also sets NORM_LOOP (the int4 FMA kernel's in-loop norm, opt-in since session 32) on the norm shapes' tiles (qkv,
-gate_up), which the sweep at 5006ffb ran with; ``--norm-loop-only`` changes nothing but that, on the base's tiles.
+the fastest int4 tile of the sweep if it beat the row of the table's own tile, else it is kept. Sweeps after
+session 32's a7271b7 time each one-split norm tile with and without NORM_LOOP (the int4 FMA kernel's in-loop norm,
+opt-in since session 32), and the tile taken carries the key as timed. ``--norm-loop`` sets NORM_LOOP on the norm
+shapes' tiles (qkv, gate_up), as the sweep at 5006ffb ran them all; ``--norm-loop-only`` changes nothing but that,
+on the base's tiles.
 
     python benchmarks/int4_small_table.py sweep_int4_small_fma.json --gpu nvidia_h100_80gb_hbm3 --out-dir /tmp/cfg3
 """

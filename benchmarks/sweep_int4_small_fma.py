@@ -9,9 +9,11 @@ BLOCK_N 16 (36-192 programs) and BLOCK_K 256 (K = 576 pads to 768: three steps);
 BLOCK_N 16 or under 4 warps until session 31, and none above BLOCK_K 256. This times, per shape, the op the step runs
 (``int4_rms_norm_linear``'s kernel for qkv / gate_up, ``int4_add_linear_``'s for o / down) with the table's tile
 and with a grid of smaller tiles (BLOCK_N 4-16, 1-4 warps, split-K 1-4; at 04d59ae also BLOCK_K 1024), and
-with PREFETCH 2 and SCALE_PF (session 31's kernel options for the loop's load latency), each
-checked against its fp32 reference first, in one process on rotated weights (CUDA graphs, PDL off:
-``bench.harness.time_cuda``); the bf16 op on the same shape is the baseline row.
+with PREFETCH 2 and SCALE_PF (session 31's kernel options for the loop's load latency); on the norm shapes every
+one-split tile also with NORM_LOOP (row suffix ``_nl``; session 32); down with SiLU-and-mul inside, as the step runs
+it (``int4_glu``; ``--no-glu``: without). Each is checked against its fp32 reference first, then timed in one process
+on rotated weights (CUDA graphs, PDL off: ``bench.harness.time_cuda``); the bf16 op on the same shape is the
+baseline row.
 
     PYTHONPATH=src python benchmarks/sweep_int4_small_fma.py --out rows.json
     PYTHONPATH=src python benchmarks/sweep_int4_small_fma.py --grid table --shapes 8b.qkv,8b.o --out rows.json
@@ -32,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_int4_norm_gemv import EPS, SHAPES, _weight  # noqa: E402
 
 from fastdecode.bench.harness import make_row, rotation_count, time_cuda, write_rows  # noqa: E402
+from fastdecode.kernels.int4 import split_k_blocks  # noqa: E402
+from fastdecode.models.norm_gemm import INT4_GLU_MAX_K  # noqa: E402
 from fastdecode.ops.int4 import get_int4_config, int4_linear_with_config  # noqa: E402
 from fastdecode.ops.int4_norm_linear import int4_add_linear_ref, int4_rms_norm_linear_ref  # noqa: E402
 from fastdecode.ops.norm_linear import add_linear_, rms_norm_linear  # noqa: E402
@@ -76,6 +80,13 @@ def table_variants(table_cfg: dict) -> list[dict]:
     return out
 
 
+def with_norm_loop(cands: list[tuple[str, dict]], K: int) -> list[tuple[str, dict]]:
+    """The norm side: each candidate of one effective split again with NORM_LOOP (the loop sums the rows' squares
+    instead of a pass before it; opt-in since session 32, whose step showed its effect depends on the tile)."""
+    return cands + [(impl + "_nl", {**c, "NORM_LOOP": True}) for impl, c in cands
+                    if c.get("kind") == "fma" and split_k_blocks(K, c)[1] == 1]
+
+
 def _name(cfg: dict) -> str:
     pf = ("_pf2" if cfg.get("PREFETCH") == 2 else "") + ("_spf" if cfg.get("SCALE_PF") else "")
     return f"fma_n{cfg['BLOCK_N']}_k{cfg['BLOCK_K']}_s{cfg['SPLIT_K']}_w{cfg['num_warps']}{pf}"
@@ -86,6 +97,8 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SMALL))
     p.add_argument("--grid", choices=("small", "table"), default="small",
                    help="small: the grid of small tiles (SmolLM2); table: the table's tile with PREFETCH 2 / SCALE_PF")
+    p.add_argument("--no-glu", action="store_true",
+                   help="down without SiLU-and-mul inside (the step runs it with, int4_glu, where K <= 4096)")
     p.add_argument("--out")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a smoke run (tests)
     p.add_argument("--max-tiles", type=int, default=0, help=argparse.SUPPRESS)  # smoke runs: the first n tiles
@@ -100,13 +113,15 @@ def main() -> None:
         ws = [w0] + [_weight(N, K, g, fmt, dev) for _ in range(n_rot - 1)]
         dense = [(torch.randn(N, K, device=dev) * 0.02).to(dt) for _ in range(n_rot)]
         nw = (1 + 0.1 * torch.randn(K, device=dev)).to(dt)
-        xs = [(torch.randn(M, K, device=dev) * 3).to(dt) for _ in range(n_rot)]
+        # down as the step runs it: [gate | up] rows and SiLU-and-mul inside (int4_glu; bf16: add_linear_'s glu)
+        glu = side == "add" and name.endswith(".down") and K <= INT4_GLU_MAX_K and not a.no_glu
+        xs = [(torch.randn(M, 2 * K if glu else K, device=dev) * 3).to(dt) for _ in range(n_rot)]
         out = torch.empty(M, N, device=dev, dtype=dt)
         res = [(torch.randn(M, N, device=dev) * 3).to(dt) for _ in range(n_rot)]
         r0 = res[0].clone()
         table = get_int4_config(M, N, K, g, dev)
         shape = {"M": M, "N": N, "K": K, "group": g, "format": fmt, "name": name, "dtype": "bfloat16",
-                 "table": list(table)}
+                 "table": list(table), "side": "glu" if glu else side}
         if side == "norm":
             ref = int4_rms_norm_linear_ref(xs[0], nw, ws[0], eps=EPS).float()
 
@@ -116,16 +131,18 @@ def main() -> None:
             bf16 = [lambda i=i: rms_norm_linear(xs[i], nw, dense[i], eps=EPS, out=out) for i in range(n_rot)]
             got = out
         else:
-            ref = int4_add_linear_ref(r0, xs[0], ws[0]).float()
+            ref = int4_add_linear_ref(r0, xs[0], ws[0], glu=glu).float()
 
             def make(cfg):
-                return [lambda i=i: int4_linear_with_config(xs[i], ws[i], None, res[i], cfg, accumulate=True)
+                return [lambda i=i: int4_linear_with_config(xs[i], ws[i], None, res[i], cfg, accumulate=True, glu=glu)
                         for i in range(n_rot)]
-            bf16 = [lambda i=i: add_linear_(res[i], xs[i], dense[i]) for i in range(n_rot)]
+            bf16 = [lambda i=i: add_linear_(res[i], xs[i], dense[i], glu=glu) for i in range(n_rot)]
             got = res[0]
         cands = [("table", table[1])] if table[0] == "triton" else []
         grid = tiles(K) if a.grid == "small" else table_variants(table[1])
         cands += [(_name(c), c) for c in grid[:a.max_tiles or None]]
+        if side == "norm":
+            cands = with_norm_loop(cands, K)
         base = None
         for impl, cfg in [("bf16", None)] + cands:
             try:

@@ -83,19 +83,34 @@ def test_cli_writes_a_config_dir(tmp_path):
                     "(gpu.py int4-small / int4-8b-options). On the device image (triton 3.6) its interpreter run "
                     "failed on every tile with 'only 0-dimensional arrays can be converted to Python scalars', as "
                     "test_int4.py, the int4 kernel's interpreter suite, is skipped there too")
-@pytest.mark.parametrize("shape", ["smollm2.o", "smollm2.qkv"])
+@pytest.mark.parametrize("shape", ["smollm2.o", "smollm2.qkv", "smollm2.down"])
 def test_sweep_checks_its_option_tiles_on_the_cpu(tmp_path, shape):
     """The sweep's smoke run (the interpreter, no timing): each tile it would time passes its check against the fp32
-    reference, on the add side (o) and the norm side (qkv); ``--grid table`` on the CPU's heuristic tile (a split
-    one) with PREFETCH 2 and SCALE_PF. A failed check prints FAILED and records an error row. (The small grid's tiles of
-    4 rows take ~50 s here; their options are the kernel tests' cases.)"""
+    reference, on the add side (o), the norm side (qkv) and down with SiLU-and-mul inside (int4_glu, as the step);
+    ``--grid table`` on the CPU's heuristic tile (a split one) with PREFETCH 2 and SCALE_PF (down: one of them). A
+    failed check prints FAILED and records an error row. (The small grid's tiles of 4 rows take ~50 s here; their
+    options are the kernel tests' cases.)"""
     import os
 
     out = tmp_path / "rows.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    n = "1" if shape.endswith("down") else "4"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sweep_int4_small_fma.py"), "--device", "cpu",
-                        "--grid", "table", "--shapes", shape, "--max-tiles", "4", "--out", str(out)],
+                        "--grid", "table", "--shapes", shape, "--max-tiles", n, "--out", str(out)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "FAILED" not in r.stdout, r.stdout
     assert json.loads(out.read_text()) in ([], {"rows": []})  # nothing timed, no error row
+
+
+def test_norm_loop_rows_only_where_one_split_runs():
+    """``with_norm_loop``: an ``_nl`` copy of each fma candidate that runs as one split (SPLIT_K 1, or a split count
+    that K's steps reduce to 1), none of a split or a dot one."""
+    sweep = load_script(ROOT / "benchmarks" / "sweep_int4_small_fma.py", "sweep_int4_small_fma")
+    one = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 2}
+    split = {**one, "SPLIT_K": 2}
+    dot = {"kind": "dot", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1}
+    out = sweep.with_norm_loop([("a", one), ("b", split), ("c", dot)], 576)
+    assert out == [("a", one), ("b", split), ("c", dot), ("a_nl", {**one, "NORM_LOOP": True})]
+    # K = 256: one step, so SPLIT_K 2 runs as one split and gets its copy too
+    assert [n for n, _ in sweep.with_norm_loop([("b", split)], 256)] == ["b", "b_nl"]
