@@ -52,6 +52,10 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               (the embedded step's norm and add kernels), the tables' tile and smaller / wider ones, beside bf16.
 * ``int4-8b-options`` the same script, ``--grid table`` on the 8B shapes: the table's tile with PREFETCH 2 and / or
               SCALE_PF, and on half its rows (``sweep_int4_8b_options.json``).
+* ``step-tables`` the embedded step (``fastdecode-graph``) on two config dirs in alternating processes
+              (``--step-rounds`` of each): A the H200's tables under this GPU's name, B the same with an
+              ``int4-small`` result's fastest M = 1 tiles (``--step-sweep``; ``benchmarks/int4_small_table.py``);
+              ``decode_embedded_tables_<i>.json``, each row naming its config dir.
 * ``int4-diag`` ``benchmarks/diag_int4_gemv.py``: the int4 GEMV at decode sizes against its access pattern's ceiling
               (a kernel that only streams the packed words), the copy rate, mma variants, cuBLAS BF16 and tinygemm;
               then, where ``ncu`` is installed, one launch of each of a few cases under it (``ncu_int4.txt``).
@@ -113,11 +117,12 @@ def _decode(out: Path, *args: str) -> list[str]:
 def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "int4"), tune_dtypes=("bf16", "fp8"),
                    gpu="nvidia_h200", tune_int4_ms=None, tune_int4_fp8=True,
                    tune_int4_small_m_dot=False, tune_shapes=None,
-                   tune_int4_groups=None, tune_int4_kinds=None, diag_args=(), ncu=True, decode_impls=None
-                   ) -> list[tuple[str, list[str], int]]:
+                   tune_int4_groups=None, tune_int4_kinds=None, diag_args=(), ncu=True, decode_impls=None,
+                   step_sweep=None, step_rounds=2) -> list[tuple[str, list[str], int]]:
     """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests). ``diag_args``:
     extra arguments of ``int4-diag``'s sweep (``--few``, ``--shapes``, ``--ms``); ``ncu``: its ncu step too;
-    ``decode_impls``: the rows of every ``decode`` step instead of its own list (a short call)."""
+    ``decode_impls``: the rows of every ``decode`` step instead of its own list (a short call); ``step_sweep``,
+    ``step_rounds``: ``step-tables``' int4-small result and its processes per config dir."""
     shapes = ["--shapes", tune_shapes] if tune_shapes else []
     if name == "tune":
         return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes, *shapes,
@@ -214,6 +219,17 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         return [("sweep int4 8b options", [PY, str(ROOT / "benchmarks" / "sweep_int4_small_fma.py"), "--grid", "table",
                                            "--shapes", "8b.qkv,8b.o,8b.gate_up,8b.down",
                                            "--out", str(out / "sweep_int4_8b_options.json")], 300)]
+    if name == "step-tables":  # session 31 and 32 ran this by hand; the tables outside $OUT (rebuilt from the sweep)
+        tables = Path(tempfile.gettempdir()) / "fastdecode_step_tables"
+        build = [PY, str(ROOT / "benchmarks" / "int4_small_table.py"), str(step_sweep), "--gpu", gpu, "--out-dir"]
+        steps = [("tables A", build + [str(tables / "A"), "--unchanged"], 60),
+                 ("tables B", build + [str(tables / "B")], 60)]
+        for i in range(2 * step_rounds):
+            d = "AB"[i % 2]
+            steps.append((f"step {d} {i + 1}", ["env", f"FASTDECODE_CONFIG_DIR={tables / d}"] + _fd(
+                "bench", "decode", "--model", _embedded_gguf(), "--batch", "1", "--iters", "30", "--impl",
+                "fastdecode-graph", "--out", str(out / f"decode_embedded_tables_{i + 1}.json")), 120))
+        return steps
     if name == "int4-a8":
         # the sweep's best GEMV configs into a copy of the int4 table (main copies it), then the 8B int4 step on them
         cfg_dir = out / "configs"
@@ -313,8 +329,8 @@ WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attenti
 SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile",
           "profile-switches", "hf", "serve",
           "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
-          "int4-small", "int4-8b-options", "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16", "int8-producers",
-          "test-bounds",
+          "int4-small", "int4-8b-options", "step-tables", "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16",
+          "int8-producers", "test-bounds",
           "l2-prefetch")
 
 
@@ -621,7 +637,12 @@ def main(argv=None) -> int:
     p.add_argument("--tune-int4-kinds", default=None,
                    help="tune-int4: comma-separated kernel kinds (fma, mma, dot; default all): the table's entry is "
                         "timed again beside them")
+    p.add_argument("--step-sweep", default=None,
+                   help="step-tables: an int4-small result (sweep_int4_small_fma.json) whose M = 1 tiles table B takes")
+    p.add_argument("--step-rounds", type=int, default=2, help="step-tables: processes on each config dir")
     a = p.parse_args(argv)
+    if "step-tables" in a.suites and not (a.step_sweep and Path(a.step_sweep).is_file()):
+        p.error(f"step-tables needs --step-sweep, an int4-small result file (got {a.step_sweep!r})")
     part = None
     if a.part:
         try:
@@ -652,7 +673,8 @@ def main(argv=None) -> int:
 
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
     # tp: with 2+ GPUs only
-    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-small", "int4-8b-options", "int4-norm-pdl",
+    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-small", "int4-8b-options", "step-tables",
+                  "int4-norm-pdl",
                   "int4-diag", "int4-a8", "profile-switches", "w8a16", "int8-producers", "test-bounds", "l2-prefetch")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
@@ -687,7 +709,7 @@ def main(argv=None) -> int:
             + (["--ms", a.diag_ms] if a.diag_ms else [])
         steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms, not a.tune_int4_no_fp8,
                                a.tune_int4_small_m_dot, a.tune_shapes, a.tune_int4_groups, a.tune_int4_kinds,
-                               diag_args, not a.no_ncu, a.decode_impls)
+                               diag_args, not a.no_ncu, a.decode_impls, a.step_sweep, a.step_rounds)
         if not steps:
             summary.append((s, f"not run: needs 2+ GPUs, this machine has {n_gpu}", 0))
         for label, cmd, timeout in steps:

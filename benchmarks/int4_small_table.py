@@ -8,7 +8,7 @@ the fastest int4 tile of the sweep if it beat the row of the table's own tile, e
 session 32's a7271b7 time each one-split norm tile with and without NORM_LOOP (the int4 FMA kernel's in-loop norm,
 opt-in since session 32), and the tile taken carries the key as timed. ``--norm-loop`` sets NORM_LOOP on the norm
 shapes' tiles (qkv, gate_up), as the sweep at 5006ffb ran them all; ``--norm-loop-only`` changes nothing but that,
-on the base's tiles.
+on the base's tiles; ``--unchanged`` writes the base as it is (the other side of ``gpu.py step-tables``).
 
     python benchmarks/int4_small_table.py sweep_int4_small_fma.json --gpu nvidia_h100_80gb_hbm3 --out-dir /tmp/cfg3
 """
@@ -26,9 +26,13 @@ NORM_SHAPES = ("smollm2.qkv", "smollm2.gate_up")  # the step's int4_rms_norm_lin
 
 
 def build(rows: list[dict], base: dict, norm_loop: bool = False, norm_loop_only: bool = False,
-          source: str = "") -> dict:
-    """The base table (unchanged) copied, with each swept shape's M = 1 entry replaced as the module says."""
+          source: str = "", unchanged: bool = False) -> dict:
+    """The base table (unchanged) copied, with each swept shape's M = 1 entry replaced as the module says (none
+    with ``unchanged``)."""
     table = copy.deepcopy(base)
+    table["int4_small_source"] = source
+    if unchanged:
+        return table
     shapes = {}
     for r in rows:
         shapes.setdefault(r["shape"]["name"], []).append(r)
@@ -43,7 +47,6 @@ def build(rows: list[dict], base: dict, norm_loop: bool = False, norm_loop_only:
             entry.update(config=dict(best["config"]), us=best["median_us"])
         if (norm_loop or norm_loop_only) and name in NORM_SHAPES:
             entry["config"]["NORM_LOOP"] = True
-    table["int4_small_source"] = source
     return table
 
 
@@ -55,14 +58,17 @@ def main() -> None:
     p.add_argument("--out-dir", required=True)
     p.add_argument("--norm-loop", action="store_true", help="NORM_LOOP on the norm shapes' M = 1 tiles")
     p.add_argument("--norm-loop-only", action="store_true", help="the base's tiles, with NORM_LOOP on the norm shapes")
+    p.add_argument("--unchanged", action="store_true", help="the base as it is, under --gpu's name")
     a = p.parse_args()
     data = json.loads(Path(a.sweep).read_text())
     rows = data["rows"] if isinstance(data, dict) else data
     what = "NORM_LOOP on the norm shapes' M = 1 tiles" if a.norm_loop_only else "the fastest M = 1 tiles of " + (
         Path(a.sweep).name + (" with NORM_LOOP on the norm shapes" if a.norm_loop else ""))
+    if a.unchanged:
+        what = f"nothing changed (the other side of {Path(a.sweep).name})"
     sha = {r.get("git_sha") for r in rows}
     table = build(rows, json.loads(Path(a.base).read_text()), a.norm_loop, a.norm_loop_only,
-                  f"{Path(a.base).name} with {what} (sweep at {', '.join(sorted(map(str, sha)))})")
+                  f"{Path(a.base).name} with {what} (sweep at {', '.join(sorted(map(str, sha)))})", a.unchanged)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for fam in ("linear", "allreduce"):  # the base GPU's other tables beside it, under the same GPU key

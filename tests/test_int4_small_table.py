@@ -114,3 +114,26 @@ def test_norm_loop_rows_only_where_one_split_runs():
     assert out == [("a", one), ("b", split), ("c", dot), ("a_nl", {**one, "NORM_LOOP": True})]
     # K = 256: one step, so SPLIT_K 2 runs as one split and gets its copy too
     assert [n for n, _ in sweep.with_norm_loop([("b", split)], 256)] == ["b", "b_nl"]
+
+
+def test_unchanged_keeps_the_base(tool):
+    """``unchanged`` (``gpu.py step-tables``' table A): the base's entries as they are, with the source note."""
+    base = json.loads(BASE.read_text())
+    t = tool.build(_rows(), base, norm_loop=True, source="s", unchanged=True)
+    assert t == {**base, "int4_small_source": "s"}
+
+
+def test_gpu_script_step_tables_alternates_the_two_dirs(tmp_path):
+    """``gpu.py step-tables``: both tables built first, then the step in processes alternating A and B, each with its
+    own config dir and result file; without ``--step-sweep`` the script stops at once."""
+    gpu = load_script(ROOT / "benchmarks" / "gpu.py", "gpu_step_tables")
+    steps = gpu.suite_commands("step-tables", tmp_path, 1, gpu="gpu_x", step_sweep="sw.json", step_rounds=2)
+    labels = [label for label, _, _ in steps]
+    assert labels == ["tables A", "tables B", "step A 1", "step B 2", "step A 3", "step B 4"]
+    assert "--unchanged" in steps[0][1] and "--unchanged" not in steps[1][1]
+    dirs = [next(x for x in cmd if x.startswith("FASTDECODE_CONFIG_DIR=")) for _, cmd, _ in steps[2:]]
+    assert dirs[0] == dirs[2] != dirs[1] == dirs[3]
+    assert [cmd[-1] for _, cmd, _ in steps[2:]] == [str(tmp_path / f"decode_embedded_tables_{i}.json")
+                                                    for i in range(1, 5)]
+    with pytest.raises(SystemExit):
+        gpu.main(["step-tables", "--out-dir", str(tmp_path)])
