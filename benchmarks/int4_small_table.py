@@ -3,12 +3,18 @@ put in (CPU), for timing the embedded SmolLM2 step on those tiles against the sh
 
 Reads the sweep's rows (``benchmarks/sweep_int4_small_fma.py``), a base table (default: the package's H200
 ``int4_linear`` table) and writes ``int4_linear_<gpu key>.json`` into ``--out-dir``, a directory to point
-``FASTDECODE_CONFIG_DIR`` at (with the base's other families copied beside it). Per shape, the M = 1 entry becomes
-the fastest int4 tile of the sweep if it beat the row of the table's own tile, else it is kept. Sweeps after
-session 32's a7271b7 time each one-split norm tile with and without NORM_LOOP (the int4 FMA kernel's in-loop norm,
-opt-in since session 32), and the tile taken carries the key as timed. ``--norm-loop`` sets NORM_LOOP on the norm
-shapes' tiles (qkv, gate_up), as the sweep at 5006ffb ran them all; ``--norm-loop-only`` changes nothing but that,
-on the base's tiles; ``--unchanged`` writes the base as it is (the other side of ``gpu.py step-tables``).
+``FASTDECODE_CONFIG_DIR`` at (with the base's other families copied beside it). Per shape, the fastest int4 tile
+of the sweep, if it beat the row of the table's own tile, becomes the M = 1 entry of the op the sweep timed it as
+(since session 32 the table has sections for the fused ops, ``fastdecode.ops.int4.FUSED_OPS``: the norm inside for
+qkv and gate_up, the residual add for o, SiLU-and-mul and the add for down), over the plain GEMV's entry, which
+stays. Session 31's and 32's tables of this kind (``benchmarks/results/h100/configs_*``) replaced the plain entry
+instead, which the fused ops then read.
+
+Sweeps after session 32's a7271b7 time each one-split norm tile with and without NORM_LOOP (the int4 FMA kernel's
+in-loop norm, opt-in since session 32), and the tile taken carries the key as timed. ``--norm-loop`` sets NORM_LOOP
+on the norm shapes' entries (qkv, gate_up), as the sweep at 5006ffb ran them all; ``--norm-loop-only`` gives the
+norm shapes the base's tile with NORM_LOOP and nothing else; ``--unchanged`` writes the base as it is (the other
+side of ``gpu.py step-tables``).
 
     python benchmarks/int4_small_table.py sweep_int4_small_fma.json --gpu nvidia_h100_80gb_hbm3 --out-dir /tmp/cfg3
 """
@@ -23,12 +29,23 @@ from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parents[1] / "src" / "fastdecode" / "configs"
 NORM_SHAPES = ("smollm2.qkv", "smollm2.gate_up")  # the step's int4_rms_norm_linear calls
+# the table section of the op each sweep side times (fastdecode.ops.int4.FUSED_OPS)
+SECTIONS = {"norm": "int4_rms_norm_linear", "add": "int4_add_linear", "glu": "int4_add_linear_glu"}
+
+
+def side(shape: dict) -> str:
+    """The op a swept shape ran as: its row's ``side`` (sweeps after a7271b7), else by name (qkv and gate_up the
+    norm, the rest the residual add: the sweep at 5006ffb ran down without SiLU-and-mul inside)."""
+    return shape.get("side") or ("norm" if shape["name"] in NORM_SHAPES else "add")
 
 
 def build(rows: list[dict], base: dict, norm_loop: bool = False, norm_loop_only: bool = False,
           source: str = "", unchanged: bool = False) -> dict:
-    """The base table (unchanged) copied, with each swept shape's M = 1 entry replaced as the module says (none
-    with ``unchanged``)."""
+    """The base table copied, with an M = 1 entry for each swept shape in the section of the op it ran as
+    (``SECTIONS``; ``fastdecode.ops.int4.FUSED_OPS``: the fused op's entry overrides the plain GEMV's there, which
+    stays as it is). A shape gets its entry where a tile beat the row of the table's own tile; with ``norm_loop``
+    a norm shape's entry has NORM_LOOP (its own tile's if no tile beat it); with ``norm_loop_only`` every norm
+    shape's entry is the base's tile with NORM_LOOP; with ``unchanged`` there is none."""
     table = copy.deepcopy(base)
     table["int4_small_source"] = source
     if unchanged:
@@ -38,15 +55,19 @@ def build(rows: list[dict], base: dict, norm_loop: bool = False, norm_loop_only:
         shapes.setdefault(r["shape"]["name"], []).append(r)
     for name, rs in sorted(shapes.items()):
         s = rs[0]["shape"]
-        key = f"{s['N']},{s['K']},{s['group']}"
-        entry = table["int4_linear"][key]["1"]
+        key, section = f"{s['N']},{s['K']},{s['group']}", SECTIONS[side(s)]
+        plain = table["int4_linear"][key]["1"]
         own = next(r for r in rs if r["impl"] == "table")
         tiles = [r for r in rs if r.get("config") and r["impl"] != "table"]
         best = min(tiles, key=lambda r: r["median_us"], default=own)
+        entry = None
         if not norm_loop_only and best["median_us"] < own["median_us"]:
-            entry.update(config=dict(best["config"]), us=best["median_us"])
-        if (norm_loop or norm_loop_only) and name in NORM_SHAPES:
+            entry = {"impl": "triton", "config": dict(best["config"]), "us": best["median_us"]}
+        if (norm_loop or norm_loop_only) and section == SECTIONS["norm"] and plain["config"].get("kind") == "fma":
+            entry = entry or {"impl": plain["impl"], "config": dict(plain["config"])}
             entry["config"]["NORM_LOOP"] = True
+        if entry is not None:
+            table.setdefault(section, {}).setdefault(key, {})["1"] = entry
     return table
 
 
@@ -76,9 +97,9 @@ def main() -> None:
         if src.exists():
             shutil.copy(src, out / f"{fam}_{a.gpu}.json")
     (out / f"int4_linear_{a.gpu}.json").write_text(json.dumps(table, indent=1) + "\n")
-    for key, by_m in table["int4_linear"].items():
-        if key.endswith(",32"):
-            print(key, by_m["1"]["config"], by_m["1"]["us"])
+    for section in SECTIONS.values():
+        for key, by_m in table.get(section, {}).items():
+            print(section, key, by_m["1"]["config"], by_m["1"].get("us"))
 
 
 if __name__ == "__main__":

@@ -100,8 +100,9 @@ def test_int4_norm_gemm_graph_decode_matches_the_unfused_step():
     from fastdecode.ops.int4 import get_int4_config
 
     m8 = quantize_model_int4(_llama8b("triton", layers=1))
-    picks = [get_int4_config(1, p.out_features, p.in_features, p.group_size, p.qweight.device)
-             for p in norm_gemm._projections(m8.layers[0])]
+    ops = ("int4_rms_norm_linear", "int4_add_linear", "int4_rms_norm_linear", "int4_add_linear")  # wqkv wo w13 w2
+    picks = [get_int4_config(1, p.out_features, p.in_features, p.group_size, p.qweight.device, op=op)
+             for p, op in zip(norm_gemm._projections(m8.layers[0]), ops)]
     assert norm_gemm.applies(m8) == all(impl == "triton" and cfg["kind"] == "fma" for impl, cfg in picks), picks
     cfg = ModelConfig.from_preset("smollm2-135m").replace(n_layers=LAYERS)
     model = random_model(cfg, device=DEV, dtype=torch.bfloat16, backend="triton", max_seq_len=512,

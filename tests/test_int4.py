@@ -462,6 +462,37 @@ def test_tuned_table_lookup(tmp_path):
     I.clear_config_cache()
 
 
+def test_fused_ops_take_their_own_entries_over_the_plain_gemvs(tmp_path):
+    """A fused op's table section (``I.FUSED_OPS``, session 32) overrides the plain GEMV's entry at its shape and M;
+    at another M, for another shape and for the plain op the ``int4_linear`` entries hold; above every tuned M the
+    fused W4A16 ops take the dequant path as the plain one does; an unknown op is refused by name."""
+    dot = dict(kind="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=2)
+    norm = {**CONFIGS["fma_m1"], "BLOCK_N": 4, "NORM_LOOP": True}
+    table = {"gpu": "NVIDIA test",
+             "int4_linear": {"64,256,128": {"16": {"impl": "triton", "config": dot},
+                                            "1": {"impl": "triton", "config": CONFIGS["fma_m1"]}},
+                             "32,256,128": {"1": {"impl": "triton", "config": CONFIGS["fma_m1"]}}},
+             "int4_rms_norm_linear": {"64,256,128": {"1": {"impl": "triton", "config": norm}}}}
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(table))
+    I.clear_config_cache()
+    try:
+        assert I.get_int4_config(1, 64, 256, 128, path=str(p), op="int4_rms_norm_linear") == ("triton", norm)
+        assert I.get_int4_config(1, 64, 256, 128, path=str(p)) == ("triton", CONFIGS["fma_m1"])
+        assert I.get_int4_config(16, 64, 256, 128, path=str(p), op="int4_rms_norm_linear") == ("triton", dot)
+        for op in ("int4_add_linear", "int4_add_linear_glu"):
+            assert I.get_int4_config(1, 64, 256, 128, path=str(p), op=op) == ("triton", CONFIGS["fma_m1"])
+        assert I.get_int4_config(1, 32, 256, 128, path=str(p), op="int4_rms_norm_linear") == ("triton",
+                                                                                               CONFIGS["fma_m1"])
+        heuristic = I.heuristic_config(64, 64, 256, 128)[1]
+        assert I._lookup("NVIDIA test", 132, 64, 64, 256, 128, str(p), "int4_rms_norm_linear") == ("dequant",
+                                                                                                  heuristic)
+        with pytest.raises(ValueError, match="op must be one of"):
+            I.get_int4_config(1, 64, 256, 128, path=str(p), op="int4_norm")
+    finally:
+        I.clear_config_cache()
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -26,9 +26,9 @@ def _rows():
         return {"M": 1, "N": n, "K": k, "group": 32, "name": name}
 
     qkv, down = shape("smollm2.qkv", 960, 576), shape("smollm2.down", 576, 1536)
-    fast = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 8, "SPLIT_K": 1, "PREFETCH": 2}
-    slow = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 4, "SPLIT_K": 1, "SCALE_PF": True}
-    own = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 16, "SPLIT_K": 16}
+    fast = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 1, "PREFETCH": 2}
+    slow = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 256, "SPLIT_K": 1, "SCALE_PF": True}
+    own = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 16}
     return [
         {"shape": qkv, "impl": "bf16", "config": None, "median_us": 1.0, "git_sha": "abc"},
         {"shape": qkv, "impl": "table", "config": own, "median_us": 3.5, "git_sha": "abc"},
@@ -38,32 +38,60 @@ def _rows():
     ]
 
 
-def test_the_fastest_tile_replaces_only_a_slower_one(tool):
-    """qkv takes the fastest tile (not the bf16 row, which is faster but no int4 tile); down keeps the table's; every
-    other entry and M stays the base's; the base itself is not changed."""
+def test_the_fastest_tile_goes_into_the_fused_ops_section(tool):
+    """qkv (a norm shape) takes the fastest tile (not the bf16 row, faster but no int4 tile) in the norm op's
+    section; down keeps the plain entry (no tile beat the table's) and gets no entry of its own; the plain GEMV's
+    section and the base itself are unchanged."""
     base = json.loads(BASE.read_text())
     before = json.dumps(base)
     t = tool.build(_rows(), base, source="s")
     assert json.dumps(base) == before
-    assert t["int4_linear"]["960,576,32"]["1"] == {**base["int4_linear"]["960,576,32"]["1"], "us": 3.1,
-                                                   "config": _rows()[2]["config"]}
-    assert t["int4_linear"]["576,1536,32"] == base["int4_linear"]["576,1536,32"]
-    for key in base["int4_linear"]:
-        for m in base["int4_linear"][key]:
-            if (key, m) != ("960,576,32", "1"):
-                assert t["int4_linear"][key][m] == base["int4_linear"][key][m], (key, m)
-    assert t["int4_small_source"] == "s"
+    assert t["int4_linear"] == base["int4_linear"]
+    assert t["int4_rms_norm_linear"] == {"960,576,32": {"1": {"impl": "triton", "config": _rows()[2]["config"],
+                                                              "us": 3.1}}}
+    assert "int4_add_linear" not in t and t["int4_small_source"] == "s"
+
+
+def test_each_side_has_its_section(tool):
+    """The section follows the row's side (sweeps after a7271b7: "glu" for down with SiLU-and-mul inside), and by
+    name for older rows without one."""
+    rows = _rows()
+    for r in rows[3:]:
+        r["shape"]["side"] = "glu"
+    rows[4]["median_us"] = 4.0  # now a tile beats down's table tile
+    t = tool.build(rows, json.loads(BASE.read_text()))
+    assert t["int4_add_linear_glu"]["576,1536,32"]["1"]["config"] == rows[4]["config"]
+    assert tool.side({"name": "smollm2.o"}) == "add" and tool.side({"name": "smollm2.gate_up"}) == "norm"
 
 
 @pytest.mark.parametrize("only", [False, True])
 def test_norm_loop_goes_on_the_norm_shapes_only(tool, only):
-    """NORM_LOOP on qkv's M = 1 tile (a norm shape), not on down's; with ``norm_loop_only`` on the base's tile."""
+    """NORM_LOOP on qkv's M = 1 entry of the norm op (a norm shape), none for down; with ``norm_loop_only`` on the
+    base's tile."""
     base = json.loads(BASE.read_text())
     t = tool.build(_rows(), base, norm_loop=not only, norm_loop_only=only)
-    qkv = t["int4_linear"]["960,576,32"]["1"]["config"]
+    qkv = t["int4_rms_norm_linear"]["960,576,32"]["1"]["config"]
     want = base["int4_linear"]["960,576,32"]["1"]["config"] if only else _rows()[2]["config"]
     assert qkv == {**want, "NORM_LOOP": True}
-    assert "NORM_LOOP" not in t["int4_linear"]["576,1536,32"]["1"]["config"]
+    assert "int4_add_linear" not in t and t["int4_linear"] == base["int4_linear"]
+
+
+def test_the_ops_read_the_tables_sections(tool, tmp_path):
+    """The table written is read by the dispatcher as built: the norm op gets the swept tile at M = 1, the plain
+    GEMV keeps its tile, and at M = 2 both take the plain GEMV's entry."""
+    import fastdecode.ops.int4 as I
+
+    base = json.loads(BASE.read_text())
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(tool.build(_rows(), base)))
+    I.clear_config_cache()
+    try:
+        assert I.get_int4_config(1, 960, 576, 32, path=str(p), op="int4_rms_norm_linear")[1] == _rows()[2]["config"]
+        assert I.get_int4_config(1, 960, 576, 32, path=str(p))[1] == base["int4_linear"]["960,576,32"]["1"]["config"]
+        two = base["int4_linear"]["960,576,32"]["2"]["config"]
+        assert I.get_int4_config(2, 960, 576, 32, path=str(p), op="int4_rms_norm_linear")[1] == two
+    finally:
+        I.clear_config_cache()
 
 
 def test_cli_writes_a_config_dir(tmp_path):
@@ -75,7 +103,7 @@ def test_cli_writes_a_config_dir(tmp_path):
                     "--out-dir", str(out)], check=True, capture_output=True)
     assert {p.name for p in out.iterdir()} >= {"int4_linear_gpu_x.json", "linear_gpu_x.json"}
     t = json.loads((out / "int4_linear_gpu_x.json").read_text())
-    assert t["int4_linear"]["960,576,32"]["1"]["us"] == 3.1
+    assert t["int4_rms_norm_linear"]["960,576,32"]["1"]["us"] == 3.1
     assert "sweep at abc" in t["int4_small_source"]
 
 

@@ -95,7 +95,8 @@ def _supported(proj, dtype, batch: int, norm_in: bool) -> bool:
         return dtype in W8A16_X_DTYPES and (_a16(proj, batch) or norm_in)
     if not (isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES) or proj.act_int8:
         return False  # W4A8 (int4_a8) quantises its activation: the W4A16 norm ops do not apply
-    impl, cfg = get_int4_config(1, proj.out_features, proj.in_features, proj.group_size, proj.qweight.device)
+    impl, cfg = get_int4_config(1, proj.out_features, proj.in_features, proj.group_size, proj.qweight.device,
+                                op="int4_rms_norm_linear" if norm_in else "int4_add_linear")
     return impl == "triton" and cfg["kind"] == "fma"  # the kind where the fused norm pays (module docstring)
 
 

@@ -120,11 +120,21 @@ def table_key(N: int, K: int, group_size: int) -> str:
     return f"{N},{K},{'K' if group_size == K else group_size}"
 
 
+# table sections of the fused W4A16 ops, as the decode step runs them (the norm inside, the residual add, SiLU-and-mul
+# inside too): their entries override the plain GEMV's ("int4_linear") for the same shape and M, and a shape or M
+# they lack takes the plain GEMV's. In session 32 (H100) a tile timed with the norm inside one way ran the embedded
+# step 46 us slower the other way (benchmarks/NOTES.md): the fused ops may want their own tiles.
+FUSED_OPS = ("int4_rms_norm_linear", "int4_add_linear", "int4_add_linear_glu")
+OPS = ("int4_linear", "int4_linear_fp8") + FUSED_OPS
+
+
 @lookup_cache
 def _lookup(gpu_name: str, num_sms: int, M: int, N: int, K: int, group_size: int,
             path: Optional[str] = None, op: str = "int4_linear") -> tuple[str, dict]:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
     impl, heuristic = heuristic_config(M, N, K, group_size, num_sms, cuda=gpu_name != "cpu")
-    if op != "int4_linear":
+    if op == "int4_linear_fp8":
         impl = "triton"  # W4A8 has no dequant + cuBLAS path
     table = load_table("int4_linear", gpu_name, path)
     if table is None:
@@ -132,12 +142,15 @@ def _lookup(gpu_name: str, num_sms: int, M: int, N: int, K: int, group_size: int
             warn_once(f"fastdecode: no tuned int4_linear configs for {gpu_name!r} "
                        f"({config_path(gpu_name).name}); using heuristics")
         return impl, heuristic
-    entries = table.get(op, {}).get(table_key(N, K, group_size))
+    key = table_key(N, K, group_size)
+    entries = table.get(op, {}).get(key)
+    if op in FUSED_OPS:  # the plain GEMV's entries, the fused op's own over them
+        entries = {**table.get("int4_linear", {}).get(key, {}), **(entries or {})}
     if not entries:  # no entry for the shape: the heuristic
         return impl, heuristic
     entry = nearest_m(entries, M)
     if entry is None:  # above the largest tuned M: the large-M path (the rule of ops._tuned)
-        return ("dequant" if op == "int4_linear" else "triton"), heuristic
+        return ("triton" if op == "int4_linear_fp8" else "dequant"), heuristic
     return entry["impl"], dict(entry.get("config") or heuristic)
 
 
@@ -145,7 +158,9 @@ def get_int4_config(M: int, N: int, K: int, group_size: int, device=None, *,
                     path: Optional[str] = None, op: str = "int4_linear") -> tuple[str, dict]:
     """The dispatcher's choice: ``(impl, Triton config)`` with impl "triton" or "dequant".
 
-    ``op``: "int4_linear" (W4A16) or "int4_linear_fp8" (W4A8; its own table section, always "triton").
+    ``op``: "int4_linear" (W4A16), "int4_linear_fp8" (W4A8; its own table section, always "triton"), or one of
+    ``FUSED_OPS``, the W4A16 GEMV with the norm inside, the residual add, or SiLU-and-mul and the add: their own
+    sections' entries where the table has them, else the plain GEMV's.
     CPU (or None) means the interpreter: heuristics (or ``path``), never "dequant"."""
     name, sms = device_info(torch.device(device) if device is not None else None)
     impl, cfg = _lookup(name, sms, int(M), int(N), int(K), int(group_size), path, op)
@@ -201,11 +216,11 @@ def op_weight(qweight, scales, zm, perm, group_size: int, zero_mode: str, K: int
                       group_size, zero_mode, perm, K)
 
 
-def dispatch(impl: str, x, w: Int4Weight) -> tuple[str, Optional[dict]]:
-    """("triton" | "dequant", config) for x (M, K) in kernel column order: the table's choice, overridden by
-    ``impl`` ("triton", "dequant"); Triton only off CUDA."""
+def dispatch(impl: str, x, w: Int4Weight, op: str = "int4_linear") -> tuple[str, Optional[dict]]:
+    """("triton" | "dequant", config) for x (M, K) in kernel column order: the table's choice for ``op``
+    (``get_int4_config``), overridden by ``impl`` ("triton", "dequant"); Triton only off CUDA."""
     M, K = x.shape
-    which, cfg = get_int4_config(M, w.N, K, w.group_size, x.device)
+    which, cfg = get_int4_config(M, w.N, K, w.group_size, x.device, op=op)
     if impl == "triton" or x.device.type != "cuda":
         which = "triton"
     elif impl == "dequant":

@@ -64,7 +64,7 @@ def _int4_rms_norm_linear_op(h: torch.Tensor, norm_weight: Optional[torch.Tensor
     if perm is not None:  # the kernels' column order (GPTQ act-order): h and g gathered alike
         h = h.index_select(1, perm)
         norm_weight = norm_weight.index_select(0, perm) if norm_weight is not None else None
-    which, cfg = dispatch(impl, h, w)
+    which, cfg = dispatch(impl, h, w, op="int4_rms_norm_linear")
     if which == "dequant" or cfg["kind"] not in _FUSED_KINDS:
         # the norm kernel first: before dequantise + cuBLAS, and before the tensor-core kinds, whose many programs
         # each summing the rows' squares cost more than the norm kernel (session 18, H200: 8B gate_up at M = 1 on
@@ -95,9 +95,11 @@ def _int4_add_linear_op(residual: torch.Tensor, x: torch.Tensor, qweight: torch.
     if impl == "torch":
         residual.copy_(int4_add_linear_ref(residual, x, w, bias, glu=glu))
         return
-    which, cfg = dispatch(impl, x.narrow(1, 0, K), w)  # the shape of the GEMM's input, glu or not
+    # the shape of the GEMM's input, glu or not; the table's entry of the op as it runs
+    which, cfg = dispatch(impl, x.narrow(1, 0, K), w, op="int4_add_linear_glu" if glu else "int4_add_linear")
     if glu and (which == "dequant" or cfg["kind"] != "fma" or perm is not None):
         x, glu = silu_and_mul(x, backend="triton"), False  # the two kernels (module docstring)
+        which, cfg = dispatch(impl, x, w, op="int4_add_linear")
     if perm is not None:
         x = x.index_select(1, perm)
     if which == "dequant":  # dequantise + cuBLAS, then the add
