@@ -83,10 +83,13 @@ def main() -> None:
     a = p.parse_args()
     data = json.loads(Path(a.sweep).read_text())
     rows = data["rows"] if isinstance(data, dict) else data
-    what = "NORM_LOOP on the norm shapes' M = 1 tiles" if a.norm_loop_only else "the fastest M = 1 tiles of " + (
-        Path(a.sweep).name + (" with NORM_LOOP on the norm shapes" if a.norm_loop else ""))
     if a.unchanged:
         what = f"nothing changed (the other side of {Path(a.sweep).name})"
+    elif a.norm_loop_only:
+        what = "NORM_LOOP on the norm shapes' M = 1 tiles"
+    else:
+        what = f"the fastest M = 1 tiles of {Path(a.sweep).name}" + (
+            " with NORM_LOOP on the norm shapes" if a.norm_loop else "")
     sha = {r.get("git_sha") for r in rows}
     table = build(rows, json.loads(Path(a.base).read_text()), a.norm_loop, a.norm_loop_only,
                   f"{Path(a.base).name} with {what} (sweep at {', '.join(sorted(map(str, sha)))})", a.unchanged)

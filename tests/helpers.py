@@ -145,6 +145,11 @@ def strided_rows(M, H, dtype, device="cpu", pad=13):
     return base[:, :H]
 
 
+def ulp(v: torch.Tensor, dtype) -> torch.Tensor:
+    """The unit in the last place of ``dtype`` (a float dtype) at each value of ``v``, in fp32 (normal numbers)."""
+    return torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(v.float().abs().clamp(min=2.0**-126))))
+
+
 def assert_rounding_equal(actual, expected):
     """Equal bit for bit, as the kernel and its reference round the same way.
 
@@ -152,8 +157,8 @@ def assert_rounding_equal(actual, expected):
     so there a bf16 result may sit one bf16 ulp (toward zero) from the reference.
     """
     if interpreter_on() and expected.dtype == torch.bfloat16:
-        ulp = torch.exp2(torch.floor(torch.log2(expected.float().abs().clamp(min=2.0**-126))) - 7)
-        assert torch.all((actual.float() - expected.float()).abs() <= ulp), "more than one bf16 ulp apart"
+        bound = ulp(expected, torch.bfloat16)
+        assert torch.all((actual.float() - expected.float()).abs() <= bound), "more than one bf16 ulp apart"
     else:
         assert torch.equal(actual, expected), "results that should round identically differ"
 

@@ -15,7 +15,7 @@ import fastdecode.ops.activation as A
 import fastdecode.ops.int4 as I
 from fastdecode.ops.activation import silu_and_mul
 from fastdecode.ops.int4_norm_linear import int4_add_linear_, int4_add_linear_ref
-from helpers import poison_, random_int4, strided_rows
+from helpers import poison_, random_int4, strided_rows, ulp
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -57,14 +57,10 @@ def test_the_fma_kernel_with_glu_equals_silu_and_mul_then_the_kernel(name):
     # out is the fp32 result rounded once, two = the fp32 result + r0 rounded once: each is within half an ulp of
     # its own value (at |out| in [4, 8) a bf16 half ulp is 0.0156: a fixed atol of 1e-2 failed once on an H100,
     # session 32)
-    bound = _half_ulp(out) + _half_ulp(two) + 1e-6
+    bound = (ulp(out, XDT) + ulp(two, XDT)) / 2 + 1e-6
     diff = (out.float() + r0.float() - two.float()).abs()
     assert (diff <= bound).all(), (diff - bound).max()
 
-
-def _half_ulp(v):
-    """Half a unit in the last place of XDT at each value of ``v`` (fp32)."""
-    return torch.finfo(XDT).eps * torch.exp2(torch.frexp(v.float()).exponent.float() - 1) / 2
 
 
 def _count_silu(monkeypatch):
