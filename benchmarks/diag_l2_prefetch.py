@@ -41,12 +41,12 @@ def _impl(fmt: str, limit: str, slab_kb=None) -> str:
 def w8a16_config_dir(section_table: str) -> str:
     """A temporary copy of the tables in use for this GPU whose linear table takes ``section_table``'s ``w8a16``
     section (and its ``w8a16_env``)."""
-    from fastdecode.ops._common import config_path, gpu_key
+    from fastdecode.ops._common import gpu_key, table_path
 
     name = torch.cuda.get_device_name(0)
     d = Path(tempfile.mkdtemp(prefix="fd_w8a16_tables_"))
     for family in ("linear", "int4_linear", "allreduce"):
-        src = config_path(family, name)
+        src = table_path(family, name)
         if src.is_file():
             shutil.copy(src, d / f"{family}_{gpu_key(name)}.json")
     lin = d / f"linear_{gpu_key(name)}.json"

@@ -181,7 +181,7 @@ def write_table(path: Path, rows: list[dict]) -> dict:
     the table as it was, or as the table in use when ``path`` is new; ``int4_linear_a8_env``: this run's GPU and
     commit, as the section's own record)."""
     from fastdecode.bench.harness import write_table_section
-    from fastdecode.ops._common import config_path
+    from fastdecode.ops._common import table_path
     from fastdecode.ops.int4 import table_key
 
     entries: dict = {}
@@ -190,7 +190,7 @@ def write_table(path: Path, rows: list[dict]) -> dict:
             sh = r["shape"]
             entries.setdefault(table_key(sh["N"], sh["K"], sh["group"]), {})[str(sh["M"])] = {
                 "impl": "triton", "config": r["best_config"], "us": r["a8_gemv_best_us"]}
-    base = config_path("int4_linear", torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    base = table_path("int4_linear", torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     table = write_table_section(path, A.TABLE_SECTION, entries, base)
     print(f"wrote {path}")
     return table

@@ -32,7 +32,7 @@ import torch
 
 from fastdecode.bench.harness import make_row, rotation_count, time_cuda, write_rows, write_table_section
 from fastdecode.constants import SCALE_NONE, SCALE_VECTOR
-from fastdecode.ops._common import config_path
+from fastdecode.ops._common import table_path
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_fp8
 from fastdecode.ops.gemm import linear_fp8, linear_with_config
 from fastdecode.ops.quant import quantize_fp8
@@ -148,7 +148,7 @@ def main() -> None:
         entries: dict = {}
         for (M, N, K, glu), (us, cfg) in sorted(best.items()):
             entries.setdefault(table_key(N, K, glu), {})[str(M)] = {"config": cfg, "us": round(us, 3)}
-        write_table_section(a.table, TABLE_SECTION, entries, config_path("linear", torch.cuda.get_device_name(dev)))
+        write_table_section(a.table, TABLE_SECTION, entries, table_path("linear", torch.cuda.get_device_name(dev)))
         print(f"wrote {len(best)} entries into {a.table} [{TABLE_SECTION}]")
 
 

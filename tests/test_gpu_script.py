@@ -274,8 +274,12 @@ def test_int4_tune_merge_keeps_the_entries_it_does_not_tune(tmp_path):
     t = start_table(path, "NVIDIA H200", 132, merge=True)
     assert t["int4_linear"] == old["int4_linear"] and t["merged_into"] == {"git_sha": "old"}
     assert start_table(path, "NVIDIA H200", 132, merge=False)["int4_linear"] == {}
-    with pytest.raises(ValueError, match="tuned on 'NVIDIA H200', not on this 'NVIDIA H100'"):
-        start_table(path, "NVIDIA H100", 132, merge=True)
+    with pytest.raises(ValueError, match="tuned on 'NVIDIA H200', not on this 'NVIDIA A100'"):
+        start_table(path, "NVIDIA A100", 108, merge=True)
+    # an H100 reads the H200's tables without its own (ops._common.table_path): a copy of them is a start, named
+    h100 = start_table(path, "NVIDIA H100 80GB HBM3", 132, merge=True)
+    assert h100["int4_linear"] == old["int4_linear"] and h100["based_on"] == "NVIDIA H200"
+    assert h100["gpu"] == "NVIDIA H100 80GB HBM3" and "based_on" not in t
 
 
 def test_int4_tuner_dot_tiles_below_m8_only_when_asked():

@@ -101,3 +101,48 @@ def test_split_k_partials_are_one_growing_buffer_per_device():
     config, part, locks = _tuned.split_k_workspace(dev, cfg, 3, 2, 9, "linear")
     assert config is cfg and part is b and locks.numel() >= 2 * 3
     assert _tuned.split_k_workspace(dev, cfg, 1, 2, 9, "linear") == (cfg, None, None)
+
+
+def test_hopper_gpus_without_tables_read_the_h200s(monkeypatch, caplog, tmp_path):
+    """Session 33: an H100 (or another sm_90 GPU) had no tables and ran the heuristics (the embedded step 668 us on an
+    H100 against 619 us on the H200's tables). Such a GPU now reads the H200's tables, with one warning naming both;
+    a GPU with its own table (here under FASTDECODE_CONFIG_DIR) reads its own; other GPUs, and families the H200
+    has no table of, keep the heuristics. Tuners write to ``config_path``, never to the sibling's file."""
+    import logging
+
+    from fastdecode.ops import _common
+    from fastdecode.ops import allreduce as AR
+
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    for name in (h100, "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H800", "NVIDIA H20", "NVIDIA GH200 480GB"):
+        assert _common.sibling_gpu(name) == h200, name
+    for name in (h200, "NVIDIA A100-SXM4-80GB", "NVIDIA B200", "cpu"):
+        assert _common.sibling_gpu(name) is None, name
+    monkeypatch.setenv("FASTDECODE_CONFIG_DIR", str(tmp_path))
+    _tuned.clear_config_cache()
+    _common._logged_once.clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="fastdecode"):
+            for family in ("linear", "int4_linear", "allreduce"):
+                assert _common.table_path(family, h100) == _common.CONFIG_DIR / f"{family}_nvidia_h200.json"
+                assert _common.config_path(family, h100).name == f"{family}_nvidia_h100_80gb_hbm3.json"
+            assert _common.table_path("linear", h100).is_file()
+        warned = [r.getMessage() for r in caplog.records if "reading the NVIDIA H200's" in r.getMessage()]
+        assert len(warned) == 3 and h100 in warned[0]
+        assert _common.table_path("nothing", h100) == _common.config_path("nothing", h100)  # no H200 table either
+        assert not _common.table_path("linear", "NVIDIA A100-SXM4-80GB").is_file()
+        # the dispatchers: the H200's entries on the H100
+        assert _tuned.load_table("int4_linear", h100) == _tuned.load_table("int4_linear", h200) is not None
+        assert L._lookup(h100, 132, "bf16", 1, 960, 576) == L._lookup(h200, 132, "bf16", 1, 960, 576)
+        assert I._lookup(h100, 132, 1, 960, 576, 32) == I._lookup(h200, 132, 1, 960, 576, 32)
+        assert AR.measured_path_bytes(h100, 2) == AR.measured_path_bytes(h200, 2) is not None
+        # a table of its own wins
+        own = json.loads((_common.CONFIG_DIR / "int4_linear_nvidia_h200.json").read_text())
+        own["gpu"] = h100
+        own["int4_linear"]["960,576,32"]["1"] = {"impl": "triton", "config": FMA}
+        (tmp_path / "int4_linear_nvidia_h100_80gb_hbm3.json").write_text(json.dumps(own))
+        _tuned.clear_config_cache()
+        assert _common.table_path("int4_linear", h100) == tmp_path / "int4_linear_nvidia_h100_80gb_hbm3.json"
+        assert I._lookup(h100, 132, 1, 960, 576, 32) == ("triton", FMA)
+    finally:
+        _tuned.clear_config_cache()

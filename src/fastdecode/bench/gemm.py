@@ -340,10 +340,10 @@ def tune(out_path=None, *, shapes=None, ms: Sequence[int] = TUNE_MS,
 
 def _tuned_triton_config(dkey: str, N: int, K: int, M: int) -> Optional[dict]:
     """The tuner's best Triton config at exactly this M (also where cuBLAS won), or the heuristic."""
-    from fastdecode.ops._common import load_config_table
-    from fastdecode.ops.gemm import config_path, heuristic_config
+    from fastdecode.ops._common import load_config_table, table_path
+    from fastdecode.ops.gemm import heuristic_config
 
-    table = load_config_table(str(config_path(torch.cuda.get_device_name()))) or {}
+    table = load_config_table(str(table_path("linear", torch.cuda.get_device_name()))) or {}
     entry = table.get("linear", {}).get(dkey, {}).get(f"{N},{K}", {}).get(str(M))
     if entry and entry.get("config"):
         return entry["config"]

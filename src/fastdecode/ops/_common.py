@@ -274,6 +274,34 @@ def config_path(kind: str, gpu_name: str) -> Path:
     return CONFIG_DIR / name
 
 
+# A GPU without tables of its own reads those of a GPU of the same architecture where the package has them: every
+# tile there compiles and runs on it, tuned on the other GPU. Hopper (sm_90: H100 SXM / PCIe / NVL, H800, H20, GH200)
+# reads the H200's. Measured on an H100 (session 33, benchmarks/NOTES.md): the embedded model's decode step ran
+# 619 us on the H200's tables against 668 us on the heuristics the H100 had before.
+SIBLING_TABLES = ((re.compile(r"\b(h100|h800|h20|gh200)\b", re.IGNORECASE), "NVIDIA H200"),)
+
+
+def sibling_gpu(gpu_name: str) -> Optional[str]:
+    """The GPU whose tables ``gpu_name`` reads when it has none of its own (``SIBLING_TABLES``), or None."""
+    return next((other for pattern, other in SIBLING_TABLES if pattern.search(gpu_name)), None)
+
+
+def table_path(kind: str, gpu_name: str) -> Path:
+    """The table of ``kind`` that ops on ``gpu_name`` read: its own (``config_path``) where there is one, else that
+    of its ``sibling_gpu`` (same architecture; one warning naming both), else its own path, absent (the ops then
+    use heuristics). Tuners write to ``config_path``, never to a sibling's table."""
+    own = config_path(kind, gpu_name)
+    other = sibling_gpu(gpu_name)
+    if own.is_file() or other is None:
+        return own
+    theirs = config_path(kind, other)
+    if not theirs.is_file():
+        return own
+    warn_once(f"fastdecode: no {kind} table for {gpu_name!r}; reading the {other}'s ({theirs.name}: the same "
+              f"architecture, tuned there, not on this GPU)")
+    return theirs
+
+
 @functools.cache
 def load_config_table(path: str) -> Optional[dict]:
     """The JSON table at ``path``, or None when there is none (cached; ``cache_clear()`` after writing)."""

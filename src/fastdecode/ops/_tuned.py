@@ -50,9 +50,9 @@ DEFAULT_NUM_SMS = 132  # H100 SXM / H200; the CPU interpreter has no SM count
 
 
 def load_table(family: str, gpu_name: str, path: Optional[str] = None) -> Optional[dict]:
-    """The table at ``path`` (tests, tuning), else the family's table for ``gpu_name``; None when there is
-    none. Cached (:func:`clear_config_cache`)."""
-    return load_config_table(path or str(_common.config_path(family, gpu_name)))
+    """The table at ``path`` (tests, tuning), else the family's table that ``gpu_name`` reads (its own, else a GPU's of
+    the same architecture: ``_common.table_path``); None when there is none. Cached (:func:`clear_config_cache`)."""
+    return load_config_table(path or str(_common.table_path(family, gpu_name)))
 
 
 _LOOKUPS: list = []  # every op's cached lookup, cleared together with the tables

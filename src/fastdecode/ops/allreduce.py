@@ -68,7 +68,7 @@ def config_path(gpu_name: str) -> Path:
 
 def measured_path_bytes(gpu_name: str, world: int) -> Optional[dict]:
     """The measured ``{"one_shot": bytes, "two_shot": bytes}`` limits for ``world`` ranks, or None."""
-    table = load_config_table(str(config_path(gpu_name)))
+    table = load_config_table(str(_common.table_path("allreduce", gpu_name)))
     entry = (table or {}).get("world", {}).get(str(world))
     return {"one_shot": int(entry["one_shot"]), "two_shot": int(entry["two_shot"])} if entry else None
 

@@ -110,9 +110,9 @@ def _lookup(gpu_name: str, num_sms: int, dkey: str, M: int, N: int, K: int,
     else:
         shape = table.get("linear", {}).get(dkey, {}).get(f"{N},{K}")
         if shape is None:
-            warn_once(f"fastdecode: no tuned linear config for {dkey} N={N}, K={K} on {gpu_name!r} "
-                       f"({Path(path).name if path else config_path(gpu_name).name}); using heuristics "
-                       f"(run `fastdecode tune linear --shapes {N}x{K}`)")
+            where = Path(path).name if path else _common.table_path("linear", gpu_name).name
+            warn_once(f"fastdecode: no tuned linear config for {dkey} N={N}, K={K} on {gpu_name!r} ({where}); "
+                      f"using heuristics (run `fastdecode tune linear --shapes {N}x{K}`)")
         else:
             entry = nearest_m(shape, M)
             if entry is None:  # above the largest tuned M: cuBLAS (the rule of ops._tuned)
