@@ -31,6 +31,9 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               (``FASTDECODE_CONFIG_DIR``, recorded in their rows). Commit the table only from such a run.
 * ``tune-int4`` ``fastdecode.bench.int4 tune --merge --quick`` (``--tune-int4-ms``, default every M) into
               ``<out-dir>/configs/``, from a copy of the package's int4 table, read by the suites after it.
+* ``tune-int4-fused`` ``python -m fastdecode.bench.int4_fused --quick`` (``--tune-shapes``: its shape names, default
+              ``smollm2``; ``--tune-int4-ms``, default 1): the fused int4 ops' sections (the norm inside, the residual
+              add, SiLU-and-mul) of a copy of the int4 table in ``<out-dir>/configs/``, read by the suites after it.
 * ``hf``      transformers' ``generate`` on 8B shapes (random weights), plain / compiled / patched by
               ``fastdecode.integrations.transformers.apply`` / patched with FP8 and int4 linears (``bench hf``).
 * ``serve``   ``bench serve``: a concurrency sweep of the in-process server beside one static batch, on the
@@ -54,7 +57,8 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               SCALE_PF, and on half its rows (``sweep_int4_8b_options.json``).
 * ``step-tables`` the embedded step (``fastdecode-graph``) on two config dirs in alternating processes
               (``--step-rounds`` of each): A the H200's tables under this GPU's name, B the same with an
-              ``int4-small`` result's fastest M = 1 tiles (``--step-sweep``; ``benchmarks/int4_small_table.py``);
+              ``int4-small`` result's fastest M = 1 tiles (``--step-sweep``; ``benchmarks/int4_small_table.py``),
+              or the tables of a directory (``--step-config-dir``, e.g. what ``tune-int4-fused`` wrote);
               ``decode_embedded_tables_<i>.json``, each row naming its config dir.
 * ``int4-diag`` ``benchmarks/diag_int4_gemv.py``: the int4 GEMV at decode sizes against its access pattern's ceiling
               (a kernel that only streams the packed words), the copy rate, mma variants, cuBLAS BF16 and tinygemm;
@@ -118,11 +122,12 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                    gpu="nvidia_h200", tune_int4_ms=None, tune_int4_fp8=True,
                    tune_int4_small_m_dot=False, tune_shapes=None,
                    tune_int4_groups=None, tune_int4_kinds=None, diag_args=(), ncu=True, decode_impls=None,
-                   step_sweep=None, step_rounds=2) -> list[tuple[str, list[str], int]]:
+                   step_sweep=None, step_rounds=2, step_config_dir=None) -> list[tuple[str, list[str], int]]:
     """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests). ``diag_args``:
     extra arguments of ``int4-diag``'s sweep (``--few``, ``--shapes``, ``--ms``); ``ncu``: its ncu step too;
     ``decode_impls``: the rows of every ``decode`` step instead of its own list (a short call); ``step_sweep``,
-    ``step_rounds``: ``step-tables``' int4-small result and its processes per config dir."""
+    ``step_rounds``, ``step_config_dir``: ``step-tables``' int4-small result, its processes per config dir, and the
+    directory of table B instead of the sweep's tiles."""
     shapes = ["--shapes", tune_shapes] if tune_shapes else []
     if name == "tune":
         return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes, *shapes,
@@ -134,6 +139,11 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         ms += ["--kinds", tune_int4_kinds] if tune_int4_kinds else []
         return [("tune int4", [PY, "-m", "fastdecode.bench.int4", "tune", "--merge", "--quick", *ms,
                                "--out", str(out / "configs" / f"int4_linear_{gpu}.json")], 480)]
+    if name == "tune-int4-fused":
+        ms = ",".join(map(str, tune_int4_ms or [1]))
+        return [("tune int4 fused", [PY, "-m", "fastdecode.bench.int4_fused", "--quick", "--shapes",
+                                     tune_shapes or "smollm2", "--ms", ms,
+                                     "--out", str(out / "configs" / f"int4_linear_{gpu}.json")], 480)]
     if name == "warm-tests":  # its own timeout: what it compiled before the limit stays in the cache
         return [("warm tests", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                 *(str(ROOT / "tests" / f) for f in WARM_TEST_FILES)], 240)]
@@ -221,12 +231,15 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                            "--out", str(out / "sweep_int4_8b_options.json")], 300)]
     if name == "step-tables":  # session 31 and 32 ran this by hand; the tables outside $OUT (rebuilt from the sweep)
         tables = Path(tempfile.gettempdir()) / "fastdecode_step_tables"
-        build = [PY, str(ROOT / "benchmarks" / "int4_small_table.py"), str(step_sweep), "--gpu", gpu, "--out-dir"]
-        steps = [("tables A", build + [str(tables / "A"), "--unchanged"], 60),
-                 ("tables B", build + [str(tables / "B")], 60)]
+        build = [PY, str(ROOT / "benchmarks" / "int4_small_table.py"), *([str(step_sweep)] if step_sweep else []),
+                 "--gpu", gpu, "--out-dir"]
+        dirs = {"A": tables / "A", "B": Path(step_config_dir) if step_config_dir else tables / "B"}
+        steps = [("tables A", build + [str(tables / "A"), "--unchanged"], 60)]
+        if not step_config_dir:
+            steps.append(("tables B", build + [str(tables / "B")], 60))
         for i in range(2 * step_rounds):
             d = "AB"[i % 2]
-            steps.append((f"step {d} {i + 1}", ["env", f"FASTDECODE_CONFIG_DIR={tables / d}"] + _fd(
+            steps.append((f"step {d} {i + 1}", ["env", f"FASTDECODE_CONFIG_DIR={dirs[d]}"] + _fd(
                 "bench", "decode", "--model", _embedded_gguf(), "--batch", "1", "--iters", "30", "--impl",
                 "fastdecode-graph", "--out", str(out / f"decode_embedded_tables_{i + 1}.json")), 120))
         return steps
@@ -326,8 +339,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
 # the GPU test files that spend most of their time compiling kernels (session 18's per-file times, one H200)
 WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attention.py", "test_norm.py",
                    "test_gemm_gpu.py", "test_norm_linear.py", "test_activation_quant.py")
-SUITES = ("tests", "warm-tests", "tune", "tune-int4", "kernels", "linear", "int4", "decode", "profile",
-          "profile-switches", "hf", "serve",
+SUITES = ("tests", "warm-tests", "tune", "tune-int4", "tune-int4-fused", "kernels", "linear", "int4", "decode",
+          "profile", "profile-switches", "hf", "serve",
           "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
           "int4-small", "int4-8b-options", "step-tables", "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16",
           "int8-producers", "test-bounds",
@@ -639,10 +652,13 @@ def main(argv=None) -> int:
                         "timed again beside them")
     p.add_argument("--step-sweep", default=None,
                    help="step-tables: an int4-small result (sweep_int4_small_fma.json) whose M = 1 tiles table B takes")
+    p.add_argument("--step-config-dir", default=None,
+                   help="step-tables: table B is this directory's tables (instead of --step-sweep's tiles)")
     p.add_argument("--step-rounds", type=int, default=2, help="step-tables: processes on each config dir")
     a = p.parse_args(argv)
-    if "step-tables" in a.suites and not (a.step_sweep and Path(a.step_sweep).is_file()):
-        p.error(f"step-tables needs --step-sweep, an int4-small result file (got {a.step_sweep!r})")
+    if "step-tables" in a.suites and not (a.step_sweep and Path(a.step_sweep).is_file()) and not a.step_config_dir:
+        p.error(f"step-tables needs --step-sweep, an int4-small result file (got {a.step_sweep!r}), or "
+                f"--step-config-dir")
     part = None
     if a.part:
         try:
@@ -673,8 +689,8 @@ def main(argv=None) -> int:
 
     gpu = gpu_key(torch.cuda.get_device_name(0) if n_gpu else "cpu")  # the tables' file-name form
     # tp: with 2+ GPUs only
-    not_in_all = ("tp", "tune", "tune-int4", "warm-tests", "int4-small", "int4-8b-options", "step-tables",
-                  "int4-norm-pdl",
+    not_in_all = ("tp", "tune", "tune-int4", "tune-int4-fused", "warm-tests", "int4-small", "int4-8b-options",
+                  "step-tables", "int4-norm-pdl",
                   "int4-diag", "int4-a8", "profile-switches", "w8a16", "int8-producers", "test-bounds", "l2-prefetch")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
@@ -692,15 +708,16 @@ def main(argv=None) -> int:
                 summary.append(("  FAILED", f["test"], f["message"][:120]))
             worst = max(worst, 1 if bad or r["exit_code"] else 0)
             continue
-        if s in ("tune", "tune-int4", "int4-a8", "w8a16"):  # start from the tables in use: what is not tuned is kept
+        # start from the tables in use (this GPU's, else its sibling's: ops._common.table_path); the rest is kept
+        if s in ("tune", "tune-int4", "tune-int4-fused", "int4-a8", "w8a16"):
             import shutil
 
-            from fastdecode.ops._common import config_path
+            from fastdecode.ops._common import table_path
 
             cfg_dir = out / "configs"
             cfg_dir.mkdir(exist_ok=True)
             for family in ("linear", "int4_linear"):  # the package's, or FASTDECODE_CONFIG_DIR's
-                table = config_path(family, torch.cuda.get_device_name(0) if n_gpu else "cpu")
+                table = table_path(family, torch.cuda.get_device_name(0) if n_gpu else "cpu")
                 dst = cfg_dir / f"{family}_{gpu}.json"
                 if table.is_file() and not dst.exists():
                     shutil.copy(table, dst)
@@ -709,7 +726,8 @@ def main(argv=None) -> int:
             + (["--ms", a.diag_ms] if a.diag_ms else [])
         steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms, not a.tune_int4_no_fp8,
                                a.tune_int4_small_m_dot, a.tune_shapes, a.tune_int4_groups, a.tune_int4_kinds,
-                               diag_args, not a.no_ncu, a.decode_impls, a.step_sweep, a.step_rounds)
+                               diag_args, not a.no_ncu, a.decode_impls, a.step_sweep, a.step_rounds,
+                               a.step_config_dir)
         if not steps:
             summary.append((s, f"not run: needs 2+ GPUs, this machine has {n_gpu}", 0))
         for label, cmd, timeout in steps:
@@ -717,7 +735,7 @@ def main(argv=None) -> int:
             tail = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] or [""]
             summary.append((label, f"rc={rc} {tail[0][:150]}", round(dt)))
             worst = max(worst, 1 if rc else 0)
-            if s in ("tune", "tune-int4") and rc == 0:  # the suites after it read the tables it wrote
+            if s in ("tune", "tune-int4", "tune-int4-fused") and rc == 0:  # the suites after it read its tables
                 env["FASTDECODE_CONFIG_DIR"] = str(out / "configs")
     print(f"\ngpu.py  git {sha}  {n_gpu} GPU(s)  results in {out}")
     for label, what, dt in summary:

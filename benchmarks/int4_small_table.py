@@ -73,7 +73,8 @@ def build(rows: list[dict], base: dict, norm_loop: bool = False, norm_loop_only:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("sweep", help="a gpu.py int4-small result (sweep_int4_small_fma.json)")
+    p.add_argument("sweep", nargs="?", default="",
+                   help="a gpu.py int4-small result (sweep_int4_small_fma.json); none with --unchanged")
     p.add_argument("--base", default=str(CONFIGS / "int4_linear_nvidia_h200.json"))
     p.add_argument("--gpu", required=True, help="the table's GPU key (fastdecode.ops._common.gpu_key)")
     p.add_argument("--out-dir", required=True)
@@ -81,18 +82,20 @@ def main() -> None:
     p.add_argument("--norm-loop-only", action="store_true", help="the base's tiles, with NORM_LOOP on the norm shapes")
     p.add_argument("--unchanged", action="store_true", help="the base as it is, under --gpu's name")
     a = p.parse_args()
-    data = json.loads(Path(a.sweep).read_text())
+    if not (a.sweep or a.unchanged):
+        p.error("a sweep result is needed unless --unchanged")
+    data = json.loads(Path(a.sweep).read_text()) if a.sweep else []
     rows = data["rows"] if isinstance(data, dict) else data
     if a.unchanged:
-        what = f"nothing changed (the other side of {Path(a.sweep).name})"
+        what = "nothing changed" + (f" (the other side of {Path(a.sweep).name})" if a.sweep else "")
     elif a.norm_loop_only:
         what = "NORM_LOOP on the norm shapes' M = 1 tiles"
     else:
         what = f"the fastest M = 1 tiles of {Path(a.sweep).name}" + (
             " with NORM_LOOP on the norm shapes" if a.norm_loop else "")
     sha = {r.get("git_sha") for r in rows}
-    table = build(rows, json.loads(Path(a.base).read_text()), a.norm_loop, a.norm_loop_only,
-                  f"{Path(a.base).name} with {what} (sweep at {', '.join(sorted(map(str, sha)))})", a.unchanged)
+    source = f"{Path(a.base).name} with {what}" + (f" (sweep at {', '.join(sorted(map(str, sha)))})" if rows else "")
+    table = build(rows, json.loads(Path(a.base).read_text()), a.norm_loop, a.norm_loop_only, source, a.unchanged)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for fam in ("linear", "allreduce"):  # the base GPU's other tables beside it, under the same GPU key

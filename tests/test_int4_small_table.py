@@ -165,3 +165,34 @@ def test_gpu_script_step_tables_alternates_the_two_dirs(tmp_path):
                                                     for i in range(1, 5)]
     with pytest.raises(SystemExit):
         gpu.main(["step-tables", "--out-dir", str(tmp_path)])
+
+
+def test_gpu_script_step_tables_on_a_config_dir(tmp_path):
+    """``--step-config-dir``: table B is that directory as it is (nothing built for it); table A is the base, built
+    without a sweep."""
+    gpu = load_script(ROOT / "benchmarks" / "gpu.py", "gpu_step_tables_dir")
+    tuned = tmp_path / "tuned"
+    steps = gpu.suite_commands("step-tables", tmp_path, 1, gpu="gpu_x", step_config_dir=str(tuned), step_rounds=1)
+    assert [label for label, _, _ in steps] == ["tables A", "step A 1", "step B 2"]
+    assert "--unchanged" in steps[0][1] and not any(a.endswith(".json") for a in steps[0][1][:3])
+    assert f"FASTDECODE_CONFIG_DIR={tuned}" in steps[2][1]
+    out = tmp_path / "A"
+    argv = steps[0][1][1:]
+    argv[argv.index("--out-dir") + 1] = str(out)
+    subprocess.run([sys.executable, *argv], check=True, capture_output=True)
+    assert json.loads((out / "int4_linear_gpu_x.json").read_text())["int4_small_source"].endswith("nothing changed")
+    r = subprocess.run([sys.executable, steps[0][1][1], "--gpu", "g", "--out-dir", str(out)], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "unless --unchanged" in r.stderr
+
+
+def test_gpu_script_tune_int4_fused_writes_into_the_out_dirs_table(tmp_path):
+    """``tune-int4-fused``: the fused ops' tuner on SmolLM2's shapes at M = 1 by default (quick list), into the table
+    copy under --out-dir; ``--tune-shapes`` and ``--tune-int4-ms`` pass through."""
+    gpu = load_script(ROOT / "benchmarks" / "gpu.py", "gpu_tune_fused")
+    [(_, argv, timeout)] = gpu.suite_commands("tune-int4-fused", tmp_path, 1, gpu="gpu_x")
+    assert argv[1:4] == ["-m", "fastdecode.bench.int4_fused", "--quick"]
+    assert argv[argv.index("--shapes") + 1] == "smollm2" and argv[argv.index("--ms") + 1] == "1"
+    assert argv[-1] == str(tmp_path / "configs" / "int4_linear_gpu_x.json") and timeout <= 600
+    [(_, argv, _)] = gpu.suite_commands("tune-int4-fused", tmp_path, 1, tune_shapes="8b.o", tune_int4_ms=[1, 2])
+    assert argv[argv.index("--shapes") + 1] == "8b.o" and argv[argv.index("--ms") + 1] == "1,2"

@@ -1,0 +1,106 @@
+"""``fastdecode.bench.int4_fused``: the tuner of the fused int4 ops' table sections (session 33). Its checks and
+table writing run on small shapes with a stand-in timer (the interpreter on a CPU, the kernels on a GPU)."""
+
+import json
+
+import pytest
+import torch
+
+from fastdecode.bench import int4_fused as F
+from fastdecode.ops.int4 import FUSED_OPS, get_int4_config
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_each_projection_runs_as_the_steps_fused_op():
+    """qkv and gate_up take the norm inside, o the residual add, down SiLU-and-mul and the add up to the GLU
+    kernel's K (8B's down, K = 14336, the add alone), as ``models.norm_gemm`` runs them."""
+    ops = {name: F.op_of(name, SHAPES_K) for name, (_, SHAPES_K, _, _) in F.SHAPES.items()}
+    assert ops["smollm2.qkv"] == ops["8b.gate_up"] == "int4_rms_norm_linear"
+    assert ops["smollm2.o"] == ops["8b.o"] == ops["8b.down"] == "int4_add_linear"
+    assert ops["smollm2.down"] == "int4_add_linear_glu"
+    assert set(ops.values()) == set(FUSED_OPS)
+    with pytest.raises(ValueError, match="no fused op"):
+        F.op_of("8b.head", 4096)
+
+
+def test_shape_names_and_aliases():
+    assert F.parse_shapes("smollm2") == ["smollm2.qkv", "smollm2.o", "smollm2.gate_up", "smollm2.down"]
+    assert F.parse_shapes("8b.o, smollm2.o,8b.o") == ["8b.o", "smollm2.o"]
+    for bad in ("smollm2.head", ""):
+        with pytest.raises(ValueError):
+            F.parse_shapes(bad)
+
+
+def test_the_norm_op_also_times_the_in_loop_norm_on_one_split_tiles():
+    """NORM_LOOP variants on the norm op's one-split tiles only; the add ops get the plain fma list; the incumbent
+    joins where missing; no fused tile above M = 8 (no fma candidates there)."""
+    from fastdecode.bench.int4 import candidates
+    from fastdecode.kernels.int4 import split_k_blocks
+
+    N, K = 960, 576
+    plain = candidates(1, N, K, quick=True, kinds=("fma",))
+    norm = F.fused_candidates("int4_rms_norm_linear", 1, N, K, quick=True)
+    loops = [c for c in norm if c.get("NORM_LOOP")]
+    assert loops and norm[:len(plain)] == plain and len(norm) == len(plain) + len(loops)
+    assert all(split_k_blocks(K, c)[1] == 1 for c in loops)
+    assert all(c["kind"] == "fma" for c in norm)
+    own = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 24, "BLOCK_K": 256, "SPLIT_K": 3, "num_warps": 4, "num_stages": 1}
+    add = F.fused_candidates("int4_add_linear", 1, N, K, quick=True, incumbent=own)
+    assert add == plain + [own]
+    assert F.fused_candidates("int4_add_linear", 1, N, K, quick=True, incumbent={"kind": "mma"}) == plain
+    with pytest.raises(ValueError, match="M = 8"):
+        F.fused_candidates("int4_add_linear", 16, N, K)
+
+
+@pytest.mark.parametrize("fmt", ["min", "zero"])
+def test_operands_check_catches_a_wrong_output(fmt):
+    """The check passes a right tile and reports a wrong result (the weight's values changed after the reference
+    was taken), on each fused op."""
+    cfg = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4,
+           "num_stages": 1, "PREFETCH": True}
+    for op in FUSED_OPS:
+        ops = F.FusedOperands(op, 32, 256, 32, fmt, 1, DEV, rot=1)
+        assert ops.check(cfg) is None, op
+        ops.w[0].qweight.bitwise_xor_(0x11111111)  # every nibble moved by one
+        assert "max error" in (ops.check(cfg) or ""), op
+
+
+def test_tuner_writes_the_fastest_tile_into_the_ops_section(tmp_path, monkeypatch):
+    """A small run: each shape's fastest candidate (the stand-in timer's choice) lands in its fused op's section at
+    M = 1 with its time, the table's other sections stay, and the dispatcher then gives the op that tile."""
+    monkeypatch.setattr(F, "SHAPES", {"tiny.qkv": (32, 256, 32, "min"), "tiny.down": (16, 256, 32, "min")})
+    path = tmp_path / "int4_linear_test.json"
+    plain = {"int4_linear": {"32,256,32": {"1": {"impl": "triton", "config": {
+        "kind": "fma", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1,
+        "PREFETCH": True}}}}, "gpu": "test"}
+    path.write_text(json.dumps(plain))
+    timed = []
+
+    def timer(calls):
+        timed.append(calls)
+        return 10.0 - len(timed)  # each later candidate faster: the last one timed wins
+
+    got = F.tune_fused(path, shapes=["tiny.qkv", "tiny.down"], ms=[1], device=DEV, timer=timer, max_candidates=3,
+                       rot=1)
+    table = json.loads(path.read_text())
+    assert table["int4_linear"] == plain["int4_linear"] and table["gpu"] == "test"
+    assert set(got) == {"int4_rms_norm_linear", "int4_add_linear_glu"}
+    for op, key in (("int4_rms_norm_linear", "32,256,32"), ("int4_add_linear_glu", "16,256,32")):
+        entry = table[op][key]["1"]
+        assert entry == got[op][key]["1"] and entry["impl"] == "triton" and entry["us"] < 10
+        assert op + "_env" in table
+        assert get_int4_config(1, int(key.split(",")[0]), 256, 32, DEV, path=str(path), op=op) == (
+            "triton", entry["config"])
+    # each shape timed the tile the op took before (qkv: the plain GEMV's entry; down: the heuristic's, no entry)
+    # beside the first three candidates; it was timed last, so it won here
+    assert len(timed) == 2 * (3 + 1)
+    assert table["int4_rms_norm_linear"]["32,256,32"]["1"]["config"] == plain["int4_linear"]["32,256,32"]["1"]["config"]
+
+
+def test_cli_refuses_bad_input_in_one_line(capsys):
+    for argv, want in ((["--shapes", "nope", "--out", "x.json"], "unknown shape"),
+                       (["--ms", "one", "--out", "x.json"], "invalid literal")):
+        with pytest.raises(SystemExit) as e:
+            F.main(argv)
+        assert e.value.code == 2 and want in capsys.readouterr().err
