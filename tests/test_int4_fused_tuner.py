@@ -73,7 +73,7 @@ def test_tuner_writes_the_fastest_tile_into_the_ops_section(tmp_path, monkeypatc
     path = tmp_path / "int4_linear_test.json"
     plain = {"int4_linear": {"32,256,32": {"1": {"impl": "triton", "config": {
         "kind": "fma", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1,
-        "PREFETCH": True}}}}, "gpu": "test"}
+        "PREFETCH": True}}}}, "gpu": "cpu"}
     path.write_text(json.dumps(plain))
     timed = []
 
@@ -84,7 +84,7 @@ def test_tuner_writes_the_fastest_tile_into_the_ops_section(tmp_path, monkeypatc
     got = F.tune_fused(path, shapes=["tiny.qkv", "tiny.down"], ms=[1], device=DEV, timer=timer, max_candidates=3,
                        rot=1)
     table = json.loads(path.read_text())
-    assert table["int4_linear"] == plain["int4_linear"] and table["gpu"] == "test"
+    assert table["int4_linear"] == plain["int4_linear"] and table["gpu"] == "cpu" and "based_on" not in table
     assert set(got) == {"int4_rms_norm_linear", "int4_add_linear_glu"}
     for op, key in (("int4_rms_norm_linear", "32,256,32"), ("int4_add_linear_glu", "16,256,32")):
         entry = table[op][key]["1"]
@@ -104,3 +104,20 @@ def test_cli_refuses_bad_input_in_one_line(capsys):
         with pytest.raises(SystemExit) as e:
             F.main(argv)
         assert e.value.code == 2 and want in capsys.readouterr().err
+
+
+def test_tuner_names_a_siblings_copy_this_gpus_and_refuses_another_gpus(tmp_path):
+    """``benchmarks/gpu.py`` copies the tables in use, an H100's the H200's: the tuner's table is then the H100's,
+    ``based_on`` the H200; a table of an unrelated GPU is not written into; a missing one starts from the base."""
+    h200 = tmp_path / "h200.json"
+    h200.write_text(json.dumps({"gpu": "NVIDIA H200", "int4_linear": {"1,256,32": {}}}))
+    mine = tmp_path / "int4_linear_h100.json"
+    F._claim(mine, h200, "NVIDIA H100 80GB HBM3")
+    t = json.loads(mine.read_text())
+    assert t == {"gpu": "NVIDIA H100 80GB HBM3", "based_on": "NVIDIA H200", "int4_linear": {"1,256,32": {}}}
+    F._claim(mine, h200, "NVIDIA H100 80GB HBM3")  # already this GPU's: unchanged
+    assert json.loads(mine.read_text()) == t
+    with pytest.raises(ValueError, match="tuned on 'NVIDIA H200', not on this 'NVIDIA A100'"):
+        F._claim(tmp_path / "a100.json", h200, "NVIDIA A100")
+    F._claim(tmp_path / "new.json", tmp_path / "none.json", "cpu")
+    assert json.loads((tmp_path / "new.json").read_text()) == {}

@@ -113,8 +113,8 @@ def test_hopper_gpus_without_tables_read_the_h200s(monkeypatch, caplog, tmp_path
     from fastdecode.ops import _common
     from fastdecode.ops import allreduce as AR
 
-    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
-    for name in (h100, "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H800", "NVIDIA H20", "NVIDIA GH200 480GB"):
+    h100, h200 = "NVIDIA H100 PCIe", "NVIDIA H200"  # a GPU the package has no table of
+    for name in (h100, "NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL", "NVIDIA H800", "NVIDIA H20", "NVIDIA GH200 480GB"):
         assert _common.sibling_gpu(name) == h200, name
     for name in (h200, "NVIDIA A100-SXM4-80GB", "NVIDIA B200", "cpu"):
         assert _common.sibling_gpu(name) is None, name
@@ -125,7 +125,7 @@ def test_hopper_gpus_without_tables_read_the_h200s(monkeypatch, caplog, tmp_path
         with caplog.at_level(logging.WARNING, logger="fastdecode"):
             for family in ("linear", "int4_linear", "allreduce"):
                 assert _common.table_path(family, h100) == _common.CONFIG_DIR / f"{family}_nvidia_h200.json"
-                assert _common.config_path(family, h100).name == f"{family}_nvidia_h100_80gb_hbm3.json"
+                assert _common.config_path(family, h100).name == f"{family}_nvidia_h100_pcie.json"
             assert _common.table_path("linear", h100).is_file()
         warned = [r.getMessage() for r in caplog.records if "reading the NVIDIA H200's" in r.getMessage()]
         assert len(warned) == 3 and h100 in warned[0]
@@ -140,9 +140,9 @@ def test_hopper_gpus_without_tables_read_the_h200s(monkeypatch, caplog, tmp_path
         own = json.loads((_common.CONFIG_DIR / "int4_linear_nvidia_h200.json").read_text())
         own["gpu"] = h100
         own["int4_linear"]["960,576,32"]["1"] = {"impl": "triton", "config": FMA}
-        (tmp_path / "int4_linear_nvidia_h100_80gb_hbm3.json").write_text(json.dumps(own))
+        (tmp_path / "int4_linear_nvidia_h100_pcie.json").write_text(json.dumps(own))
         _tuned.clear_config_cache()
-        assert _common.table_path("int4_linear", h100) == tmp_path / "int4_linear_nvidia_h100_80gb_hbm3.json"
+        assert _common.table_path("int4_linear", h100) == tmp_path / "int4_linear_nvidia_h100_pcie.json"
         assert I._lookup(h100, 132, 1, 960, 576, 32) == ("triton", FMA)
     finally:
         _tuned.clear_config_cache()

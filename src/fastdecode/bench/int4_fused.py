@@ -153,6 +153,27 @@ def fused_candidates(op: str, M: int, N: int, K: int, quick: bool = False, smem_
     return cands
 
 
+def _claim(path: Path, base: Path, gpu: str) -> None:
+    """Start the table at ``path`` as this GPU's: a copy of ``base`` where there is none; a table of the GPU whose
+    tables this one reads (``ops._common.sibling_gpu``, as ``benchmarks/gpu.py`` copies them) is named this GPU's,
+    ``based_on`` that one (as ``bench.harness.start_table`` does); a table of another GPU is refused."""
+    import json
+
+    from fastdecode.ops._common import sibling_gpu
+
+    src = path if path.is_file() else base
+    table = json.loads(src.read_text()) if src.is_file() else {}
+    owner = table.get("gpu", gpu)
+    if owner == gpu and src == path:
+        return
+    if owner not in (gpu, sibling_gpu(gpu)):
+        raise ValueError(f"{src} was tuned on {owner!r}, not on this {gpu!r}: not writing into it")
+    if owner != gpu:
+        table["based_on"], table["gpu"] = owner, gpu
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+
+
 def tune_fused(out_path, *, shapes: Sequence[str] = tuple(ALIASES["smollm2"]), ms: Sequence[int] = (1,),
                quick: bool = False, device="cuda", timer: Optional[Callable[[list], float]] = None,
                max_candidates: Optional[int] = None, rot: Optional[int] = None) -> dict:
@@ -172,7 +193,9 @@ def tune_fused(out_path, *, shapes: Sequence[str] = tuple(ALIASES["smollm2"]), m
             raise ValueError("timing needs a CUDA device (or a timer)")
         timer = lambda calls: time_cuda(calls, graph=True).median_us  # noqa: E731
     path = Path(out_path)
-    base = table_path("int4_linear", device_info(dev)[0])
+    gpu = device_info(dev)[0]
+    base = table_path("int4_linear", gpu)
+    _claim(path, base, gpu)
     written: dict = {}
     for name in shapes:
         N, K, group, fmt = SHAPES[name]
