@@ -45,7 +45,8 @@ def build(rows: list[dict], base: dict, norm_loop: bool = False, norm_loop_only:
     (``SECTIONS``; ``fastdecode.ops.int4.FUSED_OPS``: the fused op's entry overrides the plain GEMV's there, which
     stays as it is). A shape gets its entry where a tile beat the row of the table's own tile; with ``norm_loop``
     a norm shape's entry has NORM_LOOP (its own tile's if no tile beat it); with ``norm_loop_only`` every norm
-    shape's entry is the base's tile with NORM_LOOP; with ``unchanged`` there is none."""
+    shape's entry is the base's tile for the op (its section's, else the plain GEMV's) with NORM_LOOP; with
+    ``unchanged`` there is none. Entries the sweep did not time stay as the base has them."""
     table = copy.deepcopy(base)
     table["int4_small_source"] = source
     if unchanged:
@@ -56,7 +57,8 @@ def build(rows: list[dict], base: dict, norm_loop: bool = False, norm_loop_only:
     for name, rs in sorted(shapes.items()):
         s = rs[0]["shape"]
         key, section = f"{s['N']},{s['K']},{s['group']}", SECTIONS[side(s)]
-        plain = table["int4_linear"][key]["1"]
+        # the tile the op runs now: its section's entry (shipped since session 33), else the plain GEMV's
+        plain = table.get(section, {}).get(key, {}).get("1") or table["int4_linear"][key]["1"]
         own = next(r for r in rs if r["impl"] == "table")
         tiles = [r for r in rs if r.get("config") and r["impl"] != "table"]
         best = min(tiles, key=lambda r: r["median_us"], default=own)

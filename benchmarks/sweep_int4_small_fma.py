@@ -119,7 +119,9 @@ def main() -> None:
         out = torch.empty(M, N, device=dev, dtype=dt)
         res = [(torch.randn(M, N, device=dev) * 3).to(dt) for _ in range(n_rot)]
         r0 = res[0].clone()
-        table = get_int4_config(M, N, K, g, dev)
+        # the tile the step runs: the fused op's own table entry, else the plain GEMV's (ops.int4.FUSED_OPS)
+        op = "int4_rms_norm_linear" if side == "norm" else ("int4_add_linear_glu" if glu else "int4_add_linear")
+        table = get_int4_config(M, N, K, g, dev, op=op)
         shape = {"M": M, "N": N, "K": K, "group": g, "format": fmt, "name": name, "dtype": "bfloat16",
                  "table": list(table), "side": "glu" if glu else side}
         if side == "norm":

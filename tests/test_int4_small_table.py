@@ -20,6 +20,14 @@ def tool():
     return load_script(ROOT / "benchmarks" / "int4_small_table.py", "int4_small_table")
 
 
+def _plain_base():
+    """The package's H200 table without the fused ops' sections (as it was before session 33 shipped them)."""
+    from fastdecode.ops.int4 import FUSED_OPS
+
+    base = json.loads(BASE.read_text())
+    return {k: v for k, v in base.items() if k not in FUSED_OPS and k.removesuffix("_env") not in FUSED_OPS}
+
+
 def _rows():
     """A sweep's rows: on qkv a tile beats the table's, on down none does; the bf16 row has no config."""
     def shape(name, n, k):
@@ -42,7 +50,7 @@ def test_the_fastest_tile_goes_into_the_fused_ops_section(tool):
     """qkv (a norm shape) takes the fastest tile (not the bf16 row, faster but no int4 tile) in the norm op's
     section; down keeps the plain entry (no tile beat the table's) and gets no entry of its own; the plain GEMV's
     section and the base itself are unchanged."""
-    base = json.loads(BASE.read_text())
+    base = _plain_base()
     before = json.dumps(base)
     t = tool.build(_rows(), base, source="s")
     assert json.dumps(base) == before
@@ -59,7 +67,7 @@ def test_each_side_has_its_section(tool):
     for r in rows[3:]:
         r["shape"]["side"] = "glu"
     rows[4]["median_us"] = 4.0  # now a tile beats down's table tile
-    t = tool.build(rows, json.loads(BASE.read_text()))
+    t = tool.build(rows, _plain_base())
     assert t["int4_add_linear_glu"]["576,1536,32"]["1"]["config"] == rows[4]["config"]
     assert tool.side({"name": "smollm2.o"}) == "add" and tool.side({"name": "smollm2.gate_up"}) == "norm"
 
@@ -68,7 +76,7 @@ def test_each_side_has_its_section(tool):
 def test_norm_loop_goes_on_the_norm_shapes_only(tool, only):
     """NORM_LOOP on qkv's M = 1 entry of the norm op (a norm shape), none for down; with ``norm_loop_only`` on the
     base's tile."""
-    base = json.loads(BASE.read_text())
+    base = _plain_base()
     t = tool.build(_rows(), base, norm_loop=not only, norm_loop_only=only)
     qkv = t["int4_rms_norm_linear"]["960,576,32"]["1"]["config"]
     want = base["int4_linear"]["960,576,32"]["1"]["config"] if only else _rows()[2]["config"]
@@ -81,7 +89,7 @@ def test_the_ops_read_the_tables_sections(tool, tmp_path):
     GEMV keeps its tile, and at M = 2 both take the plain GEMV's entry."""
     import fastdecode.ops.int4 as I
 
-    base = json.loads(BASE.read_text())
+    base = _plain_base()
     p = tmp_path / "t.json"
     p.write_text(json.dumps(tool.build(_rows(), base)))
     I.clear_config_cache()
@@ -196,3 +204,14 @@ def test_gpu_script_tune_int4_fused_writes_into_the_out_dirs_table(tmp_path):
     assert argv[-1] == str(tmp_path / "configs" / "int4_linear_gpu_x.json") and timeout <= 600
     [(_, argv, _)] = gpu.suite_commands("tune-int4-fused", tmp_path, 1, tune_shapes="8b.o", tune_int4_ms=[1, 2])
     assert argv[argv.index("--shapes") + 1] == "8b.o" and argv[argv.index("--ms") + 1] == "1,2"
+
+
+def test_a_base_with_fused_sections_keeps_what_the_sweep_did_not_beat(tool):
+    """The shipped H200 table has the fused ops' own sections (session 33): ``norm_loop_only`` puts NORM_LOOP on the
+    norm op's own tile (not the plain GEMV's), and a shape whose own tile no swept tile beat keeps its entry."""
+    base = json.loads(BASE.read_text())
+    norm = base["int4_rms_norm_linear"]["960,576,32"]["1"]["config"]
+    assert norm != base["int4_linear"]["960,576,32"]["1"]["config"]
+    t = tool.build(_rows(), base, norm_loop_only=True)
+    assert t["int4_rms_norm_linear"]["960,576,32"]["1"]["config"] == {**norm, "NORM_LOOP": True}
+    assert t["int4_add_linear_glu"] == base["int4_add_linear_glu"]
