@@ -59,7 +59,8 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               (``--step-rounds`` of each): A the H200's tables under this GPU's name, B the same with an
               ``int4-small`` result's fastest M = 1 tiles (``--step-sweep``; ``benchmarks/int4_small_table.py``),
               or the tables of a directory (``--step-config-dir``, e.g. what ``tune-int4-fused`` wrote);
-              ``decode_embedded_tables_<i>.json``, each row naming its config dir.
+              ``decode_embedded_tables_<i>.json``, each row naming its config dir; ``--step-model 8b-int4``: the
+              8B int4 step instead (``decode_8b_int4_tables_<i>.json``).
 * ``int4-diag`` ``benchmarks/diag_int4_gemv.py``: the int4 GEMV at decode sizes against its access pattern's ceiling
               (a kernel that only streams the packed words), the copy rate, mma variants, cuBLAS BF16 and tinygemm;
               then, where ``ncu`` is installed, one launch of each of a few cases under it (``ncu_int4.txt``).
@@ -122,12 +123,13 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                    gpu="nvidia_h200", tune_int4_ms=None, tune_int4_fp8=True,
                    tune_int4_small_m_dot=False, tune_shapes=None,
                    tune_int4_groups=None, tune_int4_kinds=None, diag_args=(), ncu=True, decode_impls=None,
-                   step_sweep=None, step_rounds=2, step_config_dir=None) -> list[tuple[str, list[str], int]]:
+                   step_sweep=None, step_rounds=2, step_config_dir=None,
+                   step_model="embedded") -> list[tuple[str, list[str], int]]:
     """(label, argv, timeout in s) of each step of a suite (``tests`` is handled by run_tests). ``diag_args``:
     extra arguments of ``int4-diag``'s sweep (``--few``, ``--shapes``, ``--ms``); ``ncu``: its ncu step too;
     ``decode_impls``: the rows of every ``decode`` step instead of its own list (a short call); ``step_sweep``,
-    ``step_rounds``, ``step_config_dir``: ``step-tables``' int4-small result, its processes per config dir, and the
-    directory of table B instead of the sweep's tiles."""
+    ``step_rounds``, ``step_config_dir``, ``step_model``: ``step-tables``' int4-small result, its processes per config
+    dir, the directory of table B instead of the sweep's tiles, and the step timed ("embedded" or "8b-int4")."""
     shapes = ["--shapes", tune_shapes] if tune_shapes else []
     if name == "tune":
         return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes, *shapes,
@@ -237,11 +239,15 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         steps = [("tables A", build + [str(tables / "A"), "--unchanged"], 60)]
         if not step_config_dir:
             steps.append(("tables B", build + [str(tables / "B")], 60))
+        # the embedded GGUF's step, or the 8B int4 step (random weights, RTN g128: the fused ops' 8B sections)
+        model, name, limit = ((["--preset", "llama-3.1-8b", "--input-len", "1", "--output-len", "128", "--quant",
+                                "int4"], "8b_int4", 300) if step_model == "8b-int4"
+                              else (["--model", _embedded_gguf()], "embedded", 120))
         for i in range(2 * step_rounds):
             d = "AB"[i % 2]
             steps.append((f"step {d} {i + 1}", ["env", f"FASTDECODE_CONFIG_DIR={dirs[d]}"] + _fd(
-                "bench", "decode", "--model", _embedded_gguf(), "--batch", "1", "--iters", "30", "--impl",
-                "fastdecode-graph", "--out", str(out / f"decode_embedded_tables_{i + 1}.json")), 120))
+                "bench", "decode", *model, "--batch", "1", "--iters", "30", "--impl", "fastdecode-graph",
+                "--out", str(out / f"decode_{name}_tables_{i + 1}.json")), limit))
         return steps
     if name == "int4-a8":
         # the sweep's best GEMV configs into a copy of the int4 table (main copies it), then the 8B int4 step on them
@@ -655,6 +661,8 @@ def main(argv=None) -> int:
     p.add_argument("--step-config-dir", default=None,
                    help="step-tables: table B is this directory's tables (instead of --step-sweep's tiles)")
     p.add_argument("--step-rounds", type=int, default=2, help="step-tables: processes on each config dir")
+    p.add_argument("--step-model", choices=("embedded", "8b-int4"), default="embedded",
+                   help="step-tables: the embedded GGUF's step, or the 8B int4 step (random weights)")
     a = p.parse_args(argv)
     if "step-tables" in a.suites and not (a.step_sweep and Path(a.step_sweep).is_file()) and not a.step_config_dir:
         p.error(f"step-tables needs --step-sweep, an int4-small result file (got {a.step_sweep!r}), or "
@@ -727,7 +735,7 @@ def main(argv=None) -> int:
         steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms, not a.tune_int4_no_fp8,
                                a.tune_int4_small_m_dot, a.tune_shapes, a.tune_int4_groups, a.tune_int4_kinds,
                                diag_args, not a.no_ncu, a.decode_impls, a.step_sweep, a.step_rounds,
-                               a.step_config_dir)
+                               a.step_config_dir, a.step_model)
         if not steps:
             summary.append((s, f"not run: needs 2+ GPUs, this machine has {n_gpu}", 0))
         for label, cmd, timeout in steps:

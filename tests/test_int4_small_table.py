@@ -215,3 +215,14 @@ def test_a_base_with_fused_sections_keeps_what_the_sweep_did_not_beat(tool):
     t = tool.build(_rows(), base, norm_loop_only=True)
     assert t["int4_rms_norm_linear"]["960,576,32"]["1"]["config"] == {**norm, "NORM_LOOP": True}
     assert t["int4_add_linear_glu"] == base["int4_add_linear_glu"]
+
+
+def test_gpu_script_step_tables_on_the_8b_int4_step(tmp_path):
+    """``--step-model 8b-int4``: the same alternation on the 8B int4 step (random weights quantised at load), each
+    process with its own result file and a longer limit."""
+    gpu = load_script(ROOT / "benchmarks" / "gpu.py", "gpu_step_tables_8b")
+    steps = gpu.suite_commands("step-tables", tmp_path, 1, gpu="gpu_x", step_config_dir="d", step_rounds=1,
+                               step_model="8b-int4")
+    for i, (_, cmd, limit) in enumerate(steps[1:], 1):
+        assert cmd[cmd.index("--preset") + 1] == "llama-3.1-8b" and cmd[cmd.index("--quant") + 1] == "int4"
+        assert "--model" not in cmd and cmd[-1] == str(tmp_path / f"decode_8b_int4_tables_{i}.json") and limit > 120
