@@ -175,11 +175,20 @@ def test_kernel_switches_reach_the_model_before_the_engine(tiny, monkeypatch, ca
 
 
 @pytest.mark.parametrize("argv", [["bench", "int4"], ["bench", "linear"], ["tune", "int4"], ["tune", "linear"],
-                                  ["bench", "norm"], ["bench", "allreduce"]])
+                                  ["tune", "int4-fused"], ["bench", "norm"], ["bench", "allreduce"]])
 def test_gpu_commands_on_cpu(argv, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(argv) == 2
     _one_error(capsys.readouterr().err, f"`fastdecode {argv[0]} {argv[1]}", "needs ")
+
+
+@pytest.mark.parametrize("args, want", [(["--shapes", "smollm2.head"], "unknown shape 'smollm2.head'"),
+                                        (["--ms", "16"], "token counts from 1 to 8"),
+                                        (["--ms", "one"], "invalid literal")])
+def test_tune_int4_fused_bad_input_in_one_line(args, want, capsys):
+    """Bad shape names and token counts end in one error line, before the GPU check (so on any machine)."""
+    assert cli.main(["tune", "int4-fused", *args]) == 2
+    _one_error(capsys.readouterr().err, "tune int4-fused", want)
 
 
 # ----------------------------------------------------------------------------- 7. | head

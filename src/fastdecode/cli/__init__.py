@@ -8,7 +8,7 @@
     fastdecode info                     versions, GPUs, backends, default model                   cli/info.py
     fastdecode selfcheck                every kernel against its reference (CPU: Triton interpreter)
     fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode|serve       cli/bench.py
-    fastdecode tune linear|int4         measure GEMM launch configs on this GPU, write them as data  cli/bench.py
+    fastdecode tune linear|int4|int4-fused  GEMM launch configs measured on this GPU, as data     cli/bench.py
 
 Shared argument types, validators and the ``error:`` reporting: ``cli/common.py``. Each sub-parser sets
 ``func`` (called with the parsed args, returns an exit code); ``main`` runs it through ``run_command`` (Ctrl-C:

@@ -5,7 +5,7 @@ the CPU), the serving benchmark (``bench serve``: ``fastdecode.bench.serve``, al
 ``generate`` phase by phase (``bench startup``: ``fastdecode.bench.startup``, also on the CPU).
 
     fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode|serve|hf|startup
-    fastdecode tune linear|int4         measure GEMM launch configs on this GPU, write them as data
+    fastdecode tune linear|int4|int4-fused   measure GEMM launch configs on this GPU, write them as data
 """
 
 from __future__ import annotations
@@ -80,8 +80,24 @@ def cmd_bench_allreduce(args) -> int:
 
 
 def cmd_tune(args) -> int:
+    if args.what == "int4-fused":  # bad shape names or token counts: the one-line error before the GPU check
+        from fastdecode.bench import int4_fused as bf
+
+        try:
+            shapes = bf.parse_shapes(args.shapes or "smollm2")
+            ms = [int(m) for m in (args.ms or "1").split(",")]
+            if not all(1 <= m <= bf.MAX_M for m in ms):
+                raise ValueError(f"--ms: token counts from 1 to {bf.MAX_M}, got {args.ms!r}")
+        except ValueError as e:
+            return fail(f"tune int4-fused: {e}")
     if no_gpu(f"tune {args.what}"):
         return 2
+    if args.what == "int4-fused":
+        from fastdecode.ops._common import config_path
+
+        out = args.out or config_path("int4_linear", torch.cuda.get_device_name())
+        bf.tune_fused(out, shapes=shapes, ms=ms, quick=args.quick)
+        return 0
     if args.what == "int4":
         from fastdecode.bench import int4 as bi
 
@@ -460,11 +476,15 @@ def add_parsers(subparsers) -> None:
     st.set_defaults(func=cmd_bench_startup)
 
     t = subparsers.add_parser("tune", help="measure launch configs on this GPU and write them as data")
-    t.add_argument("what", choices=["linear", "int4"])
+    t.add_argument("what", choices=["linear", "int4", "int4-fused"],
+                   help="int4-fused: the fused int4 ops' own table sections (the norm, the residual add, SiLU-and-mul "
+                        "inside the GEMV, as the decode step runs them) in this GPU's int4 table")
     t.add_argument("--no-fp8", action="store_true", help="int4: skip the W4A8 section")
     t.add_argument("--dtypes", nargs="+", choices=["bf16", "fp8"], default=None,
                    help="linear: the sections to tune (default both; the others in --out are kept)")
-    t.add_argument("--shapes", default=None, help='e.g. "8b.o,4096x14336" (default: the Llama shapes)')
+    t.add_argument("--shapes", default=None, help='e.g. "8b.o,4096x14336" (default: the Llama shapes); int4-fused: '
+                   'names such as "smollm2.qkv" or the groups "smollm2" (default) and "8b"')
+    t.add_argument("--ms", default=None, help="int4-fused: comma-separated token counts up to 8 (default 1)")
     t.add_argument("--out", default=None, help="config JSON (default: the package's configs/ folder)")
     t.add_argument("--quick", action="store_true")
     t.set_defaults(func=cmd_tune)
