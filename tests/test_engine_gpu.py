@@ -93,8 +93,8 @@ def test_int4_norm_gemm_graph_decode_matches_the_unfused_step():
     kept in the kernels) replayed in CUDA graphs with PDL at batch 1 and 3 (bucket 4), against the unfused eager
     step on the same int4 weights, step after step. An 8B int4 model takes the fused step only where this GPU's
     int4 table runs every projection on the FMA kind at one token (``models.norm_gemm``: fused, the tensor-core
-    kinds were slower). The H200's table runs 8B gate_up on the mma kind. An H100 with no table of its own
-    (session 30) picks FMA everywhere by heuristics, so there the 8B model does fuse."""
+    kinds were slower). The H200's table runs 8B gate_up on the mma kind. An H100 ran the heuristics until session
+    33 (FMA everywhere: the 8B model fused there); it now reads the H200's table (``ops._common.table_path``)."""
     from fastdecode.models import norm_gemm
     from fastdecode.models.quantize import quantize_model_int4
     from fastdecode.ops.int4 import get_int4_config
