@@ -288,8 +288,9 @@ def sibling_gpu(gpu_name: str) -> Optional[str]:
 
 def table_path(kind: str, gpu_name: str) -> Path:
     """The table of ``kind`` that ops on ``gpu_name`` read: its own (``config_path``) where there is one, else that
-    of its ``sibling_gpu`` (same architecture; one warning naming both), else its own path, absent (the ops then
-    use heuristics). Tuners write to ``config_path``, never to a sibling's table."""
+    of its ``sibling_gpu`` (same architecture; one info line naming both, as ``fastdecode info`` does; not a warning:
+    every generate would print it), else its own path, absent (the ops then use heuristics, with a warning). Tuners
+    write to ``config_path``, never to a sibling's table."""
     own = config_path(kind, gpu_name)
     other = sibling_gpu(gpu_name)
     if own.is_file() or other is None:
@@ -297,8 +298,8 @@ def table_path(kind: str, gpu_name: str) -> Path:
     theirs = config_path(kind, other)
     if not theirs.is_file():
         return own
-    warn_once(f"fastdecode: no {kind} table for {gpu_name!r}; reading the {other}'s ({theirs.name}: the same "
-              f"architecture, tuned there, not on this GPU)")
+    log_once(f"fastdecode: no {kind} table for {gpu_name!r}; reading the {other}'s ({theirs.name}: the same "
+             f"architecture, tuned there, not on this GPU)")
     return theirs
 
 
