@@ -106,8 +106,8 @@ def test_split_k_partials_are_one_growing_buffer_per_device():
 def test_hopper_gpus_without_tables_read_the_h200s(monkeypatch, caplog, tmp_path):
     """Session 33: an H100 (or another sm_90 GPU) had no tables and ran the heuristics (the embedded step 668 us on an
     H100 against 619 us on the H200's tables). Such a GPU now reads the H200's tables, with one info line naming both;
-    a GPU with its own table (here under FASTDECODE_CONFIG_DIR) reads its own; other GPUs, and families the H200
-    has no table of, keep the heuristics. Tuners write to ``config_path``, never to the sibling's file."""
+    a GPU with its own table (here under FASTDECODE_CONFIG_DIR) reads its own; other GPUs, families the H200 has no
+    table of, and the all-reduce crossovers keep the heuristics / defaults. Tuners write to ``config_path``, never to the sibling's file."""
     import logging
 
     from fastdecode.ops import _common
@@ -123,19 +123,22 @@ def test_hopper_gpus_without_tables_read_the_h200s(monkeypatch, caplog, tmp_path
     _common._logged_once.clear()
     try:
         with caplog.at_level(logging.INFO, logger="fastdecode"):
-            for family in ("linear", "int4_linear", "allreduce"):
+            for family in ("linear", "int4_linear"):
                 assert _common.table_path(family, h100) == _common.CONFIG_DIR / f"{family}_nvidia_h200.json"
                 assert _common.config_path(family, h100).name == f"{family}_nvidia_h100_pcie.json"
             assert _common.table_path("linear", h100).is_file()
         said = [r for r in caplog.records if "reading the NVIDIA H200's" in r.getMessage()]
-        assert len(said) == 3 and h100 in said[0].getMessage() and {r.levelno for r in said} == {logging.INFO}
+        assert len(said) == 2 and h100 in said[0].getMessage() and {r.levelno for r in said} == {logging.INFO}
+        # the all-reduce crossovers depend on the interconnect (a PCIe H100 has no NVLink): not shared
+        assert _common.table_path("allreduce", h100) == _common.config_path("allreduce", h100)
+        assert (_common.CONFIG_DIR / "allreduce_nvidia_h200.json").is_file()
+        assert AR.measured_path_bytes(h100, 2) is None and AR.measured_path_bytes(h200, 2) is not None
         assert _common.table_path("nothing", h100) == _common.config_path("nothing", h100)  # no H200 table either
         assert not _common.table_path("linear", "NVIDIA A100-SXM4-80GB").is_file()
         # the dispatchers: the H200's entries on the H100
         assert _tuned.load_table("int4_linear", h100) == _tuned.load_table("int4_linear", h200) is not None
         assert L._lookup(h100, 132, "bf16", 1, 960, 576) == L._lookup(h200, 132, "bf16", 1, 960, 576)
         assert I._lookup(h100, 132, 1, 960, 576, 32) == I._lookup(h200, 132, 1, 960, 576, 32)
-        assert AR.measured_path_bytes(h100, 2) == AR.measured_path_bytes(h200, 2) is not None
         # a table of its own wins
         own = json.loads((_common.CONFIG_DIR / "int4_linear_nvidia_h200.json").read_text())
         own["gpu"] = h100

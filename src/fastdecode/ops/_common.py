@@ -278,7 +278,9 @@ def config_path(kind: str, gpu_name: str) -> Path:
 # tile there compiles and runs on it, tuned on the other GPU. Hopper (sm_90: H100 SXM / PCIe / NVL, H800, H20, GH200)
 # reads the H200's. Measured on an H100 (session 33, benchmarks/NOTES.md): the embedded model's decode step ran
 # 619 us on the H200's tables against 668 us on the heuristics the H100 had before.
+# The all-reduce table is not shared: its crossovers depend on the interconnect (NVLink or PCIe), not the SMs.
 SIBLING_TABLES = ((re.compile(r"\b(h100|h800|h20|gh200)\b", re.IGNORECASE), "NVIDIA H200"),)
+SIBLING_KINDS = ("linear", "int4_linear")
 
 
 def sibling_gpu(gpu_name: str) -> Optional[str]:
@@ -287,12 +289,12 @@ def sibling_gpu(gpu_name: str) -> Optional[str]:
 
 
 def table_path(kind: str, gpu_name: str) -> Path:
-    """The table of ``kind`` that ops on ``gpu_name`` read: its own (``config_path``) where there is one, else that
-    of its ``sibling_gpu`` (same architecture; one info line naming both, as ``fastdecode info`` does; not a warning:
+    """The table of ``kind`` that ops on ``gpu_name`` read: its own (``config_path``) where there is one, else (the
+    GEMM tables, ``SIBLING_KINDS``) that of its ``sibling_gpu`` (same architecture; one info line naming both, as ``fastdecode info`` does; not a warning:
     every generate would print it), else its own path, absent (the ops then use heuristics, with a warning). Tuners
     write to ``config_path``, never to a sibling's table."""
     own = config_path(kind, gpu_name)
-    other = sibling_gpu(gpu_name)
+    other = sibling_gpu(gpu_name) if kind in SIBLING_KINDS else None
     if own.is_file() or other is None:
         return own
     theirs = config_path(kind, other)
