@@ -105,9 +105,10 @@ def test_split_k_partials_are_one_growing_buffer_per_device():
 
 def test_hopper_gpus_without_tables_read_the_h200s(monkeypatch, caplog, tmp_path):
     """Session 33: an H100 (or another sm_90 GPU) had no tables and ran the heuristics (the embedded step 668 us on an
-    H100 against 619 us on the H200's tables). Such a GPU now reads the H200's tables, with one info line naming both;
-    a GPU with its own table (here under FASTDECODE_CONFIG_DIR) reads its own; other GPUs, families the H200 has no
-    table of, and the all-reduce crossovers keep the heuristics / defaults. Tuners write to ``config_path``, never to the sibling's file."""
+    H100 against 619 us on the H200's tables). Such a GPU now reads the H200's GEMM tables, with one info line naming
+    both; a GPU with its own table (here under FASTDECODE_CONFIG_DIR) reads its own; other GPUs, families the H200
+    has no table of, and the all-reduce crossovers keep the heuristics / defaults. Tuners write to ``config_path``,
+    never to the sibling's file."""
     import logging
 
     from fastdecode.ops import _common

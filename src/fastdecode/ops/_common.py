@@ -290,9 +290,9 @@ def sibling_gpu(gpu_name: str) -> Optional[str]:
 
 def table_path(kind: str, gpu_name: str) -> Path:
     """The table of ``kind`` that ops on ``gpu_name`` read: its own (``config_path``) where there is one, else (the
-    GEMM tables, ``SIBLING_KINDS``) that of its ``sibling_gpu`` (same architecture; one info line naming both, as ``fastdecode info`` does; not a warning:
-    every generate would print it), else its own path, absent (the ops then use heuristics, with a warning). Tuners
-    write to ``config_path``, never to a sibling's table."""
+    GEMM tables, ``SIBLING_KINDS``) that of its ``sibling_gpu`` (same architecture; one info line naming both, as
+    ``fastdecode info`` does; not a warning: every generate would print it), else its own path, absent (the ops then
+    use heuristics, with a warning). Tuners write to ``config_path``, never to a sibling's table."""
     own = config_path(kind, gpu_name)
     other = sibling_gpu(gpu_name) if kind in SIBLING_KINDS else None
     if own.is_file() or other is None:
