@@ -280,6 +280,26 @@ def test_int4_tune_merge_keeps_the_entries_it_does_not_tune(tmp_path):
     h100 = start_table(path, "NVIDIA H100 80GB HBM3", 132, merge=True)
     assert h100["int4_linear"] == old["int4_linear"] and h100["based_on"] == "NVIDIA H200"
     assert h100["gpu"] == "NVIDIA H100 80GB HBM3" and "based_on" not in t
+    # a new file starts from ``base`` (the table in use, ops._common.table_path) when merging, and empty when not
+    new = tmp_path / "new.json"
+    fresh = start_table(new, "NVIDIA H100 80GB HBM3", 132, merge=True, base=path)
+    assert fresh["int4_linear"] == old["int4_linear"] and fresh["based_on"] == "NVIDIA H200"
+    assert start_table(new, "NVIDIA H100 80GB HBM3", 132, merge=False, base=path)["int4_linear"] == {}
+    assert start_table(new, "NVIDIA H200", 132, merge=True, base=tmp_path / "none.json")["int4_linear"] == {}
+
+
+def test_cli_tune_int4_merges_into_the_table(monkeypatch):
+    """``fastdecode tune int4`` updates the table, as ``tune linear`` does: the shapes and sections it does not tune
+    (SmolLM2's entries, the fused ops' sections) stay."""
+    from fastdecode import cli
+    from fastdecode.bench import int4 as bi
+    from fastdecode.cli import bench as cb
+
+    seen = {}
+    monkeypatch.setattr(cb, "no_gpu", lambda what: 0)
+    monkeypatch.setattr(bi, "tune", lambda out, **kw: seen.update(kw, out=out))
+    assert cli.main(["tune", "int4", "--shapes", "8b.o", "--quick"]) == 0
+    assert seen["merge"] is True and seen["quick"] is True and seen["out"] is None
 
 
 def test_int4_tuner_dot_tiles_below_m8_only_when_asked():

@@ -253,15 +253,16 @@ def tune(out_path=None, *, shapes=None, ms: Sequence[int] = TUNE_MS,
     """Time candidates + cuBLAS per (dtype, N, K, M); write and return the dispatcher table.
 
     ``out_path``: defaults to ``fastdecode/configs/linear_<gpu>.json``; an existing file is updated
-    (entries for other shapes are kept). ``shapes``: None (the 8 Llama projections), a dict
-    {name: (N, K)}, a list of (N, K) or a "NxK,..." string. ``dtypes``: "bf16" and/or "fp8"
-    (fp16 uses the bf16 entries). ``quick``: fewer M values (1, 4, 16, 64, 256).
+    (entries for other shapes are kept), a new one starts from the table in use (``ops._common.table_path``).
+    ``shapes``: None (the 8 Llama projections), a dict {name: (N, K)}, a list of (N, K) or a "NxK,..." string.
+    ``dtypes``: "bf16" and/or "fp8" (fp16 uses the bf16 entries). ``quick``: fewer M values (1, 4, 16, 64, 256).
     Above the largest tuned M the dispatcher uses cuBLAS: keep 256 (or more) in ``ms``.
     ``pdl``: also try the best config with programmatic dependent launch (one more timing per M).
     Back-to-back calls of the same kernel then overlap launch and tail, which flatters a benchmark
     of repeated linears more than a model step (whose other kernels must also use PDL to gain).
     ``parallel_compile``: compile all candidates first in worker processes (see ``precompile``).
     """
+    from fastdecode.ops._common import table_path
     from fastdecode.ops.gemm import clear_config_cache, config_path
 
     if not torch.cuda.is_available():
@@ -269,7 +270,8 @@ def tune(out_path=None, *, shapes=None, ms: Sequence[int] = TUNE_MS,
     gpu = torch.cuda.get_device_name()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     path = Path(out_path) if out_path else config_path(gpu)
-    table = start_table(path, gpu, num_sms, True, ("linear",))  # an existing table is updated
+    # an existing table is updated; a new one starts from the table in use (an H100's: the H200's, ops._common)
+    table = start_table(path, gpu, num_sms, True, ("linear",), base=table_path("linear", gpu))
     lin = table["linear"]
     shapes = _shapes(shapes)
     ms = (1, 4, 16, 64, 256) if quick else tuple(sorted(set(int(m) for m in ms)))

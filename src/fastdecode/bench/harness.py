@@ -53,16 +53,18 @@ def env_info() -> dict:
 
 
 
-def start_table(path: Path, gpu_name: str, num_sms: int, merge: bool, sections: Sequence[str]) -> dict:
+def start_table(path: Path, gpu_name: str, num_sms: int, merge: bool, sections: Sequence[str],
+                base: Optional[Path] = None) -> dict:
     """The dispatcher table a tuning run fills: the header (GPU, SM count, this run's ``env``) and ``sections``,
-    empty, or with ``merge`` everything of the table already at ``path``, which must have been tuned on the same
-    GPU (``merged_into``: that run's env), or on the GPU whose tables this one reads without its own
-    (``ops._common.sibling_gpu``: a copy of the tables in use, as ``benchmarks/gpu.py`` makes; ``based_on`` names
-    that GPU, whose entries stay where this run tunes none); the run then replaces the entries it tunes, one by
-    one."""
+    empty, or with ``merge`` everything of the table already at ``path`` (where there is none, at ``base``: the
+    table in use, ``ops._common.table_path``), which must have been tuned on the same GPU (``merged_into``: that
+    run's env), or on the GPU whose tables this one reads without its own (``ops._common.sibling_gpu``: a copy of
+    the tables in use, as ``benchmarks/gpu.py`` makes; ``based_on`` names that GPU, whose entries stay where this
+    run tunes none); the run then replaces the entries it tunes, one by one."""
     from fastdecode.ops._common import sibling_gpu
 
-    old = json.loads(path.read_text()) if merge and path.is_file() else {}
+    src = path if path.is_file() else base
+    old = json.loads(src.read_text()) if merge and src is not None and src.is_file() else {}
     if old.get("gpu", gpu_name) not in (gpu_name, sibling_gpu(gpu_name)):
         raise ValueError(f"{path} was tuned on {old.get('gpu')!r}, not on this {gpu_name!r}: not merging")
     table = {**old, "gpu": gpu_name, "num_sms": num_sms, "env": env_info()}

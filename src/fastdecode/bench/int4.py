@@ -302,11 +302,13 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
 
     Candidates over this GPU's shared memory (by ``ops.int4.smem_bytes``) are not tried; one that still
     cannot launch, or gives wrong values, is skipped with one log line (``try_config``). ``merge``: start
-    from the table already at ``out_path`` (same GPU) and replace only the (shape, M) entries tuned here,
+    from the table already at ``out_path`` (same GPU; where there is none, the table in use, a sibling GPU's too:
+    ``ops._common.table_path``) and replace only the (shape, M) entries tuned here,
     e.g. a run over ``ms=(1, 2, 4, 8)``; the table's ``env`` then names this run. ``kinds``: only candidates of
     these kinds, plus the (shape, M) entry already in the table (timed again in this run, so that the entry
     kept is the faster of the two side by side). ``zero_mode``: of the weights timed (default the engine's; the
     table is keyed by shape and group only, so it holds the configs of that mode; ``tuned_zero_mode``)."""
+    from fastdecode.ops._common import table_path
     from fastdecode.ops.int4 import clear_config_cache, config_path, smem_limit, table_key
 
     shapes = dict(SHAPES) if shapes is None else shapes
@@ -314,7 +316,7 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
     name = torch.cuda.get_device_name()
     path = Path(out_path) if out_path else config_path(name)
     table = start_table(path, name, torch.cuda.get_device_properties(0).multi_processor_count, merge,
-                        ("int4_linear", "int4_linear_fp8"))
+                        ("int4_linear", "int4_linear_fp8"), base=table_path("int4_linear", name))
     table["tuned_zero_mode"] = zero_mode
     limit = smem_limit(torch.device("cuda"))
     path.parent.mkdir(parents=True, exist_ok=True)

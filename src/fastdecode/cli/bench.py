@@ -106,7 +106,8 @@ def cmd_tune(args) -> int:
             from fastdecode.bench.gemm import parse_shapes
 
             shapes = parse_shapes(args.shapes)
-        bi.tune(args.out, shapes=shapes, quick=args.quick, fp8=not args.no_fp8)
+        # merged, as `tune linear` is: the table's other shapes and sections (the fused ops') stay
+        bi.tune(args.out, shapes=shapes, quick=args.quick, fp8=not args.no_fp8, merge=True)
         return 0
     from fastdecode.bench import gemm as bg
 
