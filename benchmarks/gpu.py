@@ -240,14 +240,14 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         if not step_config_dir:
             steps.append(("tables B", build + [str(tables / "B")], 60))
         # the embedded GGUF's step, or the 8B int4 step (random weights, RTN g128: the fused ops' 8B sections)
-        model, name, limit = ((["--preset", "llama-3.1-8b", "--input-len", "1", "--output-len", "128", "--quant",
-                                "int4"], "8b_int4", 300) if step_model == "8b-int4"
-                              else (["--model", _embedded_gguf()], "embedded", 120))
+        model, tag, limit = ((["--preset", "llama-3.1-8b", "--input-len", "1", "--output-len", "128", "--quant",
+                               "int4"], "8b_int4", 300) if step_model == "8b-int4"
+                             else (["--model", _embedded_gguf()], "embedded", 120))
         for i in range(2 * step_rounds):
             d = "AB"[i % 2]
             steps.append((f"step {d} {i + 1}", ["env", f"FASTDECODE_CONFIG_DIR={dirs[d]}"] + _fd(
                 "bench", "decode", *model, "--batch", "1", "--iters", "30", "--impl", "fastdecode-graph",
-                "--out", str(out / f"decode_{name}_tables_{i + 1}.json")), limit))
+                "--out", str(out / f"decode_{tag}_tables_{i + 1}.json")), limit))
         return steps
     if name == "int4-a8":
         # the sweep's best GEMV configs into a copy of the int4 table (main copies it), then the 8B int4 step on them
