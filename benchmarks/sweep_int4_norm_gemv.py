@@ -24,28 +24,18 @@ import argparse
 import torch
 
 from fastdecode.bench.harness import make_row, rotation_count, time_cuda, write_rows
+from fastdecode.bench.int4_fused import EPS, SHAPES as FUSED_SHAPES, make_weight as _weight, op_of
 from fastdecode.ops.int4 import get_int4_config, int4_linear
 from fastdecode.ops.int4_norm_linear import (
     int4_add_linear_, int4_add_linear_ref, int4_rms_norm_linear, int4_rms_norm_linear_ref,
 )
 from fastdecode.ops.norm import rms_norm
-from fastdecode.quant.int4 import prepack, quantize_int4
 
-# name: (N, K, group, format, side): "norm" shapes take the norm before them, "add" shapes the residual after
-SHAPES = {"8b.qkv": (6144, 4096, 128, "zero", "norm"), "8b.gate_up": (28672, 4096, 128, "zero", "norm"),
-          "8b.o": (4096, 4096, 128, "zero", "add"), "8b.down": (4096, 14336, 128, "zero", "add"),
-          "smollm2.qkv": (960, 576, 32, "min", "norm"), "smollm2.gate_up": (3072, 576, 32, "min", "norm"),
-          "smollm2.o": (576, 576, 32, "min", "add"), "smollm2.down": (576, 1536, 32, "min", "add")}
-EPS = 1e-5
-
-
-def _weight(N, K, g, fmt, dev):
-    if fmt == "zero":
-        return quantize_int4(torch.randn(N, K, device=dev) * 0.02, g, symmetric=False)
-    q = torch.randint(0, 16, (N, K), dtype=torch.uint8)  # GGUF Q4_1: q * d + m, fp16 d and m
-    d = (torch.rand(N, K // g) * 0.004 + 0.001).half()
-    m = (-8 * d.float() + torch.randn(N, K // g) * 1e-3).half()
-    return prepack(q, d, group_size=g, mins=m).to(dev)
+# name: (N, K, group, format, side) of the fused ops' tuner's shapes (fastdecode.bench.int4_fused): "norm" shapes
+# take the norm before them, "add" shapes the residual after
+SHAPES = {name: (*FUSED_SHAPES[name], "norm" if op_of(name, FUSED_SHAPES[name][1]) == "int4_rms_norm_linear" else "add")
+          for name in ("8b.qkv", "8b.gate_up", "8b.o", "8b.down",
+                       "smollm2.qkv", "smollm2.gate_up", "smollm2.o", "smollm2.down")}
 
 
 def main() -> None:

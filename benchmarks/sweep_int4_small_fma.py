@@ -31,13 +31,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep_int4_norm_gemv import EPS, SHAPES, _weight  # noqa: E402
+from sweep_int4_norm_gemv import EPS, SHAPES  # noqa: E402
 
-from fastdecode.bench.harness import make_row, rotation_count, time_cuda, write_rows  # noqa: E402
+from fastdecode.bench.harness import make_row, time_cuda, write_rows  # noqa: E402
+from fastdecode.bench.int4_fused import FusedOperands, op_of  # noqa: E402
 from fastdecode.kernels.int4 import split_k_blocks  # noqa: E402
-from fastdecode.models.norm_gemm import INT4_GLU_MAX_K  # noqa: E402
-from fastdecode.ops.int4 import get_int4_config, int4_linear_with_config  # noqa: E402
-from fastdecode.ops.int4_norm_linear import int4_add_linear_ref, int4_rms_norm_linear_ref  # noqa: E402
+from fastdecode.ops.int4 import get_int4_config  # noqa: E402
 from fastdecode.ops.norm_linear import add_linear_, rms_norm_linear  # noqa: E402
 
 SMALL = [name for name in SHAPES if name.startswith("smollm2.")]
@@ -107,39 +106,24 @@ def main() -> None:
     rows = []
     for name in a.shapes.split(","):
         N, K, g, fmt, side = SHAPES[name]
-        w0 = _weight(N, K, g, fmt, dev)
+        # the op the step runs; down: [gate | up] rows and SiLU-and-mul inside (int4_glu; bf16: add_linear_'s glu)
+        op = op_of(name, K)
+        if a.no_glu and op == "int4_add_linear_glu":
+            op = "int4_add_linear"
+        glu = op == "int4_add_linear_glu"
+        ops = FusedOperands(op, N, K, g, fmt, M, dev)  # rotated weights, inputs, outputs, the fp32 reference
+        w0, n_rot = ops.w[0], len(ops.w)
         wbytes = N * K // 2 + sum(t.numel() * t.element_size() for t in (w0.scales, w0.zeros, w0.mins) if t is not None)
-        n_rot = rotation_count(wbytes) if dev.type == "cuda" else 1
-        ws = [w0] + [_weight(N, K, g, fmt, dev) for _ in range(n_rot - 1)]
         dense = [(torch.randn(N, K, device=dev) * 0.02).to(dt) for _ in range(n_rot)]
-        nw = (1 + 0.1 * torch.randn(K, device=dev)).to(dt)
-        # down as the step runs it: [gate | up] rows and SiLU-and-mul inside (int4_glu; bf16: add_linear_'s glu)
-        glu = side == "add" and name.endswith(".down") and K <= INT4_GLU_MAX_K and not a.no_glu
-        xs = [(torch.randn(M, 2 * K if glu else K, device=dev) * 3).to(dt) for _ in range(n_rot)]
-        out = torch.empty(M, N, device=dev, dtype=dt)
-        res = [(torch.randn(M, N, device=dev) * 3).to(dt) for _ in range(n_rot)]
-        r0 = res[0].clone()
+        xs, nw, out, res = ops.x, ops.norm_weight, ops.out, ops.res
         # the tile the step runs: the fused op's own table entry, else the plain GEMV's (ops.int4.FUSED_OPS)
-        op = "int4_rms_norm_linear" if side == "norm" else ("int4_add_linear_glu" if glu else "int4_add_linear")
         table = get_int4_config(M, N, K, g, dev, op=op)
         shape = {"M": M, "N": N, "K": K, "group": g, "format": fmt, "name": name, "dtype": "bfloat16",
                  "table": list(table), "side": "glu" if glu else side}
         if side == "norm":
-            ref = int4_rms_norm_linear_ref(xs[0], nw, ws[0], eps=EPS).float()
-
-            def make(cfg):
-                return [lambda i=i: int4_linear_with_config(xs[i], ws[i], None, out, cfg, norm_weight=nw, eps=EPS,
-                                                            x_norm=True) for i in range(n_rot)]
             bf16 = [lambda i=i: rms_norm_linear(xs[i], nw, dense[i], eps=EPS, out=out) for i in range(n_rot)]
-            got = out
         else:
-            ref = int4_add_linear_ref(r0, xs[0], ws[0], glu=glu).float()
-
-            def make(cfg):
-                return [lambda i=i: int4_linear_with_config(xs[i], ws[i], None, res[i], cfg, accumulate=True, glu=glu)
-                        for i in range(n_rot)]
             bf16 = [lambda i=i: add_linear_(res[i], xs[i], dense[i], glu=glu) for i in range(n_rot)]
-            got = res[0]
         cands = [("table", table[1])] if table[0] == "triton" else []
         grid = tiles(K) if a.grid == "small" else table_variants(table[1])
         cands += [(_name(c), c) for c in grid[:a.max_tiles or None]]
@@ -148,15 +132,11 @@ def main() -> None:
         base = None
         for impl, cfg in [("bf16", None)] + cands:
             try:
-                calls = bf16 if cfg is None else make(cfg)
+                calls = bf16 if cfg is None else ops.calls(cfg)
                 if cfg is not None:  # checked once on fresh inputs (the add side restores its residual)
-                    res[0].copy_(r0)
-                    calls[0]()
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    err = float((got.float() - ref).abs().max() / ref.abs().max())
-                    if not err < 2e-2:
-                        raise AssertionError(f"max error {err:.3g} of the output's max against the reference")
+                    err = ops.check(cfg)
+                    if err:
+                        raise AssertionError(f"{err}, against the reference")
                 if dev.type != "cuda":
                     continue
                 t = time_cuda(calls, graph=True)

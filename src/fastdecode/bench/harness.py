@@ -53,6 +53,20 @@ def env_info() -> dict:
 
 
 
+def adopt_table(table: dict, gpu_name: str, path, refusal: str) -> dict:
+    """``table`` as this GPU's, for a tuning run to write into: as it is if tuned here (or without a GPU named); a
+    copy named this GPU's, ``based_on`` the other, if tuned on the GPU whose tables this one reads without its own
+    (``ops._common.sibling_gpu``); any other GPU's raises ValueError (``path`` and ``refusal`` name it there)."""
+    from fastdecode.ops._common import sibling_gpu
+
+    owner = table.get("gpu", gpu_name)
+    if owner == gpu_name:
+        return table
+    if owner != sibling_gpu(gpu_name):
+        raise ValueError(f"{path} was tuned on {owner!r}, not on this {gpu_name!r}: {refusal}")
+    return {**table, "gpu": gpu_name, "based_on": owner}
+
+
 def start_table(path: Path, gpu_name: str, num_sms: int, merge: bool, sections: Sequence[str],
                 base: Optional[Path] = None) -> dict:
     """The dispatcher table a tuning run fills: the header (GPU, SM count, this run's ``env``) and ``sections``,
@@ -61,17 +75,12 @@ def start_table(path: Path, gpu_name: str, num_sms: int, merge: bool, sections: 
     run's env), or on the GPU whose tables this one reads without its own (``ops._common.sibling_gpu``: a copy of
     the tables in use, as ``benchmarks/gpu.py`` makes; ``based_on`` names that GPU, whose entries stay where this
     run tunes none); the run then replaces the entries it tunes, one by one."""
-    from fastdecode.ops._common import sibling_gpu
-
     src = path if path.is_file() else base
     old = json.loads(src.read_text()) if merge and src is not None and src.is_file() else {}
-    if old.get("gpu", gpu_name) not in (gpu_name, sibling_gpu(gpu_name)):
-        raise ValueError(f"{path} was tuned on {old.get('gpu')!r}, not on this {gpu_name!r}: not merging")
-    table = {**old, "gpu": gpu_name, "num_sms": num_sms, "env": env_info()}
+    table = {**adopt_table(old, gpu_name, path, "not merging"), "gpu": gpu_name, "num_sms": num_sms,
+             "env": env_info()}
     if old:
         table["merged_into"] = old.get("env")
-    if old.get("gpu", gpu_name) != gpu_name:
-        table["based_on"] = old["gpu"]
     for name in sections:
         table.setdefault(name, {})
     return table

@@ -155,23 +155,19 @@ def fused_candidates(op: str, M: int, N: int, K: int, quick: bool = False, smem_
 
 def _claim(path: Path, base: Path, gpu: str) -> None:
     """Start the table at ``path`` as this GPU's: a copy of ``base`` where there is none; a table of the GPU whose
-    tables this one reads (``ops._common.sibling_gpu``, as ``benchmarks/gpu.py`` copies them) is named this GPU's,
-    ``based_on`` that one (as ``bench.harness.start_table`` does); a table of another GPU is refused."""
+    tables this one reads is named this GPU's, ``based_on`` that one (``bench.harness.adopt_table``, as the tuners'
+    ``start_table`` does); a table of another GPU is refused."""
     import json
 
-    from fastdecode.ops._common import sibling_gpu
+    from fastdecode.bench.harness import adopt_table
 
     src = path if path.is_file() else base
     table = json.loads(src.read_text()) if src.is_file() else {}
-    owner = table.get("gpu", gpu)
-    if owner == gpu and src == path:
+    mine = adopt_table(table, gpu, src, "not writing into it")
+    if mine is table and src == path:
         return
-    if owner not in (gpu, sibling_gpu(gpu)):
-        raise ValueError(f"{src} was tuned on {owner!r}, not on this {gpu!r}: not writing into it")
-    if owner != gpu:
-        table["based_on"], table["gpu"] = owner, gpu
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1) + "\n")
+    path.write_text(json.dumps(mine, indent=1) + "\n")
 
 
 def tune_fused(out_path, *, shapes: Sequence[str] = tuple(ALIASES["smollm2"]), ms: Sequence[int] = (1,),

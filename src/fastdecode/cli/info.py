@@ -22,7 +22,7 @@ def engine_backends(gpu: Optional[tuple[str, tuple[int, int]]], triton: bool) ->
     """What the engine's model runs each kind of op on (the model's default backend: "torch" on the CPU,
     "auto" on CUDA). ``gpu``: (name, (major, minor)) of the CUDA device, None on the CPU; ``triton``: the
     "auto" backend resolves to Triton there."""
-    from fastdecode.ops._common import gpu_key, sibling_gpu, table_path
+    from fastdecode.ops._common import config_path, sibling_gpu, table_path
 
     if gpu is None or not triton:
         why = "CPU" if gpu is None else "Triton unavailable"
@@ -35,28 +35,28 @@ def engine_backends(gpu: Optional[tuple[str, tuple[int, int]]], triton: bool) ->
         return lines
     name, sm = gpu
 
-    def table(path) -> str:
+    def table(kind: str) -> str:
+        path = table_path(kind, name)
         if not path.is_file():
             return "heuristic: no tuned table for this GPU"
-        other = sibling_gpu(name)
-        return f"tuned table {path.name}" + (f", the {other}'s" if other and gpu_key(other) in path.name else "")
+        return f"tuned table {path.name}" + ("" if path == config_path(kind, name) else f", the {sibling_gpu(name)}'s")
 
-    fp8 = (f"dispatcher, skinny Triton kernel or cuBLASLt _scaled_mm per shape ({table(table_path('linear', name))})"
+    fp8 = (f"dispatcher, skinny Triton kernel or cuBLASLt _scaled_mm per shape ({table('linear')})"
            if sm >= (8, 9) else f"unavailable (needs sm_89+, this GPU is sm_{sm[0]}{sm[1]})")
     try:
         from fastdecode.ops import allreduce  # noqa: F401 (torch.distributed may be missing)
 
-        ar_table = table(table_path("allreduce", name))
+        ar_table = table("allreduce")
     except (ImportError, AttributeError):
         ar_table = "built-in thresholds"
     return [
         "norm, activation, RoPE + KV write, attention: Triton kernels (fused)",
-        f"GEMM bf16/fp16: dispatcher, skinny Triton kernel or cuBLAS per shape ({table(table_path('linear', name))})",
+        f"GEMM bf16/fp16: dispatcher, skinny Triton kernel or cuBLAS per shape ({table('linear')})",
         f"GEMM fp8 (W8A8): {fp8}",
         "GEMM fp8 at decode (fp8_a16): W8A16 skinny Triton kernel for wqkv, wo, w2 (tuned w8a16 section or heuristic)"
         if sm >= (8, 9) else "GEMM fp8 at decode (fp8_a16): unavailable",
         ("GEMM int4 (W4A16): dispatcher, Triton fma / tensor-core dot, or dequantise + cuBLAS at large M "
-         f"({table(table_path('int4_linear', name))})"),
+         f"({table('int4_linear')})"),
         ("all-reduce (TP): symmetric-memory one-shot / two-shot fused with add + RMSNorm, NCCL above the "
          f"crossover or without peer access ({ar_table})"),
     ]
