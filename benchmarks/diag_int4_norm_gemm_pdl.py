@@ -31,7 +31,7 @@ def int4_norm_gemm(mode: str):
     from fastdecode.models.int4 import INT4_ACT_DTYPES, Int4Linear
 
     saved = norm_gemm._supported, ops._FUSED_KINDS
-    norm_gemm._supported = lambda p, dtype, batch, norm_in: norm_gemm._dense(p) or (
+    norm_gemm._supported = lambda p, dtype, batch, op: norm_gemm._dense(p) or (
         isinstance(p, Int4Linear) and dtype in INT4_ACT_DTYPES)
     if mode == "every-kind":
         ops._FUSED_KINDS = ("fma", "dot", "mma")

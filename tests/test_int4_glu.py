@@ -181,3 +181,38 @@ def test_int4_glu_leaves_a_w2_of_large_k_to_the_two_kernels(monkeypatch):
         m.decode(toks[:, 4], pos, cache)
         assert len(calls) == want, (limit, calls)
         calls.clear()
+
+
+def test_the_step_asks_each_projections_own_op_at_the_batchs_rows(monkeypatch):
+    """``norm_gemm.applies(model, B)`` takes the fused step where every int4 projection's tile, for the op it runs
+    as and at B rows, is an fma tile: w2 is asked as ``int4_add_linear_glu`` where SiLU-and-mul goes into its loads
+    (``int4_glu``, K up to ``INT4_GLU_MAX_K``), else as ``int4_add_linear``; a tensor-core tile in any of them, at
+    those rows, keeps the unfused step."""
+    import fastdecode.models.norm_gemm as NG
+
+    cfg, m = _tiny_int4_model()
+    asked = []
+    real = I.get_int4_config
+
+    def spy(M, N, K, group_size, device=None, **kw):
+        asked.append((M, N, K, kw["op"]))
+        return real(M, N, K, group_size, device, **kw)
+
+    monkeypatch.setattr(I, "get_int4_config", spy)
+    D, F, L = cfg.dim, cfg.intermediate_size, cfg.n_layers
+    for glu, B in ((True, 1), (True, 3), (False, 2)):
+        m.set_kernels(int4_glu=glu)
+        asked.clear()
+        assert NG.applies(m, B)  # the heuristics give these small shapes fma tiles
+        w2_op = "int4_add_linear_glu" if glu else "int4_add_linear"
+        assert {(M, N, K, op) for M, N, K, op in asked if K == F} == {(B, D, F, w2_op)}
+        assert {op for *_, op in asked} == {"int4_rms_norm_linear", "int4_add_linear", w2_op}
+        assert {M for M, *_ in asked} == {B} and len(asked) == 4 * L
+    m.set_kernels(int4_glu=True)
+    for op in ("int4_add_linear_glu", "int4_rms_norm_linear"):
+        def mma_for(M, N, K, group_size, device=None, _op=op, **kw):
+            impl, c = real(M, N, K, group_size, device, **kw)
+            return (impl, dict(c, kind="mma")) if kw["op"] == _op and M == 4 else (impl, c)
+
+        monkeypatch.setattr(I, "get_int4_config", mma_for)
+        assert NG.applies(m, 1) and not NG.applies(m, 4), op

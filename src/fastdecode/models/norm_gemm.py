@@ -34,7 +34,9 @@ tokens a program) that pass paid for itself: SmolLM2 Q4_1 shapes at M = 1 and 4 
 than as the two kernels (``benchmarks/sweep_int4_norm_gemv.py``), and the embedded model's graph step went from
 648.2 to 605.7 us. The tensor-core kernels (tiles of 16 tokens, many more programs) lost: 8B gate_up at M = 1 (mma)
 46.18 against 31.51 us, qkv at M = 4 17.90 against 13.50; the 8B int4 step with every block fused took 3431.1 us
-against 2619.2 unfused. A model with any int4 projection on another kind keeps the unfused path, and
+against 2619.2 unfused. A model with any int4 projection on another kind keeps the unfused path (the tile of the op the
+projection runs as, at the step's rows: since session 34 w2 is asked as ``int4_add_linear_glu`` where it takes
+SiLU-and-mul in its loads, and the tile is the one for the batch's rows, no longer always one token's), and
 ``int4_rms_norm_linear`` itself runs the norm kernel first where its dispatch picks a tensor-core kind (larger M).
 
 The norm weights are folded into wqkv / w13 (``fold``): ``W[n, k] <- W[n, k] * g[k]`` (fp32 product, one
@@ -82,8 +84,9 @@ def _dense(proj) -> bool:
     return isinstance(proj, Linear)
 
 
-def _supported(proj, dtype, batch: int, norm_in: bool) -> bool:
-    """Whether the projection takes this path at ``batch`` rows. ``norm_in``: it follows a norm (wqkv, w13)."""
+def _supported(proj, dtype, batch: int, op: str) -> bool:
+    """Whether the projection takes this path at ``batch`` rows, run as ``op`` (``_ops``: ``int4_rms_norm_linear``
+    after a norm, wqkv and w13; ``int4_add_linear`` or, with SiLU-and-mul in its loads, ``int4_add_linear_glu``)."""
     from fastdecode.models.int4 import INT4_ACT_DTYPES, Int4Linear
     from fastdecode.ops.int4 import get_int4_config
     from fastdecode.ops.w8a16 import X_DTYPES as W8A16_X_DTYPES
@@ -92,12 +95,20 @@ def _supported(proj, dtype, batch: int, norm_in: bool) -> bool:
         return True
     if _fp8(proj):
         # W8A16 (fp8_a16) for these rows; a W8A8 w13 keeps its norm kernel (FP8 output), the residual add moves
-        return dtype in W8A16_X_DTYPES and (_a16(proj, batch) or norm_in)
+        return dtype in W8A16_X_DTYPES and (_a16(proj, batch) or op == "int4_rms_norm_linear")
     if not (isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES) or proj.act_int8:
         return False  # W4A8 (int4_a8) quantises its activation: the W4A16 norm ops do not apply
-    impl, cfg = get_int4_config(1, proj.out_features, proj.in_features, proj.group_size, proj.qweight.device,
-                                op="int4_rms_norm_linear" if norm_in else "int4_add_linear")
+    # the tile the op's dispatch gives these rows (its own table section, else the plain GEMV's entry)
+    impl, cfg = get_int4_config(batch, proj.out_features, proj.in_features, proj.group_size, proj.qweight.device,
+                                op=op)
     return impl == "triton" and cfg["kind"] == "fma"  # the kind where the fused norm pays (module docstring)
+
+
+def _ops(model, layer) -> tuple:
+    """The int4 op each of the block's projections (wqkv, wo, w13, w2) runs as on this path (``decode``)."""
+    glu = layer.feed_forward.fuse_down and layer.feed_forward.fused and _int4_glu(model, layer.feed_forward.w2)
+    return ("int4_rms_norm_linear", "int4_add_linear", "int4_rms_norm_linear",
+            "int4_add_linear_glu" if glu else "int4_add_linear")
 
 
 def _a16(proj, batch: int) -> bool:
@@ -120,8 +131,8 @@ def applies(model, batch: int = 1) -> bool:
     if not (model.backend == "triton" or (model.backend == "auto" and on_cuda)):
         return False
     dtype = model.tok_embeddings.weight.dtype
-    return all(_supported(p, dtype, batch, i in (0, 2)) for layer in model.layers
-               for i, p in enumerate(_projections(layer)))
+    return all(_supported(p, dtype, batch, op) for layer in model.layers
+               for p, op in zip(_projections(layer), _ops(model, layer)))
 
 
 def _pairs(layer):
