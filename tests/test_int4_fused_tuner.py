@@ -36,7 +36,8 @@ def test_shape_names_and_aliases():
 
 def test_the_norm_op_also_times_the_in_loop_norm_on_one_split_tiles():
     """NORM_LOOP variants on the norm op's one-split tiles only; the add ops get the plain fma list; the incumbent
-    joins where missing; no fused tile above M = 8 (no fma candidates there)."""
+    joins where missing, a tensor-core one too (the op as it runs now: the step's alternative); no fused tile above
+    M = 8 (no fma candidates there)."""
     from fastdecode.bench.int4 import candidates
     from fastdecode.kernels.int4 import split_k_blocks
 
@@ -50,9 +51,63 @@ def test_the_norm_op_also_times_the_in_loop_norm_on_one_split_tiles():
     own = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 24, "BLOCK_K": 256, "SPLIT_K": 3, "num_warps": 4, "num_stages": 1}
     add = F.fused_candidates("int4_add_linear", 1, N, K, quick=True, incumbent=own)
     assert add == plain + [own]
-    assert F.fused_candidates("int4_add_linear", 1, N, K, quick=True, incumbent={"kind": "mma"}) == plain
+    mma = {"kind": "mma", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4}
+    assert F.fused_candidates("int4_add_linear", 1, N, K, quick=True, incumbent=mma) == plain + [mma]
     with pytest.raises(ValueError, match="M = 8"):
         F.fused_candidates("int4_add_linear", 16, N, K)
+
+
+DOT = {"kind": "dot", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2,
+       "PREFETCH": True}
+
+
+def _tensor_core_stand_in(monkeypatch):
+    """The interpreter computes the dot kind in fp16 only (tests/test_int4.py): on a CPU a plain-PyTorch GEMM stands
+    in for a tensor-core tile (given neither the norm nor the GLU, which stay out of such a tile); a GPU runs it."""
+    import fastdecode.ops.int4 as I
+    from fastdecode.ops.int4_format import dequantize_int4
+
+    real = I.int4_linear_with_config
+
+    def gemm(x, w, bias, out, cfg, warmup=False, norm_weight=None, eps=0.0, x_norm=False, accumulate=False,
+             glu=False):
+        if cfg["kind"] == "fma" or DEV == "cuda":
+            return real(x, w, bias, out, cfg, warmup=warmup, norm_weight=norm_weight, eps=eps, x_norm=x_norm,
+                        accumulate=accumulate, glu=glu)
+        assert not (x_norm or glu or norm_weight is not None), "the norm and the GLU stay out of a tensor-core tile"
+        y = x.float() @ dequantize_int4(w).float().T
+        out.copy_((out.float() + y if accumulate else y).to(out.dtype))
+
+    monkeypatch.setattr(I, "int4_linear_with_config", gemm)
+
+
+def test_a_tensor_core_tile_runs_as_the_op_runs_it(monkeypatch):
+    """On a tensor-core tile (the incumbent where the table gives the op one) the norm op runs the norm kernel then
+    the GEMM, and the GLU op the SiLU-and-mul kernel then the GEMM with the add, as ``ops.int4_norm_linear`` runs
+    them; on an fma tile neither kernel runs. Each matches the op's reference (``check``; on a CPU the dot tile's
+    GEMM is a stand-in, ``_tensor_core_stand_in``)."""
+    import fastdecode.ops.activation as A
+    import fastdecode.ops.norm as N
+
+    ran = []
+    real_norm, real_silu = N.rms_norm, A.silu_and_mul
+    monkeypatch.setattr(N, "rms_norm", lambda *a, **k: ran.append("norm") or real_norm(*a, **k))
+    monkeypatch.setattr(A, "silu_and_mul", lambda *a, **k: ran.append("silu") or real_silu(*a, **k))
+    _tensor_core_stand_in(monkeypatch)
+    dot = DOT
+    fma = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4,
+           "num_stages": 1, "PREFETCH": True}
+    for op, kernel in (("int4_rms_norm_linear", ["norm"]), ("int4_add_linear_glu", ["silu"]),
+                       ("int4_add_linear", [])):
+        ops = F.FusedOperands(op, 32, 256, 32, "min", 1, DEV, rot=1)
+        ran.clear()
+        assert ops.check(dot) is None and ran == kernel, (op, ran)
+        ran.clear()
+        assert ops.check(fma) is None and ran == [], (op, ran)
+    # the check is not blind to a missing norm: the GEMM on the raw rows fails it
+    ops = F.FusedOperands("int4_rms_norm_linear", 32, 256, 32, "min", 1, DEV, rot=1)
+    monkeypatch.setattr(N, "rms_norm", lambda h, *a, **k: h)
+    assert "max error" in (ops.check(DOT) or "")
 
 
 @pytest.mark.parametrize("fmt", ["min", "zero"])
@@ -98,6 +153,29 @@ def test_tuner_writes_the_fastest_tile_into_the_ops_section(tmp_path, monkeypatc
     # beside the first three candidates; it was timed last, so it won here
     assert len(timed) == 2 * (3 + 1)
     assert table["int4_rms_norm_linear"]["32,256,32"]["1"]["config"] == plain["int4_linear"]["32,256,32"]["1"]["config"]
+
+
+def test_a_tensor_core_incumbent_that_wins_keeps_the_model_unfused(tmp_path, monkeypatch):
+    """Where the table gives the norm op a tensor-core tile (8B gate_up at M = 1 on the H200's table) the tuner times
+    it too, as the op runs it (the norm kernel, then the tile); when it is the fastest, the op's section keeps that
+    tile, so ``models.norm_gemm`` keeps the unfused step. Session 34's tuner left it out: every section got an fma
+    tile, and on an H100 the 8B step they put on the fused path was 55-102 us slower."""
+    _tensor_core_stand_in(monkeypatch)
+    monkeypatch.setattr(F, "SHAPES", {"tiny.gate_up": (32, 256, 32, "min")})
+    path = tmp_path / "int4_linear_test.json"
+    path.write_text(json.dumps({"int4_linear": {"32,256,32": {"1": {"impl": "triton", "config": DOT}}},
+                                "gpu": HERE}))
+    timed = []
+
+    def timer(calls):
+        timed.append(calls)
+        return 10.0 - len(timed)  # the last timed wins: the incumbent, appended after the fma candidates
+
+    got = F.tune_fused(path, shapes=["tiny.gate_up"], ms=[1], device=DEV, timer=timer, max_candidates=2, rot=1)
+    assert len(timed) == 3
+    entry = json.loads(path.read_text())["int4_rms_norm_linear"]["32,256,32"]["1"]
+    assert entry["config"] == DOT and got["int4_rms_norm_linear"]["32,256,32"]["1"] == entry
+    assert get_int4_config(1, 32, 256, 32, DEV, path=str(path), op="int4_rms_norm_linear")[1]["kind"] == "dot"
 
 
 def test_cli_refuses_bad_input_in_one_line(capsys):

@@ -11,7 +11,10 @@ plain tiles (benchmarks/NOTES.md).
 
 This times, per shape and M, the fused op as the step runs it (the int4 kernel's fma kind, the only kind
 ``norm_gemm`` fuses) on the tuner's fma candidates (``bench.int4.candidates``), on the norm op each one-split tile
-also with NORM_LOOP (the in-loop norm, opt-in), plus the tile the table gives the op now; each is checked against
+also with NORM_LOOP (the in-loop norm, opt-in), plus the tile the table gives the op now, of any kind (on a
+tensor-core tile the op runs the norm or SiLU-and-mul kernel first; where that wins, the section keeps that tile and
+the model the unfused step; session 34's H100 left 8B gate_up's mma tile out and the fused step it then took was
+55-102 us slower than the unfused one, benchmarks/NOTES.md); each is checked against
 the op's fp32 reference first, then timed on rotated weights (CUDA graphs, ``bench.harness.time_cuda``). The
 fastest goes into the op's section of the table at ``--out`` (``bench.harness.write_table_section``: a missing
 file starts from the table in use), whose other sections and entries stay.
@@ -115,11 +118,24 @@ class FusedOperands:
             self.ref = int4_add_linear_ref(self.r0, self.x[0], w0, glu=self.glu).float()
 
     def calls(self, cfg: dict, warmup: bool = False) -> list[Callable[[], None]]:
+        """One call per weight copy of the op on ``cfg`` as the op runs it (``ops.int4_norm_linear``): on an fma
+        tile the norm or SiLU-and-mul inside; on a tensor-core tile the norm kernel (SiLU-and-mul kernel) first."""
+        from fastdecode.ops.activation import silu_and_mul
         from fastdecode.ops.int4 import int4_linear_with_config
+        from fastdecode.ops.norm import rms_norm
 
+        inside = cfg.get("kind") == "fma"
         if self.op == "int4_rms_norm_linear":
-            return [lambda i=i: int4_linear_with_config(self.x[i], self.w[i], None, self.out, cfg, warmup=warmup,
-                                                        norm_weight=self.norm_weight, eps=EPS, x_norm=True)
+            if inside:
+                return [lambda i=i: int4_linear_with_config(self.x[i], self.w[i], None, self.out, cfg, warmup=warmup,
+                                                            norm_weight=self.norm_weight, eps=EPS, x_norm=True)
+                        for i in range(len(self.w))]
+            return [lambda i=i: int4_linear_with_config(rms_norm(self.x[i], self.norm_weight, EPS, backend="triton"),
+                                                        self.w[i], None, self.out, cfg, warmup=warmup)
+                    for i in range(len(self.w))]
+        if self.glu and not inside:
+            return [lambda i=i: int4_linear_with_config(silu_and_mul(self.x[i], backend="triton"), self.w[i], None,
+                                                        self.res[i], cfg, warmup=warmup, accumulate=True)
                     for i in range(len(self.w))]
         return [lambda i=i: int4_linear_with_config(self.x[i], self.w[i], None, self.res[i], cfg, warmup=warmup,
                                                     accumulate=True, glu=self.glu) for i in range(len(self.w))]
@@ -138,8 +154,10 @@ class FusedOperands:
 def fused_candidates(op: str, M: int, N: int, K: int, quick: bool = False, smem_limit: Optional[int] = None,
                      incumbent: Optional[dict] = None) -> list[dict]:
     """The tuner's fma candidates (``bench.int4.candidates``), on the norm op each tile of one effective split also
-    with NORM_LOOP, and ``incumbent`` (the tile the table gives the op now, if an fma tile) where it is not among
-    them."""
+    with NORM_LOOP, and ``incumbent`` (the tile the table gives the op now, of any kind: on a tensor-core tile the
+    op runs the norm or SiLU-and-mul kernel first, ``FusedOperands.calls``) where it is not among them. An
+    incumbent that stays keeps its kind in the section, and a tensor-core tile there keeps the model on the
+    unfused step (``models.norm_gemm``)."""
     from fastdecode.bench.int4 import candidates
     from fastdecode.kernels.int4 import split_k_blocks
 
@@ -148,7 +166,7 @@ def fused_candidates(op: str, M: int, N: int, K: int, quick: bool = False, smem_
     cands = candidates(M, N, K, quick=quick, smem_limit=smem_limit, kinds=("fma",))
     if op == "int4_rms_norm_linear":
         cands += [{**c, "NORM_LOOP": True} for c in cands if split_k_blocks(K, c)[1] == 1]
-    if incumbent is not None and incumbent.get("kind") == "fma" and incumbent not in cands:
+    if incumbent is not None and incumbent not in cands:
         cands.append(dict(incumbent))
     return cands
 
