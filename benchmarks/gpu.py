@@ -81,6 +81,9 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``int4-norm-pdl`` ``benchmarks/diag_int4_norm_gemm_pdl.py``: the 8B int4 step with every block on the
               ``norm_gemm`` path (tensor-core kinds after a norm kernel, then with the norm inside them too),
               timed beside the unfused step and profiled with and without PDL.
+* ``batch-rule`` ``benchmarks/diag_norm_gemm_batch_rule.py``: the embedded SmolLM2 step at batch 1, 4 and 8 under
+              the int4 ``norm_gemm`` rule as shipped (each projection's op at the batch's rows, session 34) and as it
+              was (the tile at one token), beside the unfused step, in one process.
 
 What it never does: copy files into ``src/`` (tuned tables are written only by
 ``fastdecode tune ... --out``; this script passes every ``--out`` into --out-dir). The device machine
@@ -289,6 +292,10 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     if name == "int8-producers":
         return [("diag int8 producers", [PY, str(ROOT / "benchmarks" / "diag_int8_producers.py"),
                                          "--out", str(out / "diag_int8_producers.json")], 180)]
+    if name == "batch-rule":
+        return [("diag norm_gemm batch rule", [PY, str(ROOT / "benchmarks" / "diag_norm_gemm_batch_rule.py"),
+                                               "--model", _embedded_gguf(), "--batch", "1", "4", "8",
+                                               "--out", str(out / "diag_norm_gemm_batch_rule.json")], 300)]
     if name == "int4-norm-pdl":
         return [("diag int4 norm pdl", [PY, str(ROOT / "benchmarks" / "diag_int4_norm_gemm_pdl.py"),
                                         "--out", str(out / "diag_int4_norm_gemm_pdl.json")], 540)]
@@ -350,7 +357,7 @@ SUITES = ("tests", "warm-tests", "tune", "tune-int4", "tune-int4-fused", "kernel
           "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
           "int4-small", "int4-8b-options", "step-tables", "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16",
           "int8-producers", "test-bounds",
-          "l2-prefetch")
+          "l2-prefetch", "batch-rule")
 
 
 def _ncu() -> str | None:
@@ -699,7 +706,8 @@ def main(argv=None) -> int:
     # tp: with 2+ GPUs only
     not_in_all = ("tp", "tune", "tune-int4", "tune-int4-fused", "warm-tests", "int4-small", "int4-8b-options",
                   "step-tables", "int4-norm-pdl",
-                  "int4-diag", "int4-a8", "profile-switches", "w8a16", "int8-producers", "test-bounds", "l2-prefetch")
+                  "int4-diag", "int4-a8", "profile-switches", "w8a16", "int8-producers", "test-bounds", "l2-prefetch",
+                  "batch-rule")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")

@@ -430,3 +430,11 @@ def test_part_arguments_are_checked(gpu, capsys):
         assert "--part wants K/N" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gpu.main(["tests", "--part", "1/2", "--workers", "2"])
+
+
+def test_batch_rule_suite_times_the_embedded_step_at_three_batches(gpu, tmp_path):
+    [(label, argv, timeout)] = gpu.suite_commands("batch-rule", tmp_path, 1)
+    assert argv[1].endswith("diag_norm_gemm_batch_rule.py") and timeout <= 300
+    assert argv[argv.index("--batch") + 1:argv.index("--out")] == ["1", "4", "8"]
+    assert argv[argv.index("--model") + 1] == gpu._embedded_gguf()
+    assert argv[argv.index("--out") + 1] == str(tmp_path / "diag_norm_gemm_batch_rule.json")

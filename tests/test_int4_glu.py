@@ -15,7 +15,7 @@ import fastdecode.ops.activation as A
 import fastdecode.ops.int4 as I
 from fastdecode.ops.activation import silu_and_mul
 from fastdecode.ops.int4_norm_linear import int4_add_linear_, int4_add_linear_ref
-from helpers import poison_, random_int4, strided_rows, ulp
+from helpers import load_script, poison_, random_int4, strided_rows, ulp
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -216,3 +216,37 @@ def test_the_step_asks_each_projections_own_op_at_the_batchs_rows(monkeypatch):
 
         monkeypatch.setattr(I, "get_int4_config", mma_for)
         assert NG.applies(m, 1) and not NG.applies(m, 4), op
+
+
+def test_the_batch_rule_diagnosis_swaps_the_rule_and_restores_it(monkeypatch):
+    """``benchmarks/diag_norm_gemm_batch_rule.py`` times the rule as shipped against the rule before session 34 (the
+    tile at one token, w2 asked as ``int4_add_linear``): with a dot tile for w13 at 8 rows, the shipped rule keeps
+    the unfused step at 8 rows and the old one the fused step; the shipped function is back afterwards."""
+    from pathlib import Path
+
+    import fastdecode.models.norm_gemm as NG
+
+    diag = load_script(Path(__file__).resolve().parents[1] / "benchmarks" / "diag_norm_gemm_batch_rule.py",
+                       "diag_norm_gemm_batch_rule")
+    cfg, m = _tiny_int4_model()
+    real = I.get_int4_config
+    asked = []
+
+    def dot_at_8(M, N, K, group_size, device=None, **kw):
+        asked.append((M, kw["op"]))
+        impl, c = real(M, N, K, group_size, device, **kw)
+        return (impl, dict(c, kind="dot")) if M == 8 and N == 2 * cfg.intermediate_size else (impl, c)
+
+    monkeypatch.setattr(I, "get_int4_config", dot_at_8)
+    shipped = NG._supported
+    assert NG.applies(m, 1) and not NG.applies(m, 8)
+    with diag.batch_rule("one-token"):
+        asked.clear()
+        assert NG._supported is not shipped and NG.applies(m, 8)
+        assert {M for M, _ in asked} == {1} and "int4_add_linear_glu" not in {op for _, op in asked}
+    assert NG._supported is shipped and not NG.applies(m, 8)
+    with diag.batch_rule("rows"):
+        assert NG._supported is shipped
+    with pytest.raises(ValueError, match="rule must be one of"):
+        with diag.batch_rule("nope"):
+            pass
