@@ -2,6 +2,8 @@
 
 Times each candidate as CUDA-graph replays with rotated inputs; prints one line per config.
 Run: PYTHONPATH=src python benchmarks/sweep_norm_configs.py [--out rows.json]
+     PYTHONPATH=src python benchmarks/sweep_norm_configs.py --silu-ms 256,1024 [--silu-is 14336,28672]: SiLU-and-mul
+     only, each shape beside torch.compile (issue 18: >= 3.8 TB/s from M = 256 up, never slower than torch.compile)
 """
 
 import argparse
@@ -34,12 +36,12 @@ def sweep_norm(rows, M, H, mode):
         print(rows[-1]["shape"], rows[-1]["median_us"], rows[-1]["tbps"], flush=True)
 
 
-def sweep_silu(rows, M, I, mode):
+def sweep_silu(rows, M, I, mode, compile_baseline=False):
     nb = M * I * 4 + M * I * (2 if mode == OUT_NATIVE else 1)
     sets = [torch.randn(M, 2 * I, device="cuda", dtype=torch.bfloat16) for _ in range(rotation_count(nb))]
     out = torch.empty(M, I, device="cuda", dtype=torch.bfloat16 if mode == OUT_NATIVE else torch.float8_e4m3fn)
     scale = torch.empty(M, 1, device="cuda")
-    blocks = [1024, 2048, 4096] if mode == OUT_NATIVE else [triton_np2(I)]
+    blocks = [512, 1024, 2048, 4096, 8192] if mode == OUT_NATIVE else [triton_np2(I)]
     for block, warps in itertools.product(blocks, [2, 4, 8, 16, 32]):
         if (mode == OUT_NATIVE and warps * 32 * 2 > block) or (mode != OUT_NATIVE and warps < 8):
             continue
@@ -48,6 +50,12 @@ def sweep_silu(rows, M, I, mode):
         t = time_cuda(calls, graph=True)
         rows.append(make_row("sweep_silu_and_mul", f"mode{mode}", {"M": M, "I": I, **cfg}, t, bytes_moved=nb))
         print(rows[-1]["shape"], rows[-1]["median_us"], rows[-1]["tbps"], flush=True)
+    if compile_baseline and mode == OUT_NATIVE:  # the issue's bar: never slower than torch.compile
+        ref = torch.compile(lambda x: torch.nn.functional.silu(x[:, :I]) * x[:, I:])
+        calls = [lambda x=x: ref(x) for x in sets]
+        t = time_cuda(calls, graph=True)
+        rows.append(make_row("sweep_silu_and_mul", "torch_compile", {"M": M, "I": I}, t, bytes_moved=nb))
+        print(rows[-1]["shape"], "torch.compile", rows[-1]["median_us"], rows[-1]["tbps"], flush=True)
 
 
 def triton_np2(n):
@@ -57,8 +65,19 @@ def triton_np2(n):
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--out")
+    p.add_argument("--silu-ms", default=None,
+                   help="only SiLU-and-mul (native output) at these comma-separated M, beside torch.compile")
+    p.add_argument("--silu-is", default="14336", help="with --silu-ms: comma-separated intermediate sizes")
     a = p.parse_args()
     rows = []
+    if a.silu_ms:
+        for M in (int(m) for m in a.silu_ms.split(",")):
+            for I in (int(i) for i in a.silu_is.split(",")):
+                sweep_silu(rows, M, I, OUT_NATIVE, compile_baseline=True)
+                torch.cuda.empty_cache()
+        if a.out:
+            write_rows(rows, a.out)
+        raise SystemExit(0)
     for M in (1, 16, 4096, 32768):
         for H in (4096, 8192):
             sweep_norm(rows, M, H, OUT_NATIVE)
