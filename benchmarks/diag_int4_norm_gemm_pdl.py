@@ -18,7 +18,6 @@ the unfused step in the same process) and ``bench decode --profile`` rows (per-k
 from __future__ import annotations
 
 import argparse
-import json
 from contextlib import contextmanager
 
 
@@ -43,6 +42,7 @@ def int4_norm_gemm(mode: str):
 
 def main(argv=None) -> int:
     from fastdecode.bench.decode import bench_decode
+    from fastdecode.bench.harness import write_rows
     from fastdecode.bench.profile import profile_decode
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -64,8 +64,7 @@ def main(argv=None) -> int:
         if "median_us" in r:
             print(f"{r['diag_mode']:>10} {r['impl']:<32} {r['median_us']:9.1f} us")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_rows(rows, a.out)
     return 0
 
 

@@ -13,7 +13,6 @@ two tensor-core tiles (the ops' fallback). This times both rules and the unfused
 from __future__ import annotations
 
 import argparse
-import json
 from contextlib import contextmanager
 
 RULES = ("rows", "one-token")
@@ -38,7 +37,7 @@ def batch_rule(rule: str):
 
 def main(argv=None) -> int:
     from fastdecode.bench.decode import bench_decode
-    from fastdecode.models import norm_gemm  # noqa: F401  (imported before the rule swaps its function)
+    from fastdecode.bench.harness import write_rows
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a checkpoint (the embedded GGUF) or a preset")
@@ -58,8 +57,7 @@ def main(argv=None) -> int:
         if "median_us" in r:
             print(f"batch {r['shape']['batch']:>2} {r['diag_rule']:>9} {r['impl']:<30} {r['median_us']:9.2f} us")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_rows(rows, a.out)
     return 0
 
 
