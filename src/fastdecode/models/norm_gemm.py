@@ -95,7 +95,7 @@ def _supported(proj, dtype, batch: int, op: str) -> bool:
         return True
     if _fp8(proj):
         # W8A16 (fp8_a16) for these rows; a W8A8 w13 keeps its norm kernel (FP8 output), the residual add moves
-        return dtype in W8A16_X_DTYPES and (_a16(proj, batch) or op == "int4_rms_norm_linear")
+        return dtype in W8A16_X_DTYPES and (_a16(proj, batch) or op == _NORM_OP)
     if not (isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES) or proj.act_int8:
         return False  # W4A8 (int4_a8) quantises its activation: the W4A16 norm ops do not apply
     # the tile the op's dispatch gives these rows (its own table section, else the plain GEMV's entry)
@@ -104,11 +104,14 @@ def _supported(proj, dtype, batch: int, op: str) -> bool:
     return impl == "triton" and cfg["kind"] == "fma"  # the kind where the fused norm pays (module docstring)
 
 
+_NORM_OP = "int4_rms_norm_linear"  # the op of a projection after a norm (wqkv, w13)
+
+
 def _ops(model, layer) -> tuple:
-    """The int4 op each of the block's projections (wqkv, wo, w13, w2) runs as on this path (``decode``)."""
-    glu = layer.feed_forward.fuse_down and layer.feed_forward.fused and _int4_glu(model, layer.feed_forward.w2)
-    return ("int4_rms_norm_linear", "int4_add_linear", "int4_rms_norm_linear",
-            "int4_add_linear_glu" if glu else "int4_add_linear")
+    """The int4 op each of the block's projections (wqkv, wo, w13, w2) runs as on this path (``decode``); for the
+    other weights the names say only where the projection sits (after a norm, or adding into the residual)."""
+    glu = _w2_glu(model, layer.feed_forward)
+    return _NORM_OP, "int4_add_linear", _NORM_OP, "int4_add_linear_glu" if glu else "int4_add_linear"
 
 
 def _a16(proj, batch: int) -> bool:
@@ -192,6 +195,11 @@ def _int4_glu(model, w2) -> bool:
     return model.kernels["int4_glu"] and w2.in_features <= INT4_GLU_MAX_K
 
 
+def _w2_glu(model, f) -> bool:
+    """Whether the feed-forward ``f``'s w2 takes SiLU-and-mul in its loads on this path (``decode``)."""
+    return f.fuse_down and f.fused and (_dense(f.w2) or _fp8(f.w2) or _int4_glu(model, f.w2))
+
+
 def _add_linear(h, x, proj, be, glu: bool = False) -> None:
     """h += proj(x) in place (``glu``: x is ``[gate | up]``; an int4 projection only with ``int4_glu``)."""
     if _dense(proj):
@@ -225,7 +233,7 @@ def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens
         o = a.attend(qkv, model.rope, cache.k[i], cache.v[i], input_pos, seq_lens, be)
         _add_linear(h, o, wo, be)
         gu = _norm_linear(h, layer.ffn_norm, w13, be)
-        if f.fuse_down and f.fused and (_dense(w2) or _fp8(w2) or _int4_glu(model, w2)):  # in w2's loads
+        if _w2_glu(model, f):  # SiLU-and-mul in w2's loads
             _add_linear(h, gu, w2, be, glu=True)
         else:
             _add_linear(h, silu_and_mul(gu, backend=be) if f.fused else silu_and_mul_ref(gu), w2, be)
