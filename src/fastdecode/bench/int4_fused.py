@@ -72,6 +72,14 @@ def parse_shapes(spec: str) -> list[str]:
     return out
 
 
+def parse_ms(spec: str) -> list[int]:
+    """Comma-separated token counts, each from 1 to ``MAX_M`` (the fma kind's tiles)."""
+    ms = [int(m) for m in spec.split(",")]
+    if not all(1 <= m <= MAX_M for m in ms):
+        raise ValueError(f"--ms: token counts from 1 to {MAX_M}, got {spec!r}")
+    return ms
+
+
 def make_weight(N: int, K: int, group: int, fmt: str, device, generator: Optional[torch.Generator] = None):
     """A random packed int4 weight of format ``fmt`` ("min": GGUF Q4_1's codes, fp16 scales and mins; "zero": the
     engine's RTN with zero points) on ``device``."""
@@ -126,19 +134,15 @@ class FusedOperands:
 
         inside = cfg.get("kind") == "fma"
         if self.op == "int4_rms_norm_linear":
-            if inside:
-                return [lambda i=i: int4_linear_with_config(self.x[i], self.w[i], None, self.out, cfg, warmup=warmup,
-                                                            norm_weight=self.norm_weight, eps=EPS, x_norm=True)
-                        for i in range(len(self.w))]
-            return [lambda i=i: int4_linear_with_config(rms_norm(self.x[i], self.norm_weight, EPS, backend="triton"),
-                                                        self.w[i], None, self.out, cfg, warmup=warmup)
-                    for i in range(len(self.w))]
-        if self.glu and not inside:
-            return [lambda i=i: int4_linear_with_config(silu_and_mul(self.x[i], backend="triton"), self.w[i], None,
-                                                        self.res[i], cfg, warmup=warmup, accumulate=True)
-                    for i in range(len(self.w))]
-        return [lambda i=i: int4_linear_with_config(self.x[i], self.w[i], None, self.res[i], cfg, warmup=warmup,
-                                                    accumulate=True, glu=self.glu) for i in range(len(self.w))]
+            outs = [self.out] * len(self.w)
+            pre = None if inside else (lambda x: rms_norm(x, self.norm_weight, EPS, backend="triton"))
+            kw = dict(norm_weight=self.norm_weight, eps=EPS, x_norm=True) if inside else {}
+        else:
+            outs = self.res
+            pre = None if inside or not self.glu else (lambda x: silu_and_mul(x, backend="triton"))
+            kw = dict(accumulate=True, glu=self.glu and inside)
+        return [lambda i=i: int4_linear_with_config(pre(self.x[i]) if pre else self.x[i], self.w[i], None, outs[i],
+                                                    cfg, warmup=warmup, **kw) for i in range(len(self.w))]
 
     def check(self, cfg: dict) -> Optional[str]:
         """One call on a poisoned output (the add ops: the residual restored first); None when it matches the
@@ -257,7 +261,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         shapes = parse_shapes(a.shapes)
-        ms = [int(m) for m in a.ms.split(",")]
+        ms = parse_ms(a.ms)
     except ValueError as e:
         p.error(str(e))
     if not torch.cuda.is_available():

@@ -85,9 +85,7 @@ def cmd_tune(args) -> int:
 
         try:
             shapes = bf.parse_shapes(args.shapes or "smollm2")
-            ms = [int(m) for m in (args.ms or "1").split(",")]
-            if not all(1 <= m <= bf.MAX_M for m in ms):
-                raise ValueError(f"--ms: token counts from 1 to {bf.MAX_M}, got {args.ms!r}")
+            ms = bf.parse_ms(args.ms or "1")
         except ValueError as e:
             return fail(f"tune int4-fused: {e}")
     if no_gpu(f"tune {args.what}"):
