@@ -2,6 +2,7 @@
 
     python benchmarks/diag_int4_gemv.py --out DIR/diag_int4_gemv.json            # the timing sweep
     ncu --profile-from-start off ... python benchmarks/diag_int4_gemv.py --ncu   # one launch of each case
+    python benchmarks/diag_int4_gemv.py --ablate --out DIR/ablate_int4_mma.json  # the mma kind's ablations, M = 1
 
 Timing rows (graph replays of 20 calls, rotated weights, median of 30; ``harness.time_cuda``), W4A16 group 128
 in the engine's zero mode (``bench.int4.ZERO_MODE``, ``--zero-mode``), bf16, on 8B / 70B-TP2 projection shapes
@@ -170,6 +171,56 @@ def sweep(out_path: Path | None, shapes, ms, few: bool = False, zero_mode: str =
     return rows
 
 
+ABLATIONS = {0: "the kernel", 1: "no conversion", 2: "no mma", 3: "no conversion, no mma"}
+
+
+def ablation_configs(N: int, K: int, cfg: dict) -> list[tuple[str, dict]]:
+    """(name, config) of the mma kind's ablations (``kernels.int4_mma``'s ABLATE) on the table's mma config, or on the
+    gate_up table's tile (64 rows, 4 warps, 3 stages, MASK_X) with split 4 below 64 M weights, split 1 above."""
+    if cfg.get("kind") != "mma":
+        cfg = {"kind": "mma", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4 if N * K < 2 ** 26 else 1,
+               "num_warps": 4, "num_stages": 3, "MASK_X": True}
+    return [(f"ablate {a}: {what}", {**cfg, "_ABLATE": a}) for a, what in ABLATIONS.items()]
+
+
+def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[dict]:
+    """Where the mma kind's time goes at one token: the kernel against itself without the nibble conversion, without
+    the MMAs (and their waits, fences and x loads), and without both, beside the probe (the words streamed, XOR-ed),
+    the copy rate and the table's own choice. An ablation's outputs are not the product: only ``ablate 0`` is
+    checked."""
+    rows = []
+    for sname, (N, K) in shapes.items():
+        ops = _Operands(N, K, 128, 1, zero_mode)
+        shape = {"name": sname, "M": 1, "N": N, "K": K, "group": 128}
+        nbytes = ops.bytes_int4(1)
+        impl, cfg = get_int4_config(1, N, K, 128, torch.device("cuda"))
+        err = _ok(ops, 1, "dispatch")
+        t = time_cuda(ops.calls(1, "dispatch"), graph=True)
+        rows.append(make_row("int4_gemv_ablate", "dispatch", shape, t, bytes_moved=nbytes, config=cfg,
+                             **({"error": err} if err else {})))
+        t = time_cuda(copy_calls(ops), graph=True)
+        rows.append(make_row("int4_gemv_ablate", "copy", shape, t, bytes_moved=2 * ops.packed[0].qweight.nbytes))
+        for name, pc in PROBES[:4]:
+            t = time_cuda(probe_calls(ops, pc), graph=True)
+            rows.append(make_row("int4_gemv_ablate", name, shape, t, bytes_moved=nbytes, config=pc))
+        for name, c in ablation_configs(N, K, cfg):
+            extra = {"ablate": c["_ABLATE"]}
+            if c["_ABLATE"] == 0:
+                err = _ok(ops, 1, "triton", c)
+                if err:
+                    extra["error"] = err
+            t = time_cuda(ops.calls(1, "triton", c), graph=True)
+            rows.append(make_row("int4_gemv_ablate", name, shape, t, bytes_moved=nbytes, config=c, **extra))
+        print_table([r for r in rows if r["shape"] == shape], ("impl", "median_us", "tbps"))
+        del ops
+        torch.cuda.empty_cache()
+        for r in rows:
+            r.setdefault("zero_mode", zero_mode)
+        if out_path:
+            write_rows(rows, out_path)
+    return rows
+
+
 def ncu_cases():
     """One launch of each case between cudaProfilerStart / Stop (run under ``ncu --profile-from-start off``)."""
     cases = [("8b.qkv", 1, None), ("8b.gate_up", 1, None), ("8b.gate_up", 16, None), ("8b.down", 1, None),
@@ -206,12 +257,17 @@ def main(argv=None) -> int:
     p.add_argument("--ms", default=",".join(map(str, MS)))
     p.add_argument("--few", action="store_true", help="two probes and a few mma variants only (mma_variants)")
     p.add_argument("--zero-mode", default=ZERO_MODE, choices=ZERO_MODES, help="the weights' zero mode")
+    p.add_argument("--ablate", action="store_true",
+                   help="M = 1 only: the mma kind without its conversion and / or its MMAs (ablate)")
     a = p.parse_args(argv)
     with torch.no_grad():
         if a.ncu:
             ncu_cases()
             return 0
         shapes = {s: SHAPES[s] for s in a.shapes.split(",")}
+        if a.ablate:
+            ablate(Path(a.out) if a.out else None, shapes, a.zero_mode)
+            return 0
         sweep(Path(a.out) if a.out else None, shapes, tuple(int(m) for m in a.ms.split(",")), a.few, a.zero_mode)
     return 0
 

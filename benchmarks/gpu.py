@@ -63,7 +63,8 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               8B int4 step instead (``decode_8b_int4_tables_<i>.json``).
 * ``int4-diag`` ``benchmarks/diag_int4_gemv.py``: the int4 GEMV at decode sizes against its access pattern's ceiling
               (a kernel that only streams the packed words), the copy rate, mma variants, cuBLAS BF16 and tinygemm;
-              then, where ``ncu`` is installed, one launch of each of a few cases under it (``ncu_int4.txt``).
+              then, where ``ncu`` is installed, one launch of each of a few cases under it (``ncu_int4.txt``);
+              ``--diag-ablate``: the mma kind at M = 1 without its conversion and / or its MMAs instead of the sweep.
 * ``int4-a8`` ``benchmarks/sweep_int4_a8.py``: W4A8 with int8 activations (``ops.int4_a8``, the dp4a GEMV and the
               activation's quantisation) against the W4A16 table, the stream-only probe, cuBLAS BF16 and tinygemm,
               8B shapes and head, M = 1, 2, 4, with a config sweep of the GEMV; the best configs into a copy of
@@ -649,6 +650,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode-impls", nargs="+", default=None,
                    help="decode: these rows instead of each format's list (e.g. peer-compile fastdecode-graph)")
     p.add_argument("--diag-few", action="store_true", help="int4-diag: two probes and a few mma variants only")
+    p.add_argument("--diag-ablate", action="store_true",
+                   help="int4-diag: the mma kind's ablations at M = 1 instead of the sweep (its --ablate)")
     p.add_argument("--diag-shapes", default=None, help="int4-diag: comma-separated shape names (default all)")
     p.add_argument("--diag-ms", default=None, help="int4-diag: comma-separated token counts (default 1,4,16)")
     p.add_argument("--no-ncu", action="store_true", help="int4-diag: without its ncu step")
@@ -738,8 +741,8 @@ def main(argv=None) -> int:
                 if table.is_file() and not dst.exists():
                     shutil.copy(table, dst)
         int4_ms = [int(m) for m in a.tune_int4_ms.split(",")] if a.tune_int4_ms else None
-        diag_args = (["--few"] if a.diag_few else []) + (["--shapes", a.diag_shapes] if a.diag_shapes else []) \
-            + (["--ms", a.diag_ms] if a.diag_ms else [])
+        diag_args = (["--few"] if a.diag_few else []) + (["--ablate"] if a.diag_ablate else []) \
+            + (["--shapes", a.diag_shapes] if a.diag_shapes else []) + (["--ms", a.diag_ms] if a.diag_ms else [])
         steps = suite_commands(s, out, n_gpu, a.formats, a.tune_dtypes, gpu, int4_ms, not a.tune_int4_no_fp8,
                                a.tune_int4_small_m_dot, a.tune_shapes, a.tune_int4_groups, a.tune_int4_kinds,
                                diag_args, not a.no_ncu, a.decode_impls, a.step_sweep, a.step_rounds,

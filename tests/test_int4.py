@@ -718,6 +718,38 @@ def test_mma_kind_masked_padding_tokens_and_two_tiles_a_step(mask, tiles, split)
         assert_close(out, I.int4_linear_ref(x, w))
 
 
+def test_a_table_entry_with_a_diagnostic_key_is_refused(tmp_path):
+    """``_ABLATE`` (``kernels.int4_mma``'s ablations: outputs that are not the product) is a benchmark's explicit
+    key; a table that holds it is refused by name, not run."""
+    cfg = dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=3, _ABLATE=1)
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"gpu": "NVIDIA test", "int4_linear": {"64,256,128": {"1": {"impl": "triton",
+                                                                                        "config": cfg}}}}))
+    I.clear_config_cache()
+    try:
+        with pytest.raises(ValueError, match="diagnostic key.*_ABLATE"):
+            I.get_int4_config(1, 64, 256, 128, path=str(p))
+    finally:
+        I.clear_config_cache()
+
+
+def test_mma_ablations_run_and_ablate_0_is_the_kernel():
+    """The diagnostic ablations (``benchmarks/diag_int4_gemv.py --ablate``) launch; ``_ABLATE`` 0 is the kernel
+    itself, and without the MMAs (2) the outputs are no longer the product (0 here: the ablation's sink times 0)."""
+    N, K, M = 70, 512, 1
+    w = _packed("zero", N, K, 128)
+    x = _x(M, K)
+    cfg = dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, MASK_X=True)
+    ref = I.int4_linear_ref(x, w)
+    outs = {}
+    for a in (0, 2):
+        out = poison_(torch.empty(M, N, dtype=torch.float16))
+        I.int4_linear_with_config(x, w, None, out, {**cfg, "_ABLATE": a})
+        outs[a] = out
+    assert_close(outs[0], ref)
+    assert torch.equal(outs[2], torch.zeros_like(outs[2]))
+
+
 def test_tuner_proposes_mma_tiles_for_few_tokens_only():
     from fastdecode.bench.int4 import candidates
 
@@ -751,7 +783,7 @@ sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*" + xt, "z_ptr": "*" + zt
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, SPG=4, EVEN_K=True, ASM=True, USE_PDL=True,
               L2_PREFETCH=True, X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048, NORM_RM=1,
               ACCUMULATE=cfg.get("XN", False), MASK_X=cfg.get("MASK_X", False), TILES=cfg.get("TILES", 1),
-              CVT1=cfg.get("CVT1", False), BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True,
+              CVT1=cfg.get("CVT1", False), ABLATE=0, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True,
               L2_SLAB=cfg.get("SLAB", 0), PF_LANES=32 * cfg.get("num_warps", 4))
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K", "G", "KW",

@@ -76,6 +76,10 @@ def _asm(mode: str, ty: str) -> str:
     return body.replace("NEG_MAGIC", neg).replace("MAGIC", magic).replace("ONE", one)
 
 
+# ABLATE 1 (a diagnostic, never a result): the two words' prmt-ed halves as the eight operands, no conversion
+_ASM_RAW: tl.constexpr = tl.constexpr(
+    (_HEAD + "".join(f"mov.b32 ${p}, {'a' if p < 4 else 'b'};\n" for p in range(8)) + "}\n")
+    .replace("NEG_MAGIC", "0xc300c300").replace("ONE", "0x3f803f80"))
 _ASM_ZERO_BF16: tl.constexpr = tl.constexpr(_asm("zero", "bf16x2"))
 _ASM_ZERO_F16: tl.constexpr = tl.constexpr(_asm("zero", "f16x2"))
 _ASM_MIN_BF16: tl.constexpr = tl.constexpr(_asm("min", "bf16x2"))
@@ -208,7 +212,7 @@ def _wide(v, BLOCK_N: tl.constexpr, W_DTYPE: tl.constexpr):
 
 @triton.jit
 def _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, SPG: tl.constexpr,
-             ASM: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+             ASM: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, RAW: tl.constexpr = False):
     """The eight shifts of ``qw [BLOCK_N, 32]`` as W_DTYPE MMA operands: ``q - zero`` (exact) for "sym" /
     "zero", ``q * scale + min`` (one rounding) for "min". Also returns the scales of the tile's groups (fp32,
     up to 8 of them; unused ones repeat) for the per-group fold of "sym" / "zero"."""
@@ -237,7 +241,18 @@ def _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.con
     ps4, ps5, ps6, ps7 = gs[4 // SPG], gs[5 // SPG], gs[6 // SPG], gs[7 // SPG]
     pz0, pz1, pz2, pz3 = gz[0 // SPG], gz[1 // SPG], gz[2 // SPG], gz[3 // SPG]
     pz4, pz5, pz6, pz7 = gz[4 // SPG], gz[5 // SPG], gz[6 // SPG], gz[7 // SPG]
-    if ASM:
+    if ASM and RAW:  # ABLATE: the words as operands (the zero operands passed and unused)
+        if W_DTYPE == tl.bfloat16:
+            tys: tl.constexpr = _BF16X8
+        else:
+            tys: tl.constexpr = _F16X8
+        ws = tl.inline_asm_elementwise(
+            _ASM_RAW, _CONS_ZERO,
+            [qw, _wide(pz0, BLOCK_N, W_DTYPE), _wide(pz1, BLOCK_N, W_DTYPE), _wide(pz2, BLOCK_N, W_DTYPE),
+             _wide(pz3, BLOCK_N, W_DTYPE), _wide(pz4, BLOCK_N, W_DTYPE), _wide(pz5, BLOCK_N, W_DTYPE),
+             _wide(pz6, BLOCK_N, W_DTYPE), _wide(pz7, BLOCK_N, W_DTYPE)],
+            dtype=tys, is_pure=True, pack=2)
+    elif ASM:
         if ZERO_MODE == 2:
             if W_DTYPE == tl.bfloat16:
                 asm: tl.constexpr = _ASM_MIN_BF16
@@ -283,7 +298,7 @@ def _int4_mma_kernel(
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPG: tl.constexpr,
     EVEN_K: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, L2_PREFETCH: tl.constexpr,
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
-    ACCUMULATE: tl.constexpr, MASK_X: tl.constexpr, TILES: tl.constexpr, CVT1: tl.constexpr,
+    ACCUMULATE: tl.constexpr, MASK_X: tl.constexpr, TILES: tl.constexpr, CVT1: tl.constexpr, ABLATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles); a K step is one 256-column layout tile (32 words a row). KW is the
@@ -300,7 +315,11 @@ def _int4_mma_kernel(
 
     MASK_X: the padding tokens of the tile (rows >= M) are masked loads (zeros, no memory traffic) instead of
     copies of valid rows: at M = 1 the wrapped tile read x's row 16 times a step. TILES: layout tiles a loop step
-    (1 or 2; KW // 32 must then be a multiple of TILES per split, which ``launch_int4_mma`` checks)."""
+    (1 or 2; KW // 32 must then be a multiple of TILES per split, which ``launch_int4_mma`` checks).
+
+    ABLATE (a diagnostic: the outputs are not the product; ``benchmarks/diag_int4_gemv.py --ablate``): 0 the kernel;
+    1 no conversion (the words' halves go to the MMA as they are, inline PTX only); 2 no MMA (the converted
+    operands are XOR-ed into a register tile instead: no x loads, no wgmma, no scale fold); 3 both."""
     W_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -336,6 +355,8 @@ def _int4_mma_kernel(
     if X_NORM:  # whole rows' RMSNorm scale, after the wait (h is the previous kernel's output)
         rstd = _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M, NORM_NB, NORM_RM)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if ABLATE >= 2:
+        sink = tl.zeros((BLOCK_N, 32), dtype=tl.int16)
     if MASK_X:
         x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_w[None, :]
     else:
@@ -349,33 +370,39 @@ def _int4_mma_kernel(
                 gs = _tile_scales(s_ptr, rn, G, k0, GROUP, SPG)
                 zg = _tile_zeros(z_ptr, rn, G, k0, GROUP, SPG, ZERO_MODE, W_DTYPE, BLOCK_N)
             else:
-                ws, gs = _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, SPG, ASM, W_DTYPE, BLOCK_N)
+                ws, gs = _convert(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, SPG, ASM, W_DTYPE, BLOCK_N,
+                                  ABLATE % 2 == 1)
             for p in tl.static_range(8):
                 if CVT1:
                     wp = _shift_asm(h, zg[p // SPG], p, W_DTYPE)
                 else:
                     wp = ws[p]
-                xp = x_rows + (k0 + 32 * p)
-                if EVEN_K and MASK_X:
-                    xt = tl.load(xp, mask=m_valid[:, None], other=0.0)
-                elif EVEN_K:
-                    xt = tl.load(xp)
-                elif MASK_X:
-                    xt = tl.load(xp, mask=m_valid[:, None] & (k0 + 32 * p + offs_w < K)[None, :], other=0.0)
+                if ABLATE >= 2:  # no MMA: the operand XOR-ed into a register tile (kept live to the end)
+                    sink = sink ^ wp.to(tl.int16, bitcast=True)
                 else:
-                    xt = tl.load(xp, mask=(k0 + 32 * p + offs_w < K)[None, :], other=0.0)
-                if NORM_AFFINE:  # h * nw rounded to x's dtype
-                    cols = k0 + 32 * p + offs_w
-                    xt = _affine(xt, nw_ptr, cols[None, :], (cols < K)[None, :], W_DTYPE)
-                if ZERO_MODE == 2:  # the weight is already scaled
-                    acc = tl.dot(wp, tl.trans(xt), acc)
-                else:  # the exact integers q - zero; the group's scale once per partial
-                    if p % SPG == 0:
-                        part = tl.dot(wp, tl.trans(xt))
+                    xp = x_rows + (k0 + 32 * p)
+                    if EVEN_K and MASK_X:
+                        xt = tl.load(xp, mask=m_valid[:, None], other=0.0)
+                    elif EVEN_K:
+                        xt = tl.load(xp)
+                    elif MASK_X:
+                        xt = tl.load(xp, mask=m_valid[:, None] & (k0 + 32 * p + offs_w < K)[None, :], other=0.0)
                     else:
-                        part = tl.dot(wp, tl.trans(xt), part)
-                    if p % SPG == SPG - 1:
-                        acc += part * gs[p // SPG][:, None]
+                        xt = tl.load(xp, mask=(k0 + 32 * p + offs_w < K)[None, :], other=0.0)
+                    if NORM_AFFINE:  # h * nw rounded to x's dtype
+                        cols = k0 + 32 * p + offs_w
+                        xt = _affine(xt, nw_ptr, cols[None, :], (cols < K)[None, :], W_DTYPE)
+                    if ZERO_MODE == 2:  # the weight is already scaled
+                        acc = tl.dot(wp, tl.trans(xt), acc)
+                    else:  # the exact integers q - zero; the group's scale once per partial
+                        if p % SPG == 0:
+                            part = tl.dot(wp, tl.trans(xt))
+                        else:
+                            part = tl.dot(wp, tl.trans(xt), part)
+                        if p % SPG == SPG - 1:
+                            acc += part * gs[p // SPG][:, None]
+    if ABLATE >= 2:
+        acc += tl.sum(sink.to(tl.float32), axis=1)[:, None] * 0.0
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     if X_NORM:
         out = out * rstd[:, None]
@@ -435,7 +462,7 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
         X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
         NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), MASK_X=bool(config.get("MASK_X", False)), TILES=tiles,
-        CVT1=bool(config.get("CVT1", False)) and asm and zero_mode != "min",
+        CVT1=bool(config.get("CVT1", False)) and asm and zero_mode != "min", ABLATE=int(config.get("_ABLATE", 0)),
         BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1, L2_SLAB=slab_bytes(l2_slab, pdl, qweight),
         PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), **launch_kwargs(pdl),

@@ -167,6 +167,10 @@ def get_int4_config(M: int, N: int, K: int, group_size: int, device=None, *,
     if name == "cpu" and impl == "dequant":
         impl = "triton"
     cfg = dict(cfg)
+    diagnostic = [k for k in cfg if k.startswith("_")]
+    if diagnostic:  # e.g. kernels.int4_mma's _ABLATE: its outputs are not the product
+        raise ValueError(f"the int4 table's entry for {op} (M={M}, N={N}, K={K}, group {group_size}) holds the "
+                         f"diagnostic key(s) {diagnostic}, which benchmarks pass explicitly and a table never does")
     uniform = cfg["BLOCK_K"] == 256 or group_size % cfg["BLOCK_K"] == 0
     if op == "int4_linear_fp8" and cfg["kind"] == "dot" and not uniform:
         cfg["BLOCK_K"] = 256  # the FP8 dot scales each 32-column slice by one group's scale
