@@ -176,11 +176,14 @@ ABLATIONS = {0: "the kernel", 1: "no conversion", 2: "no mma", 3: "no conversion
 
 def ablation_configs(N: int, K: int, cfg: dict) -> list[tuple[str, dict]]:
     """(name, config) of the mma kind's ablations (``kernels.int4_mma``'s ABLATE) on the table's mma config, or on the
-    gate_up table's tile (64 rows, 4 warps, 3 stages, MASK_X) with split 4 below 64 M weights, split 1 above."""
+    gate_up table's tile (64 rows, 4 warps, 3 stages, MASK_X) with split 4 below 64 M weights, split 1 above; then the
+    same tile on 2 warps (``mma.sync``: no wgmma waits or fences) with and without its conversion."""
     if cfg.get("kind") != "mma":
         cfg = {"kind": "mma", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4 if N * K < 2 ** 26 else 1,
                "num_warps": 4, "num_stages": 3, "MASK_X": True}
-    return [(f"ablate {a}: {what}", {**cfg, "_ABLATE": a}) for a, what in ABLATIONS.items()]
+    out = [(f"ablate {a}: {what}", {**cfg, "_ABLATE": a}) for a, what in ABLATIONS.items()]
+    sync = {**cfg, "BLOCK_N": 64, "num_warps": 2}
+    return out + [(f"mma.sync 64x2w ablate {a}: {ABLATIONS[a]}", {**sync, "_ABLATE": a}) for a in (0, 1)]
 
 
 def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[dict]:
@@ -205,7 +208,7 @@ def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[di
             rows.append(make_row("int4_gemv_ablate", name, shape, t, bytes_moved=nbytes, config=pc))
         for name, c in ablation_configs(N, K, cfg):
             extra = {"ablate": c["_ABLATE"]}
-            if c["_ABLATE"] == 0:
+            if c["_ABLATE"] == 0:  # the kernel itself: checked
                 err = _ok(ops, 1, "triton", c)
                 if err:
                     extra["error"] = err
