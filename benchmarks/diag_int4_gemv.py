@@ -118,6 +118,15 @@ PROBES = [(f"probe bn{bn} bw{bw} s{st} sk{sk}", {"BLOCK_N": bn, "BW": bw, "SPLIT
           for bn, bw in ((64, 32), (128, 32), (16, 128), (32, 128)) for st in (1, 3) for sk in (1, 4)]
 
 
+def _flush(rows: list[dict], zero_mode: str, out_path: Path | None) -> None:
+    """After a shape: free its operands' cache, name the weights' zero mode in every row, write the rows so far."""
+    torch.cuda.empty_cache()
+    for r in rows:
+        r.setdefault("zero_mode", zero_mode)
+    if out_path:
+        write_rows(rows, out_path)
+
+
 def sweep(out_path: Path | None, shapes, ms, few: bool = False, zero_mode: str = ZERO_MODE) -> list[dict]:
     rows = []
     for sname, (N, K) in shapes.items():
@@ -163,11 +172,7 @@ def sweep(out_path: Path | None, shapes, ms, few: bool = False, zero_mode: str =
                                   and r["median_us"]], key=lambda r: r["median_us"])[:2],
                         ("impl", "median_us", "tbps", "variant"))
         del ops
-        torch.cuda.empty_cache()
-        for r in rows:
-            r.setdefault("zero_mode", zero_mode)
-        if out_path:
-            write_rows(rows, out_path)
+        _flush(rows, zero_mode, out_path)
     return rows
 
 
@@ -216,11 +221,7 @@ def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[di
             rows.append(make_row("int4_gemv_ablate", name, shape, t, bytes_moved=nbytes, config=c, **extra))
         print_table([r for r in rows if r["shape"] == shape], ("impl", "median_us", "tbps"))
         del ops
-        torch.cuda.empty_cache()
-        for r in rows:
-            r.setdefault("zero_mode", zero_mode)
-        if out_path:
-            write_rows(rows, out_path)
+        _flush(rows, zero_mode, out_path)
     return rows
 
 
