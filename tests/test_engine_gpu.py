@@ -97,13 +97,16 @@ def test_int4_norm_gemm_graph_decode_matches_the_unfused_step():
     33 (FMA everywhere: the 8B model fused there); it now reads the H200's table (``ops._common.table_path``)."""
     from fastdecode.models import norm_gemm
     from fastdecode.models.quantize import quantize_model_int4
-    from fastdecode.ops.int4 import get_int4_config
+    from fastdecode.ops.int4 import fused_entry_is_own, get_int4_config
 
     m8 = quantize_model_int4(_llama8b("triton", layers=1))
-    ops = ("int4_rms_norm_linear", "int4_add_linear", "int4_rms_norm_linear", "int4_add_linear")  # wqkv wo w13 w2
-    picks = [get_int4_config(1, p.out_features, p.in_features, p.group_size, p.qweight.device, op=op)
-             for p, op in zip(norm_gemm._projections(m8.layers[0]), ops)]
-    assert norm_gemm.applies(m8) == all(impl == "triton" and cfg["kind"] == "fma" for impl, cfg in picks), picks
+    shapes = [((1, p.out_features, p.in_features, p.group_size, p.qweight.device), op)
+              for p, op in zip(norm_gemm._projections(m8.layers[0]), norm_gemm._ops(m8, m8.layers[0]))]
+    picks = [get_int4_config(*shape, op=op) for shape, op in shapes]
+    # and, where the table holds the shape, a tile timed as the fused op (its own section's entry; session 35)
+    own = [fused_entry_is_own(*shape, op=op) is not False for shape, op in shapes]
+    assert norm_gemm.applies(m8) == (all(impl == "triton" and cfg["kind"] == "fma" for impl, cfg in picks)
+                                     and all(own)), (picks, own)
     cfg = ModelConfig.from_preset("smollm2-135m").replace(n_layers=LAYERS)
     model = random_model(cfg, device=DEV, dtype=torch.bfloat16, backend="triton", max_seq_len=512,
                          seed=int(torch.randint(0, 2**31, ())))
@@ -111,6 +114,7 @@ def test_int4_norm_gemm_graph_decode_matches_the_unfused_step():
         for n in (layer.attention_norm, layer.ffn_norm):
             n.weight.copy_(1 + 0.2 * torch.randn_like(n.weight, dtype=torch.float32))
     quantize_model_int4(model, group_size=32)
+    # the H200's table holds these shapes with fused sections at one token only: bucket 4 runs the unfused step
     assert norm_gemm.applies(model)
     _graph_steps_against_the_unfused_eager_step(model, _assert_logits_close)
 

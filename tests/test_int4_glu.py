@@ -218,6 +218,52 @@ def test_the_step_asks_each_projections_own_op_at_the_batchs_rows(monkeypatch):
         assert NG.applies(m, 1) and not NG.applies(m, 4), op
 
 
+def test_the_step_fuses_only_on_the_fused_ops_own_entries(monkeypatch, tmp_path):
+    """Where the int4 table holds the projections' shapes, ``norm_gemm.applies(model, B)`` takes the fused step only
+    where each fused op's entry at B rows is its own section's (a tile timed as the fused op): with the fused
+    sections at one token only, 4 rows (whose nearest entry is the plain GEMV's M = 4 fma tile) keep the unfused
+    step (session 35, H100: 928.4 against 797.2 us on the embedded SmolLM2); with M = 4 entries in every fused
+    section, 4 rows fuse too. A shape the table does not hold keeps the heuristics' rule."""
+    import json
+
+    import fastdecode.models.norm_gemm as NG
+    from fastdecode.ops._common import gpu_key
+
+    cfg, m = _tiny_int4_model()
+    fma = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4,
+           "num_stages": 1}
+    plain, fused = {}, {op: {} for op in I.FUSED_OPS}
+    for layer in m.layers:
+        for p, op in zip(NG._projections(layer), NG._ops(m, layer)):
+            key = I.table_key(p.out_features, p.in_features, p.group_size)
+            plain[key] = {str(M): {"impl": "triton", "config": dict(fma, BLOCK_M=min(M, 4))} for M in (1, 2, 4, 8)}
+            fused[op][key] = {"1": {"impl": "triton", "config": fma}}
+    name = I.device_info(torch.device(DEV))[0]
+    path = tmp_path / f"int4_linear_{gpu_key(name)}.json"
+    monkeypatch.setenv("FASTDECODE_CONFIG_DIR", str(tmp_path))
+
+    def write(table):
+        path.write_text(json.dumps({"gpu": name, "int4_linear": plain, **table}))
+        I.clear_config_cache()
+
+    try:
+        write(fused)
+        assert NG.applies(m, 1) and not NG.applies(m, 4) and not NG.applies(m, 2)
+        assert I.fused_entry_is_own(4, cfg.dim, cfg.dim, m.layers[0].attention.wo.group_size, DEV,
+                                    op="int4_add_linear") is False
+        write({op: {k: {**e, "4": e["1"]} for k, e in sec.items()} for op, sec in fused.items()})
+        assert NG.applies(m, 1) and NG.applies(m, 4)
+        write({})  # the shapes in the plain section only: no tile was timed as a fused op
+        assert not NG.applies(m, 1)
+        path.unlink()
+        I.clear_config_cache()
+        assert NG.applies(m, 4)  # no table: the heuristics' fma tiles, as before
+        with pytest.raises(ValueError, match="op must be one of"):
+            I.fused_entry_is_own(1, 64, 64, 32, DEV, op="int4_linear")
+    finally:
+        I.clear_config_cache()
+
+
 def test_the_batch_rule_diagnosis_swaps_the_rule_and_restores_it(monkeypatch):
     """``benchmarks/diag_norm_gemm_batch_rule.py`` times the rule as shipped against the rule before session 34 (the
     tile at one token, w2 asked as ``int4_add_linear``): with a dot tile for w13 at 8 rows, the shipped rule keeps

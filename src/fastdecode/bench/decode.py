@@ -398,8 +398,9 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         elif impl in ("torch-compile",) + PEER_IMPLS and tp is not None:
             skip = "not with --tp"
         elif impl == "fastdecode-graph-no-norm_gemm" and not norm_gemm_applies:
-            skip = ("the default step has no norm_gemm here: bf16 / fp16, W4A16 on fma tiles at these rows, or "
-                    "(fp8_a16, up to 4 rows) W8A16 projections on one GPU (models.norm_gemm)")
+            skip = ("the default step has no norm_gemm here: bf16 / fp16, W4A16 on fma tiles at these rows (the "
+                    "fused ops' own table entries where the table holds the shapes), or (fp8_a16, up to 4 rows) W8A16 "
+                    "projections on one GPU (models.norm_gemm)")
         if skip:
             log(f"{impl}: skipped ({skip})")
             rows.append({"op": "decode", "impl": impl, "shape": shape, "skipped": skip, **env_info()})

@@ -38,6 +38,10 @@ against 2619.2 unfused. A model with any int4 projection on another kind keeps t
 projection runs as, at the step's rows: since session 34 w2 is asked as ``int4_add_linear_glu`` where it takes
 SiLU-and-mul in its loads, and the tile is the one for the batch's rows, no longer always one token's), and
 ``int4_rms_norm_linear`` itself runs the norm kernel first where its dispatch picks a tensor-core kind (larger M).
+Where the int4 table holds a projection's shape, the fused step also needs the fused op's own section entry at the
+step's rows (``ops.int4.fused_entry_is_own``: a tile timed as the fused op), not the plain GEMV's entry it falls
+back to: on the embedded SmolLM2 (fused sections at one token only) the fused step at 4 rows ran 928.4 us against
+797.2 unfused, at one token 586.5 against 668.4 (H100, the H200's tables, session 35).
 
 The norm weights are folded into wqkv / w13 (``fold``): ``W[n, k] <- W[n, k] * g[k]`` (fp32 product, one
 rounding) and ``g <- 1``, in place, so the model's parameters keep computing the same function on every path (the
@@ -88,7 +92,7 @@ def _supported(proj, dtype, batch: int, op: str) -> bool:
     """Whether the projection takes this path at ``batch`` rows, run as ``op`` (``_ops``: ``int4_rms_norm_linear``
     after a norm, wqkv and w13; ``int4_add_linear`` or, with SiLU-and-mul in its loads, ``int4_add_linear_glu``)."""
     from fastdecode.models.int4 import INT4_ACT_DTYPES, Int4Linear
-    from fastdecode.ops.int4 import get_int4_config
+    from fastdecode.ops.int4 import fused_entry_is_own, get_int4_config
     from fastdecode.ops.w8a16 import X_DTYPES as W8A16_X_DTYPES
 
     if _dense(proj):
@@ -99,9 +103,14 @@ def _supported(proj, dtype, batch: int, op: str) -> bool:
     if not (isinstance(proj, Int4Linear) and dtype in INT4_ACT_DTYPES) or proj.act_int8:
         return False  # W4A8 (int4_a8) quantises its activation: the W4A16 norm ops do not apply
     # the tile the op's dispatch gives these rows (its own table section, else the plain GEMV's entry)
-    impl, cfg = get_int4_config(batch, proj.out_features, proj.in_features, proj.group_size, proj.qweight.device,
-                                op=op)
-    return impl == "triton" and cfg["kind"] == "fma"  # the kind where the fused norm pays (module docstring)
+    shape = (batch, proj.out_features, proj.in_features, proj.group_size, proj.qweight.device)
+    impl, cfg = get_int4_config(*shape, op=op)
+    if not (impl == "triton" and cfg["kind"] == "fma"):  # the kind where the fused norm pays (module docstring)
+        return False
+    # where the table holds the shape, only a tile timed as the fused op at these rows: the plain GEMV's entry, run
+    # with the norm or SiLU-and-mul inside, made the embedded SmolLM2's step 131 us slower than the unfused one at
+    # 4 rows (H100, session 35: 928.4 against 797.2 us; its fused sections hold one token only)
+    return fused_entry_is_own(*shape, op=op) is not False
 
 
 _NORM_OP = "int4_rms_norm_linear"  # the op of a projection after a norm (wqkv, w13)

@@ -86,14 +86,19 @@ def device_info(device: Optional[torch.device]) -> tuple[str, int]:
     return _cuda_device_info(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def nearest_m(entries: Optional[dict], M: int) -> Optional[dict]:
-    """The entry of the tuned M nearest to M on a log2 scale (a tie: the smaller M); None when there are no
+def nearest_key(entries: Optional[dict], M: int) -> Optional[str]:
+    """The key of the tuned M nearest to M on a log2 scale (a tie: the smaller M); None when there are no
     entries or M is above the largest tuned M (the module docstring's rule: the op's large-M path then)."""
     ms = sorted(int(m) for m in entries or ())
     if not ms or M > ms[-1]:
         return None
-    best = min(ms, key=lambda m: (abs(math.log2(m) - math.log2(max(M, 1))), m))
-    return entries[str(best)]
+    return str(min(ms, key=lambda m: (abs(math.log2(m) - math.log2(max(M, 1))), m)))
+
+
+def nearest_m(entries: Optional[dict], M: int) -> Optional[dict]:
+    """The entry of :func:`nearest_key` (None where it is None)."""
+    key = nearest_key(entries, M)
+    return None if key is None else entries[key]
 
 
 # ----------------------------------------------------------------------------- split-K tile counters

@@ -36,7 +36,7 @@ from fastdecode.ops._common import (
     as_rows, cdiv, check_out, check_same_device, check_tensor, next_pow2, resolve_backend, warn_once,
 )
 from fastdecode.ops._tuned import (  # noqa: F401  (clear_config_cache, DEFAULT_NUM_SMS: this module's API too)
-    DEFAULT_NUM_SMS, clear_config_cache, device_info, load_table, lookup_cache, nearest_m,
+    DEFAULT_NUM_SMS, clear_config_cache, device_info, load_table, lookup_cache, nearest_key, nearest_m,
     split_k_workspace,
 )
 from fastdecode.ops.gemm import check_bias
@@ -152,6 +152,28 @@ def _lookup(gpu_name: str, num_sms: int, M: int, N: int, K: int, group_size: int
     if entry is None:  # above the largest tuned M: the large-M path (the rule of ops._tuned)
         return ("triton" if op == "int4_linear_fp8" else "dequant"), heuristic
     return entry["impl"], dict(entry.get("config") or heuristic)
+
+
+@lookup_cache
+def _own_entry(gpu_name: str, M: int, N: int, K: int, group_size: int, op: str) -> Optional[bool]:
+    table = load_table("int4_linear", gpu_name)
+    key = table_key(N, K, group_size)
+    plain = (table or {}).get("int4_linear", {}).get(key, {})
+    own = (table or {}).get(op, {}).get(key, {})
+    if not (plain or own):
+        return None  # no table, or no entry for the shape: the heuristics, never timed
+    return nearest_key({**plain, **own}, M) in own
+
+
+def fused_entry_is_own(M: int, N: int, K: int, group_size: int, device=None, *, op: str) -> Optional[bool]:
+    """For one of ``FUSED_OPS``: whether the entry its dispatch takes at M (``get_int4_config``) is the op's own
+    section's, i.e. a tile timed as the fused op at those rows, rather than the plain GEMV's (timed without the
+    norm, the add or SiLU-and-mul inside); None where the dispatch has no entry for the shape (no table, or the
+    shape not in it: the heuristics). ``models.norm_gemm`` fuses only on the fused ops' own entries."""
+    if op not in FUSED_OPS:
+        raise ValueError(f"op must be one of {FUSED_OPS}, got {op!r}")
+    name, _ = device_info(torch.device(device) if device is not None else None)
+    return _own_entry(name, int(M), int(N), int(K), int(group_size), op)
 
 
 def get_int4_config(M: int, N: int, K: int, group_size: int, device=None, *,
