@@ -24,6 +24,7 @@ against the fp32 reference before it is timed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -36,6 +37,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from fastdecode.bench.harness import make_row, print_table, time_cuda, write_rows  # noqa: E402
 from fastdecode.bench.int4 import ZERO_MODE, ZERO_MODES, _Operands, _ok  # noqa: E402
+from fastdecode.ops import pdl_override  # noqa: E402
 from fastdecode.ops.int4 import get_int4_config  # noqa: E402
 
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
@@ -194,8 +196,9 @@ def ablation_configs(N: int, K: int, cfg: dict) -> list[tuple[str, dict]]:
 def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[dict]:
     """Where the mma kind's time goes at one token: the kernel against itself without the nibble conversion, without
     the MMAs (and their waits, fences and x loads), and without both, beside the probe (the words streamed, XOR-ed),
-    the copy rate and the table's own choice. An ablation's outputs are not the product: only ``ablate 0`` is
-    checked."""
+    the copy rate and the table's own choice; the kernel and the skeleton (ablate 3) without PDL, as the probe runs;
+    the kernel on the scales and zeros stored group-major (PARAMS_T). An ablation's outputs are not the product:
+    only the kernel's rows are checked."""
     rows = []
     for sname, (N, K) in shapes.items():
         ops = _Operands(N, K, 128, 1, zero_mode)
@@ -219,6 +222,20 @@ def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[di
                     extra["error"] = err
             t = time_cuda(ops.calls(1, "triton", c), graph=True)
             rows.append(make_row("int4_gemv_ablate", name, shape, t, bytes_moved=nbytes, config=c, **extra))
+        base = ablation_configs(N, K, cfg)[0][1]
+        with pdl_override(False):  # the skeleton and the kernel as the probe runs: no PDL, no first-tile prefetch
+            for a in (0, 3):
+                t = time_cuda(ops.calls(1, "triton", {**base, "_ABLATE": a}), graph=True)
+                rows.append(make_row("int4_gemv_ablate", f"ablate {a} no pdl", shape, t, bytes_moved=nbytes,
+                                     config={**base, "_ABLATE": a}, ablate=a, pdl=False))
+        # the same weights with the scales and zeros stored group-major (kernels.int4_mma's PARAMS_T)
+        ops.packed = [dataclasses.replace(p, scales=p.scales.t().contiguous().t(),
+                                          zeros=None if p.zeros is None else p.zeros.t().contiguous().t())
+                      for p in ops.packed]
+        err = _ok(ops, 1, "triton", base)
+        t = time_cuda(ops.calls(1, "triton", base), graph=True)
+        rows.append(make_row("int4_gemv_ablate", "group-major scales and zeros", shape, t, bytes_moved=nbytes,
+                             config=base, ablate=0, params="group-major", **({"error": err} if err else {})))
         print_table([r for r in rows if r["shape"] == shape], ("impl", "median_us", "tbps"))
         del ops
         _flush(rows, zero_mode, out_path)

@@ -750,6 +750,45 @@ def test_mma_ablations_run_and_ablate_0_is_the_kernel():
     assert torch.equal(outs[2], torch.zeros_like(outs[2]))
 
 
+def _group_major(t):
+    """The same (N, G) values stored group-major: a (G, N) contiguous tensor seen as (N, G), strides (1, N)."""
+    return None if t is None else t.t().contiguous().t()
+
+
+@pytest.mark.parametrize("fmt,g,split", [("zero", 128, 1), ("zero", 64, 3), ("sym", 32, 2), ("min", 128, 1)])
+def test_mma_kind_reads_group_major_scales(fmt, g, split):
+    """The mma kind reads the scales and zeros / mins group-major (strides (1, N): PARAMS_T) as well as row-major,
+    the same outputs; a mixed pair or other strides are refused by name, and so are group-major ones on the kinds
+    that read them row-major (fma, dot, the dequant kernel)."""
+    import dataclasses
+
+    from fastdecode.kernels.int4_dequant import params_layout
+
+    N, K, M = 70, 1280, 3
+    w = _packed(fmt, N, K, g)
+    x = _x(M, K)
+    wt = dataclasses.replace(w, scales=_group_major(w.scales), zeros=_group_major(w.zeros),
+                             mins=_group_major(w.mins))
+    assert params_layout(wt.scales, wt.zeros if fmt == "zero" else wt.mins) and not params_layout(w.scales)
+    cfg = dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split, MASK_X=True)
+    if fmt == "min":  # scales of x's dtype, as mma_supported asks
+        x = x.to(w.scales.dtype)
+    outs = []
+    for weight in (w, wt):
+        out = poison_(torch.empty(M, N, dtype=x.dtype))
+        I.int4_linear_with_config(x, weight, None, out, cfg)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[0], I.int4_linear_ref(x, w))
+    with pytest.raises(ValueError, match="group-major ones: the mma kind only"):
+        I.int4_linear_with_config(x, wt, None, torch.empty(M, N, dtype=x.dtype), CONFIGS["fma_m1"])
+    if fmt == "zero":
+        with pytest.raises(ValueError, match="different layouts"):
+            params_layout(wt.scales, w.zeros)
+        with pytest.raises(ValueError, match="strides"):
+            params_layout(torch.empty(N, 2 * (K // g), dtype=torch.float16)[:, ::2])
+
+
 def test_tuner_proposes_mma_tiles_for_few_tokens_only():
     from fastdecode.bench.int4 import candidates
 
@@ -783,7 +822,7 @@ sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*" + xt, "z_ptr": "*" + zt
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, SPG=4, EVEN_K=True, ASM=True, USE_PDL=True,
               L2_PREFETCH=True, X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048, NORM_RM=1,
               ACCUMULATE=cfg.get("XN", False), MASK_X=cfg.get("MASK_X", False), TILES=cfg.get("TILES", 1),
-              CVT1=cfg.get("CVT1", False), ABLATE=0, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True,
+              CVT1=cfg.get("CVT1", False), ABLATE=0, PARAMS_T=False, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True,
               L2_SLAB=cfg.get("SLAB", 0), PF_LANES=32 * cfg.get("num_warps", 4))
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K", "G", "KW",

@@ -35,8 +35,7 @@ from fastdecode.kernels.gemm_norm import _affine, _norm_rows, _rows_rstd, norm_t
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import (
     _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _group_params8, _nibble_f32, _nibble_f32_asm, _pick8,
-    _slice_params, _uniform,
-    slices_per_group,
+    _slice_params, _uniform, params_layout, slices_per_group,
 )
 from fastdecode.kernels.int4_mma import launch_int4_mma
 from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
@@ -440,6 +439,9 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
                                asm=bool(config.get("asm", True)) and lop3_asm_ok(x), warmup=warmup, pdl=pdl,
                                norm_weight=norm_weight, eps=eps, x_norm=x_norm, accumulate=accumulate,
                                l2_slab=l2_slab)
+    if params_layout(scales, zm):
+        raise ValueError(f"the {config['kind']} kind reads row-major (contiguous) int4 scales and zeros / mins; "
+                         f"group-major ones: the mma kind only")
     N = qweight.shape[0]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     grid = (cdiv(M, bm), split, cdiv(N, bn))
