@@ -236,7 +236,10 @@ def _dequant8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: t
 
 def params_layout(scales, zm=None) -> bool:
     """Whether the (N, G) scales (and the zeros / mins, in the same layout) are group-major in memory (strides
-    (1, N): the mma kind's PARAMS_T) rather than row-major (contiguous); any other layout is refused."""
+    (1, N): the mma kind's PARAMS_T) rather than row-major (contiguous); any other layout is refused. Every int4
+    launch asks: the common case (both contiguous) returns at once."""
+    if scales.is_contiguous() and (zm is None or zm.is_contiguous()):
+        return False
     N, G = scales.shape
     layouts = set()
     for t in (scales,) if zm is None else (scales, zm):

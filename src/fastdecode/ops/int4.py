@@ -142,27 +142,35 @@ def _lookup(gpu_name: str, num_sms: int, M: int, N: int, K: int, group_size: int
             warn_once(f"fastdecode: no tuned int4_linear configs for {gpu_name!r} "
                        f"({config_path(gpu_name).name}); using heuristics")
         return impl, heuristic
-    key = table_key(N, K, group_size)
-    entries = table.get(op, {}).get(key)
-    if op in FUSED_OPS:  # the plain GEMV's entries, the fused op's own over them
-        entries = {**table.get("int4_linear", {}).get(key, {}), **(entries or {})}
+    entries, _ = _op_entries(table, op, table_key(N, K, group_size))
     if not entries:  # no entry for the shape: the heuristic
         return impl, heuristic
     entry = nearest_m(entries, M)
     if entry is None:  # above the largest tuned M: the large-M path (the rule of ops._tuned)
         return ("triton" if op == "int4_linear_fp8" else "dequant"), heuristic
-    return entry["impl"], dict(entry.get("config") or heuristic)
+    cfg = dict(entry.get("config") or heuristic)
+    diagnostic = [k for k in cfg if k.startswith("_")]
+    if diagnostic:  # e.g. kernels.int4_mma's _ABLATE: its outputs are not the product
+        raise ValueError(f"the int4 table's entry for {op} (M={M}, N={N}, K={K}, group {group_size}) holds the "
+                         f"diagnostic key(s) {diagnostic}, which benchmarks pass explicitly and a table never does")
+    return entry["impl"], cfg
+
+
+def _op_entries(table: Optional[dict], op: str, key: str) -> tuple[dict, dict]:
+    """(the entries ``op``'s dispatch chooses from for the shape ``key``, those of the op's own section): for one of
+    ``FUSED_OPS`` its own entries over the plain GEMV's."""
+    own = (table or {}).get(op, {}).get(key) or {}
+    if op in FUSED_OPS:
+        return {**(table or {}).get("int4_linear", {}).get(key, {}), **own}, own
+    return own, own
 
 
 @lookup_cache
 def _own_entry(gpu_name: str, M: int, N: int, K: int, group_size: int, op: str) -> Optional[bool]:
-    table = load_table("int4_linear", gpu_name)
-    key = table_key(N, K, group_size)
-    plain = (table or {}).get("int4_linear", {}).get(key, {})
-    own = (table or {}).get(op, {}).get(key, {})
-    if not (plain or own):
+    entries, own = _op_entries(load_table("int4_linear", gpu_name), op, table_key(N, K, group_size))
+    if not entries:
         return None  # no table, or no entry for the shape: the heuristics, never timed
-    return nearest_key({**plain, **own}, M) in own
+    return nearest_key(entries, M) in own
 
 
 def fused_entry_is_own(M: int, N: int, K: int, group_size: int, device=None, *, op: str) -> Optional[bool]:
@@ -189,10 +197,6 @@ def get_int4_config(M: int, N: int, K: int, group_size: int, device=None, *,
     if name == "cpu" and impl == "dequant":
         impl = "triton"
     cfg = dict(cfg)
-    diagnostic = [k for k in cfg if k.startswith("_")]
-    if diagnostic:  # e.g. kernels.int4_mma's _ABLATE: its outputs are not the product
-        raise ValueError(f"the int4 table's entry for {op} (M={M}, N={N}, K={K}, group {group_size}) holds the "
-                         f"diagnostic key(s) {diagnostic}, which benchmarks pass explicitly and a table never does")
     uniform = cfg["BLOCK_K"] == 256 or group_size % cfg["BLOCK_K"] == 0
     if op == "int4_linear_fp8" and cfg["kind"] == "dot" and not uniform:
         cfg["BLOCK_K"] = 256  # the FP8 dot scales each 32-column slice by one group's scale
