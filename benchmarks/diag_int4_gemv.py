@@ -197,8 +197,9 @@ def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[di
     """Where the mma kind's time goes at one token: the kernel against itself without the nibble conversion, without
     the MMAs (and their waits, fences and x loads), and without both, beside the probe (the words streamed, XOR-ed),
     the copy rate and the table's own choice; the kernel and the skeleton (ablate 3) without PDL, as the probe runs;
-    the kernel on the scales and zeros stored group-major (PARAMS_T). An ablation's outputs are not the product:
-    only the kernel's rows are checked."""
+    the kernel at 2 and 4 stages; the kernel and the table's choice on one column of scales and zeros (their
+    lines hot in L1 / L2: what their loads' latency costs); the kernel on the scales and zeros stored group-major
+    (PARAMS_T). An ablation's outputs are not the product: only the kernel's rows are checked."""
     rows = []
     for sname, (N, K) in shapes.items():
         ops = _Operands(N, K, 128, 1, zero_mode)
@@ -228,10 +229,23 @@ def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[di
                 t = time_cuda(ops.calls(1, "triton", {**base, "_ABLATE": a}), graph=True)
                 rows.append(make_row("int4_gemv_ablate", f"ablate {a} no pdl", shape, t, bytes_moved=nbytes,
                                      config={**base, "_ABLATE": a}, ablate=a, pdl=False))
+        for st in (2, 4):  # the pipeline's depth (words and x in flight: num_stages - 1 steps ahead)
+            c = {**base, "num_stages": st}
+            t = time_cuda(ops.calls(1, "triton", c), graph=True)
+            rows.append(make_row("int4_gemv_ablate", f"stages {st}", shape, t, bytes_moved=nbytes, config=c, ablate=0))
+        row_major = ops.packed
+        # the scales' and zeros' latency: one column of them (N, 1), so every step re-reads the lines of its first
+        # (L1 / L2 hits, no DRAM after the first step); the words as before; the outputs are not the product
+        ops.packed = [dataclasses.replace(p, scales=p.scales[:, :1].contiguous(),
+                                          zeros=None if p.zeros is None else p.zeros[:, :1].contiguous())
+                      for p in row_major]
+        for name, c in (("hot params: the kernel", base), ("hot params: the table's choice", cfg)):
+            t = time_cuda(ops.calls(1, "triton", c), graph=True)
+            rows.append(make_row("int4_gemv_ablate", name, shape, t, bytes_moved=nbytes, config=c, params="hot"))
         # the same weights with the scales and zeros stored group-major (kernels.int4_mma's PARAMS_T)
         ops.packed = [dataclasses.replace(p, scales=p.scales.t().contiguous().t(),
                                           zeros=None if p.zeros is None else p.zeros.t().contiguous().t())
-                      for p in ops.packed]
+                      for p in row_major]
         err = _ok(ops, 1, "triton", base)
         t = time_cuda(ops.calls(1, "triton", base), graph=True)
         rows.append(make_row("int4_gemv_ablate", "group-major scales and zeros", shape, t, bytes_moved=nbytes,
