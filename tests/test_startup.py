@@ -141,6 +141,25 @@ def test_gguf_metadata_reader_equals_gguf_py(tmp_path):
             assert type(a.data) is np.ndarray and np.array_equal(a.data, b.data) and a.tensor_type == b.tensor_type
 
 
+def test_gguf_metadata_reader_truncated_string_array(tmp_path):
+    """A file cut inside an array of strings (the vocabulary's case) is refused by name, not read past its end."""
+    gguf = pytest.importorskip("gguf")
+    from fastdecode.engine.checkpoint.errors import CheckpointError
+    from fastdecode.engine.checkpoint.gguf_io import read_gguf
+
+    path = tmp_path / "cut.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("t.strs", ["alpha", "", "gamma" * 20])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    data = path.read_bytes()
+    assert read_gguf(str(path))[0]["t.strs"] == ["alpha", "", "gamma" * 20]
+    path.write_bytes(data[:data.index(b"gamma") + 10])
+    with pytest.raises(CheckpointError, match="runs past the end of the file"):
+        read_gguf(str(path))
+
+
 def test_engine_graph_capture_argument():
     model = random_model(ModelConfig.from_preset("tiny"), device="cpu", dtype=torch.float32, backend="torch",
                          max_seq_len=64)

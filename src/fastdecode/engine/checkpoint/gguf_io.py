@@ -106,10 +106,27 @@ class _FastFields:
                 raise ValueError(f"an array at byte {offs} runs past the end of the file ({end} > {self.size})")
             values = np.frombuffer(self.buf, dtype=np.dtype(fmt).newbyteorder(self.bo), count=n, offset=offs)
             return values.tolist(), end
+        if itype == _STRING:  # the vocabulary and merges (98 k strings for SmolLM2): one tight loop
+            return self.strings(n, offs)
         out = []
         for _ in range(n):
             v, offs = self.value(itype, offs)
             out.append(v)
+        return out, offs
+
+    def strings(self, n: int, offs: int) -> tuple[list[str], int]:
+        """An array of ``n`` strings at ``offs`` (``string`` inlined: a third of its time per string)."""
+        buf, size, length = self.buf, self.size, struct.Struct(self.bo + "Q").unpack_from
+        out = []
+        append = out.append
+        for _ in range(n):
+            (m,) = length(buf, offs)
+            offs += 8
+            end = offs + m
+            if end > size:
+                raise ValueError(f"a string at byte {offs - 8} runs past the end of the file ({end} > {size})")
+            append(str(buf[offs:end], "utf-8"))
+            offs = end
         return out, offs
 
 
