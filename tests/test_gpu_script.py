@@ -438,3 +438,34 @@ def test_batch_rule_suite_times_the_embedded_step_at_three_batches(gpu, tmp_path
     assert argv[argv.index("--batch") + 1:argv.index("--out")] == ["1", "4", "8"]
     assert argv[argv.index("--model") + 1] == gpu._embedded_gguf()
     assert argv[argv.index("--out") + 1] == str(tmp_path / "diag_norm_gemm_batch_rule.json")
+
+
+def test_tests_suite_refuses_a_gpu_machine_without_the_embedded_model(gpu, tmp_path, monkeypatch, capsys):
+    """On a GPU, ``tests`` does not start where the embedded GGUF does not load (its tests would skip inside a run
+    that says 0 failed: session 36's part 1); ``--allow-no-model`` runs anyway. On a CPU it is not asked."""
+    import os
+    import sys
+
+    import torch
+
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "gguf.py").write_text("raise ImportError('no gguf in this environment')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow), str(ROOT / "src")]))
+    assert "no gguf in this environment" in gpu.embedded_model_missing(env)
+
+    ran = []
+    monkeypatch.setattr(gpu, "run_tests", lambda *a, **k: ran.append(k) or {
+        "failed": 0, "errors": 0, "summary": "ok", "duration_s": 0.0, "failures": [], "exit_code": 0})
+    monkeypatch.setattr(gpu, "embedded_model_missing", lambda env: "ModuleNotFoundError: No module named 'gguf'")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(sys, "argv", ["gpu.py"])
+    assert gpu.main(["tests", "--out-dir", str(tmp_path / "o1"), "--git-sha", "abc"]) == 2
+    assert "does not load here (ModuleNotFoundError" in capsys.readouterr().err and not ran
+    assert gpu.main(["tests", "--out-dir", str(tmp_path / "o2"), "--git-sha", "abc", "--allow-no-model"]) == 0
+    assert len(ran) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine: not asked
+    assert gpu.main(["tests", "--out-dir", str(tmp_path / "o3"), "--git-sha", "abc"]) == 0
+    assert len(ran) == 2
