@@ -197,8 +197,9 @@ def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[di
     """Where the mma kind's time goes at one token: the kernel against itself without the nibble conversion, without
     the MMAs (and their waits, fences and x loads), and without both, beside the probe (the words streamed, XOR-ed),
     the copy rate and the table's own choice; the kernel and the skeleton (ablate 3) without PDL, as the probe runs;
-    the kernel at 2 and 4 stages; the kernel and the table's choice on one column of scales and zeros (their
-    lines hot in L1 / L2: what their loads' latency costs); the kernel on the scales and zeros stored group-major
+    the kernel at 2 and 4 stages; the kernel and the table's choice with their rows' scales and zeros prefetched
+    into L2 first (PARAMS_PF), and on one column of scales and zeros (their lines hot in L1 / L2: what their loads'
+    latency costs); the kernel on the scales and zeros stored group-major
     (PARAMS_T). An ablation's outputs are not the product: only the kernel's rows are checked."""
     rows = []
     for sname, (N, K) in shapes.items():
@@ -233,6 +234,13 @@ def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[di
             c = {**base, "num_stages": st}
             t = time_cuda(ops.calls(1, "triton", c), graph=True)
             rows.append(make_row("int4_gemv_ablate", f"stages {st}", shape, t, bytes_moved=nbytes, config=c, ablate=0))
+        # the rows' scales and zeros into L2 before the PDL wait (kernels.prefetch, PARAMS_PF): checked
+        for name, c in (("params prefetch: the kernel", {**base, "PARAMS_PF": True}),
+                        ("params prefetch: the table's choice", {**cfg, "PARAMS_PF": True})):
+            err = _ok(ops, 1, "triton", c)
+            t = time_cuda(ops.calls(1, "triton", c), graph=True)
+            rows.append(make_row("int4_gemv_ablate", name, shape, t, bytes_moved=nbytes, config=c,
+                                 **({"error": err} if err else {})))
         row_major = ops.packed
         # the scales' and zeros' latency: one column of them (N, 1), so every step re-reads the lines of its first
         # (L1 / L2 hits, no DRAM after the first step); the words as before; the outputs are not the product

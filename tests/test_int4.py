@@ -611,7 +611,8 @@ consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"
               X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048 // cfg["BLOCK_M"],
               NORM_RM=cfg["BLOCK_M"],
               ACCUMULATE=cfg.get("XN", False) or cfg.get("GLU", False), X_GLU=cfg.get("GLU", False),
-              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=256, SPLIT=cfg.get("SPLIT", True))
+              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=256, SPLIT=cfg.get("SPLIT", True),
+              PARAMS_PF=cfg.get("PPF", False))
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "xs_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K",
            "G", "KW", "stride_xm", "stride_om"}
@@ -823,7 +824,7 @@ consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, SPG=4, EVEN_K=True
               L2_PREFETCH=True, X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048, NORM_RM=1,
               ACCUMULATE=cfg.get("XN", False), MASK_X=cfg.get("MASK_X", False), TILES=cfg.get("TILES", 1),
               CVT1=cfg.get("CVT1", False), ABLATE=0, PARAMS_T=False, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True,
-              L2_SLAB=cfg.get("SLAB", 0), PF_LANES=32 * cfg.get("num_warps", 4))
+              L2_SLAB=cfg.get("SLAB", 0), PF_LANES=32 * cfg.get("num_warps", 4), PARAMS_PF=cfg.get("PPF", False))
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K", "G", "KW",
            "stride_xm", "stride_om"}
@@ -861,6 +862,45 @@ def test_sm90_mma_kind_keeps_the_weight_in_registers(cfg):
     assert len(re.findall(r"st\.shared", body)) < pairs // 4, "weights stored to shared memory in the loop"
     head = ptx[:ptx.index("griddepcontrol.wait")]
     assert "prefetch.global.L2" in head, "the L2 prefetch comes before the PDL wait"
+
+
+@pytest.mark.parametrize("which", ["fma", "fma_prefetch", "mma"])
+@pytest.mark.parametrize("zm", [0, 1, 2])
+def test_sm90_params_prefetch_comes_before_the_pdl_wait(which, zm):
+    """PARAMS_PF (session 36): the program's rows' scales, and zeros / mins unless "sym", go to L2 by one bulk prefetch
+    a thread each, before ``griddepcontrol.wait`` and never in the loop; none without it."""
+    from helpers import bulk_prefetches
+
+    for on in (True, False):
+        if which == "mma":
+            ptx = sm90_ptx(_MMA_SNIPPET, json.dumps(dict(BLOCK_N=64, ZM=zm, x="bf16", PPF=on)))
+        else:
+            ptx = sm90_ptx(_COMPILE_SNIPPET, json.dumps(dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=zm, x="bf16",
+                                                             PF=which == "fma_prefetch", PDL=True, PPF=on)))
+        want = (1 + (zm > 0)) if on else 0
+        assert bulk_prefetches(ptx) == (want, want)
+
+
+def test_params_prefetch_asks_the_config_the_device_and_the_alignment():
+    """``kernels.prefetch.params_prefetch_ok``: off unless the config asks, and never on CPU tensors (the interpreter
+    runs no inline PTX); ``params_aligned``: only contiguous scales / zeros with 16-byte aligned bases and row blocks
+    (the bulk prefetch's requirement)."""
+    from fastdecode.kernels.prefetch import params_aligned, params_prefetch_ok
+
+    s = torch.zeros(256, 32, dtype=torch.bfloat16)
+    z = torch.zeros(256, 32, dtype=torch.uint8)
+    assert not params_prefetch_ok({}, s, z, 64) and not params_prefetch_ok({"PARAMS_PF": True}, s, z, 64)
+    x = torch.randn(3, 256)
+    w = Q.quantize_int4(torch.randn(64, 256), 128)
+    out = torch.full((3, 64), float("nan"))
+    I.int4_linear_with_config(x, w, None, out, {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256,
+                                                "SPLIT_K": 1, "num_warps": 4, "num_stages": 1, "PARAMS_PF": True})
+    torch.testing.assert_close(out, I.int4_linear_ref(x, w), rtol=1e-4, atol=1e-4)  # asked on the CPU: ignored
+    assert params_aligned(s, z, 64) and params_aligned(s, None, 64)
+    assert not params_aligned(s, torch.zeros(256, 33, dtype=torch.uint8)[:, :32], 64)
+    odd = torch.zeros(256 * 32 + 1, dtype=torch.uint8)[1:].view(256, 32)  # the base 1 byte off 16
+    assert not params_aligned(s, odd, 64)
+    assert not params_aligned(torch.zeros(256, 3, dtype=torch.bfloat16), None, 1)
 
 
 @pytest.mark.parametrize("which", ["fma", "fma_prefetch", "mma"])

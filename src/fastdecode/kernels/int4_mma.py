@@ -39,7 +39,7 @@ from fastdecode.kernels.gemm import _epilogue, _split_k_partial
 from fastdecode.kernels.gemm_norm import _affine, _rows_rstd, norm_tile
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import _ZERO_MODES, params_layout, slices_per_group
-from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
+from fastdecode.kernels.prefetch import l2_prefetch_params, l2_prefetch_rows, params_prefetch_ok, slab_bytes
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 # $0-$7: the packed pairs of shifts 0..7 (outputs, two columns each); $8, $9: the two words; then the
@@ -300,7 +300,7 @@ def _int4_mma_kernel(
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
     ACCUMULATE: tl.constexpr, MASK_X: tl.constexpr, TILES: tl.constexpr, CVT1: tl.constexpr, ABLATE: tl.constexpr,
     PARAMS_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, L2_SLAB: tl.constexpr,
-    PF_LANES: tl.constexpr,
+    PF_LANES: tl.constexpr, PARAMS_PF: tl.constexpr = False,
 ):
     """Grid (m tiles, split_k, n tiles); a K step is one 256-column layout tile (32 words a row). KW is the
     number of words per weight row (a multiple of 32); columns >= K read x as 0.
@@ -325,7 +325,8 @@ def _int4_mma_kernel(
 
     PARAMS_T: the scales and zeros / mins are group-major in memory ((G, N) storage, read as an (N, G) view): a
     step's group of BLOCK_N rows is one contiguous run, where the row-major layout puts them G elements apart
-    (an experiment of session 35, not timed yet: ``benchmarks/diag_int4_gemv.py --ablate``)."""
+    (an experiment of session 35; session 36 on the H100: slower on every 8B shape, gate_up 37.4 us against 30.6).
+    PARAMS_PF (row-major only): the rows' scales and zeros / mins into L2 first (``kernels.prefetch``)."""
     W_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -352,6 +353,8 @@ def _int4_mma_kernel(
 
     offs_w = tl.arange(0, 32)
     qw_rows = qw_ptr + rn[:, None] * KW + offs_w[None, :]
+    if PARAMS_PF:  # the rows' scales and zeros / mins into L2 (weights: before the wait; kernels.prefetch)
+        l2_prefetch_params(s_ptr, z_ptr, pid_n * BLOCK_N, N, G, ZERO_MODE > 0, BLOCK_N, PF_LANES)
     if USE_PDL:
         if L2_SLAB:
             l2_prefetch_rows(qw_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, KW * 4,
@@ -476,7 +479,7 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
         NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), MASK_X=bool(config.get("MASK_X", False)), TILES=tiles,
         CVT1=bool(config.get("CVT1", False)) and asm and zero_mode != "min", ABLATE=int(config.get("_ABLATE", 0)),
-        PARAMS_T=params_t,
+        PARAMS_T=params_t, PARAMS_PF=not params_t and params_prefetch_ok(config, scales, zm, bn),
         BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1, L2_SLAB=slab_bytes(l2_slab, pdl, qweight),
         PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), **launch_kwargs(pdl),
