@@ -20,6 +20,7 @@ its scale, raises ``CheckpointError`` naming it, never a silently wrong model.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -82,6 +83,7 @@ def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtyp
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if backend is None:
         backend = "torch" if device.type == "cpu" else "auto"
+    prewarm = _prewarm_triton(device, backend)
     with phase(timings, "checkpoint_open"):
         kind, source = resolve_source(path)  # a preset's config, or the path of a HF directory / GGUF file
         if kind != "preset":
@@ -102,7 +104,32 @@ def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtyp
 
         with phase(timings, "quant_head"):
             quantize_head(loaded.model, quant_head)
+    if prewarm is not None:
+        prewarm.join()
     return loaded
+
+
+def _prewarm_triton(device: torch.device, backend: str) -> Optional[threading.Thread]:
+    """A thread that computes Triton's cache key of its own installation while the weights load
+    (``triton.runtime.cache.triton_key``, cached per process: it hashes Triton's sources and its library, 0.37 s of
+    the warm start-up's first kernel call on the H100 machine's host, session 36's profile); hashing and reading
+    release the GIL. CUDA with a Triton backend only; a failure is left to that first kernel call."""
+    if device.type != "cuda" or backend == "torch":
+        return None
+    try:
+        from triton.runtime.cache import triton_key
+    except Exception:  # another Triton layout: its first kernel call computes what it needs
+        return None
+
+    def run():
+        try:
+            triton_key()
+        except Exception:
+            pass
+
+    t = threading.Thread(target=run, name="fastdecode-triton-key", daemon=True)
+    t.start()
+    return t
 
 
 def _load_model(ckpt: Checkpoint, *, device, dtype, backend, max_seq_len, progress, quant, tp,

@@ -22,7 +22,7 @@ import torch
 from fastdecode.engine.checkpoint.errors import CheckpointError
 from fastdecode.engine.checkpoint.spec import BLOCK_LINEARS, Checkpoint, scale_name
 from fastdecode.engine.sharding import apply_tp_structure, shard_int4, shard_part, shard_rule
-from fastdecode.engine.timing import Timings, phase
+from fastdecode.engine.timing import Timings, cuda_sync, phase
 from fastdecode.models.int4 import Int4Linear
 from fastdecode.models.llama import Transformer
 from fastdecode.quant.int4 import Int4Weight
@@ -152,7 +152,9 @@ class WeightReader:
     def read(self, progress: bool, timings: Optional[Timings] = None) -> Weights:
         """Every tensor; ``timings`` (``engine.timing``) gets ``weights_int4`` (int4 projections read and repacked:
         GGUF Q4 on the device), ``weights_dense`` (the others read, dequantised, quantised) and
-        ``weights_to_device`` (the copies to the device afterwards)."""
+        ``weights_to_device`` (the copies to the device afterwards). Per tensor they time the host (no
+        synchronisation, as an untimed load runs); the device work they queued is drained once at the end, in
+        ``weights_to_device``."""
         out = Weights()
         spec = self.ckpt.spec
         with progress_bar(len(spec), f"loading {os.path.basename(self.source.rstrip('/'))}", progress) as prog:
@@ -160,22 +162,24 @@ class WeightReader:
                 transform = self.ckpt.qkv_transform if how == "qkv" else None
                 if our.endswith(BLOCK_LINEARS) and (self.quant == "int4"
                                                     or any(n in self.stored4 for n, _ in parts)):
-                    with phase(timings, "weights_int4"):
+                    with phase(timings, "weights_int4", sync=False):
                         w, t, fmt = self.int4_projection(our, parts, transform)
-                    with phase(timings, "weights_to_device"):
+                    with phase(timings, "weights_to_device", sync=False):
                         if w is not None:
                             out.packed[our], out.formats = w.to(self.device), out.formats | {fmt}
                         else:
                             out.state[our] = t.to(device=self.device, dtype=self.dtype)
                 else:
-                    with phase(timings, "weights_dense"):
+                    with phase(timings, "weights_dense", sync=False):
                         ts, as_stored = self.dense(our, parts, transform)
-                    with phase(timings, "weights_to_device"):
+                    with phase(timings, "weights_to_device", sync=False):
                         for name, t in ts.items():
                             out.state[name] = t.to(self.device) if as_stored else t.to(device=self.device,
                                                                                         dtype=self.dtype)
                 if prog is not None:
                     prog.advance(prog.task_ids[0])
+        with phase(timings, "weights_to_device", sync=False):  # what the phases above queued on the device
+            cuda_sync()
         return out
 
     def fetch(self, name, shape, our, transform=None):
