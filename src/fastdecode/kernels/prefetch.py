@@ -93,15 +93,18 @@ def l2_prefetch_params(s_ptr, z_ptr, row0, N, G, HAS_Z: tl.constexpr, ROWS: tl.c
     (``l2_prefetch_range``; the range cut to a multiple of 16 bytes). The launcher checks the 16-byte alignment
     (``params_prefetch_ok``). A hint: it changes no result."""
     rows = tl.minimum(N - row0, ROWS)
-    S_BYTES: tl.constexpr = s_ptr.dtype.element_ty.primitive_bitwidth // 8
-    nb = rows * G * S_BYTES // 16 * 16
-    base = s_ptr.to(tl.pointer_type(tl.uint8)) + row0.to(tl.int64) * G * S_BYTES
-    l2_prefetch_range(base, nb, (tl.cdiv(nb, LANES) + 15) // 16 * 16, 0, LANES)
+    _l2_prefetch_row_block(s_ptr, row0, rows, G, LANES)
     if HAS_Z:
-        Z_BYTES: tl.constexpr = z_ptr.dtype.element_ty.primitive_bitwidth // 8
-        nb = rows * G * Z_BYTES // 16 * 16
-        base = z_ptr.to(tl.pointer_type(tl.uint8)) + row0.to(tl.int64) * G * Z_BYTES
-        l2_prefetch_range(base, nb, (tl.cdiv(nb, LANES) + 15) // 16 * 16, 0, LANES)
+        _l2_prefetch_row_block(z_ptr, row0, rows, G, LANES)
+
+
+@triton.jit
+def _l2_prefetch_row_block(ptr, row0, rows, G, LANES: tl.constexpr):
+    """Rows ``[row0, row0 + rows)`` of a row-major tensor of ``G`` columns (one contiguous range) into L2."""
+    BYTES: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    nb = rows * G * BYTES // 16 * 16
+    base = ptr.to(tl.pointer_type(tl.uint8)) + row0.to(tl.int64) * G * BYTES
+    l2_prefetch_range(base, nb, (tl.cdiv(nb, LANES) + 15) // 16 * 16, 0, LANES)
 
 
 def params_prefetch_ok(config: dict, scales, zm, rows: int) -> bool:
