@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -193,6 +194,16 @@ def ablation_configs(N: int, K: int, cfg: dict) -> list[tuple[str, dict]]:
     return out + [(f"mma.sync 64x2w ablate {a}: {ABLATIONS[a]}", {**sync, "_ABLATE": a}) for a in (0, 1)]
 
 
+def _timed(rows: list, ops, shape: dict, nbytes: int, name: str, c: dict, impl: str = "triton", check: bool = False,
+           **extra) -> None:
+    """An ``ablate`` row: ``c`` timed at M = 1 on ``ops.packed`` as it is (``check``: its outputs against the
+    reference first, an ``error`` key where they miss)."""
+    err = _ok(ops, 1, impl, c) if check else None
+    t = time_cuda(ops.calls(1, impl, c), graph=True)
+    rows.append(make_row("int4_gemv_ablate", name, shape, t, bytes_moved=nbytes, config=c, **extra,
+                         **({"error": err} if err else {})))
+
+
 def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[dict]:
     """Where the mma kind's time goes at one token: the kernel against itself without the nibble conversion, without
     the MMAs (and their waits, fences and x loads), and without both, beside the probe (the words streamed, XOR-ed),
@@ -206,60 +217,40 @@ def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[di
         ops = _Operands(N, K, 128, 1, zero_mode)
         shape = {"name": sname, "M": 1, "N": N, "K": K, "group": 128}
         nbytes = ops.bytes_int4(1)
+        timed = functools.partial(_timed, rows, ops, shape, nbytes)
         impl, cfg = get_int4_config(1, N, K, 128, torch.device("cuda"))
-        err = _ok(ops, 1, "dispatch")
-        t = time_cuda(ops.calls(1, "dispatch"), graph=True)
-        rows.append(make_row("int4_gemv_ablate", "dispatch", shape, t, bytes_moved=nbytes, config=cfg,
-                             **({"error": err} if err else {})))
+        timed("dispatch", cfg, "dispatch", check=True)
         t = time_cuda(copy_calls(ops), graph=True)
         rows.append(make_row("int4_gemv_ablate", "copy", shape, t, bytes_moved=2 * ops.packed[0].qweight.nbytes))
         for name, pc in PROBES[:4]:
             t = time_cuda(probe_calls(ops, pc), graph=True)
             rows.append(make_row("int4_gemv_ablate", name, shape, t, bytes_moved=nbytes, config=pc))
-        for name, c in ablation_configs(N, K, cfg):
-            extra = {"ablate": c["_ABLATE"]}
-            if c["_ABLATE"] == 0:  # the kernel itself: checked
-                err = _ok(ops, 1, "triton", c)
-                if err:
-                    extra["error"] = err
-            t = time_cuda(ops.calls(1, "triton", c), graph=True)
-            rows.append(make_row("int4_gemv_ablate", name, shape, t, bytes_moved=nbytes, config=c, **extra))
+        for name, c in ablation_configs(N, K, cfg):  # only the kernel itself (ablate 0) is checked
+            timed(name, c, check=c["_ABLATE"] == 0, ablate=c["_ABLATE"])
         base = ablation_configs(N, K, cfg)[0][1]
         with pdl_override(False):  # the skeleton and the kernel as the probe runs: no PDL, no first-tile prefetch
             for a in (0, 3):
-                t = time_cuda(ops.calls(1, "triton", {**base, "_ABLATE": a}), graph=True)
-                rows.append(make_row("int4_gemv_ablate", f"ablate {a} no pdl", shape, t, bytes_moved=nbytes,
-                                     config={**base, "_ABLATE": a}, ablate=a, pdl=False))
+                timed(f"ablate {a} no pdl", {**base, "_ABLATE": a}, ablate=a, pdl=False)
         for st in (2, 4):  # the pipeline's depth (words and x in flight: num_stages - 1 steps ahead)
-            c = {**base, "num_stages": st}
-            t = time_cuda(ops.calls(1, "triton", c), graph=True)
-            rows.append(make_row("int4_gemv_ablate", f"stages {st}", shape, t, bytes_moved=nbytes, config=c, ablate=0))
+            timed(f"stages {st}", {**base, "num_stages": st}, ablate=0)
         # the rows' scales and zeros into L2 before the PDL wait (kernels.prefetch, PARAMS_PF): checked
-        for name, c in (("params prefetch: the kernel", {**base, "PARAMS_PF": True}),
-                        ("params prefetch: the table's choice", {**cfg, "PARAMS_PF": True})):
-            err = _ok(ops, 1, "triton", c)
-            t = time_cuda(ops.calls(1, "triton", c), graph=True)
-            rows.append(make_row("int4_gemv_ablate", name, shape, t, bytes_moved=nbytes, config=c,
-                                 **({"error": err} if err else {})))
+        timed("params prefetch: the kernel", {**base, "PARAMS_PF": True}, check=True)
+        timed("params prefetch: the table's choice", {**cfg, "PARAMS_PF": True}, check=True)
         row_major = ops.packed
         # the scales' and zeros' latency: one column of them (N, 1), so every step re-reads the lines of its first
         # (L1 / L2 hits, no DRAM after the first step); the words as before; the outputs are not the product
         ops.packed = [dataclasses.replace(p, scales=p.scales[:, :1].contiguous(),
                                           zeros=None if p.zeros is None else p.zeros[:, :1].contiguous())
                       for p in row_major]
-        for name, c in (("hot params: the kernel", base), ("hot params: the table's choice", cfg)):
-            t = time_cuda(ops.calls(1, "triton", c), graph=True)
-            rows.append(make_row("int4_gemv_ablate", name, shape, t, bytes_moved=nbytes, config=c, params="hot"))
+        timed("hot params: the kernel", base, params="hot")
+        timed("hot params: the table's choice", cfg, params="hot")
         # the same weights with the scales and zeros stored group-major (kernels.int4_mma's PARAMS_T)
         ops.packed = [dataclasses.replace(p, scales=p.scales.t().contiguous().t(),
                                           zeros=None if p.zeros is None else p.zeros.t().contiguous().t())
                       for p in row_major]
-        err = _ok(ops, 1, "triton", base)
-        t = time_cuda(ops.calls(1, "triton", base), graph=True)
-        rows.append(make_row("int4_gemv_ablate", "group-major scales and zeros", shape, t, bytes_moved=nbytes,
-                             config=base, ablate=0, params="group-major", **({"error": err} if err else {})))
+        timed("group-major scales and zeros", base, check=True, ablate=0, params="group-major")
         print_table([r for r in rows if r["shape"] == shape], ("impl", "median_us", "tbps"))
-        del ops
+        del ops, timed  # the partial holds the operands too: both go before _flush empties the cache
         _flush(rows, zero_mode, out_path)
     return rows
 

@@ -89,7 +89,7 @@ def _int4_linear_kernel(
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
     ACCUMULATE: tl.constexpr, X_GLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr, PARAMS_PF: tl.constexpr = False,
+    L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr, PARAMS_PF: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles). BLOCK_K is a multiple of 256 (whole layout tiles); KW is the
     number of words per weight row (Kp // 8); columns >= K are masked (x and scales read as 0).

@@ -300,7 +300,7 @@ def _int4_mma_kernel(
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
     ACCUMULATE: tl.constexpr, MASK_X: tl.constexpr, TILES: tl.constexpr, CVT1: tl.constexpr, ABLATE: tl.constexpr,
     PARAMS_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, L2_SLAB: tl.constexpr,
-    PF_LANES: tl.constexpr, PARAMS_PF: tl.constexpr = False,
+    PF_LANES: tl.constexpr, PARAMS_PF: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles); a K step is one 256-column layout tile (32 words a row). KW is the
     number of words per weight row (a multiple of 32); columns >= K read x as 0.
