@@ -404,8 +404,9 @@ def test_mma_kind_asm_equals_portable_and_replays_in_a_graph():
 @pytest.mark.parametrize("fmt", ["sym", "zero", "min"])
 def test_params_prefetch_changes_no_output(fmt):
     """PARAMS_PF (the rows' scales and zeros / mins into L2 first, ``kernels.prefetch``): a hint, the same outputs bit
-    for bit on the fma and the mma kinds, eager and with PDL under graph replay; and a partial last row block."""
-    for (N, K), cfg in itertools.product(((4096, 4096), (200, 4160)), (
+    for bit on the fma and the mma kinds, eager and with PDL under graph replay; and a partial last row block and
+    layout tile (K = 4224: 33 groups of 128, 16.5 tiles)."""
+    for (N, K), cfg in itertools.product(((4096, 4096), (200, 4224)), (
             {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 4,
              "num_stages": 1, "PREFETCH": True},
             _mma_cfg(1, 64, 4, 4, 3))):

@@ -92,8 +92,18 @@ def test_host_only_phases_and_a_cheap_sync(monkeypatch):
     driver every call: 0.19 s of a timed start-up in session 36)."""
     import fastdecode.engine.timing as T
 
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.init()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: (_ for _ in ()).throw(AssertionError("asked")))
-    T.cuda_sync()  # CPU: not initialised, nothing asked
+    T.cuda_sync()  # CPU: not initialised; GPU: synchronises the current device by index; nothing asked either way
+    if not gpu:  # the initialised path on a CPU machine: the current device's index, no driver query
+        seen = []
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: seen.append(device))
+        T.cuda_sync()
+        assert seen == [0]
     calls = []
     monkeypatch.setattr(T, "cuda_sync", lambda: calls.append(1))
     t = Timings()

@@ -22,11 +22,12 @@ import torch
 
 
 def cuda_sync() -> None:
-    """``torch.cuda.synchronize()`` once CUDA is initialised (never initialises it). Not ``torch.cuda.is_available()``
-    first: it asks the driver for the device count every call (0.13 ms on the H100 machine's host; 748 calls, 0.19 s
-    of a timed start-up in session 36's profile)."""
+    """Synchronise the current CUDA device once CUDA is initialised (never initialises it). Nothing here asks
+    ``torch.cuda.is_available()``: it asks the driver for the device count every call (0.13 ms on the H100 machine's
+    host; 748 calls, 0.19 s of a timed start-up in session 36's profile). ``torch.cuda.synchronize()`` without a
+    device asks it to find the current one (torch 2.11, seen in session 37's GPU suite); with the index it does not."""
     if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(torch.cuda.current_device())
 
 
 class Timings:
