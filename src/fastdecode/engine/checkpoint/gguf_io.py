@@ -214,8 +214,25 @@ class GGUFTensor:
                 data = data[:, k0 // block * nbytes:-(-k1 // block) * nbytes]
             else:
                 after = slice(k0, k1)
+        if self.t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and data.ndim == 2:
+            out = _dequantize_q8_0(data)
+            return out[..., after].contiguous() if after != slice(None) else out
         arr = gguf.quants.dequantize(data, self.t.tensor_type)
         return torch.from_numpy(np.array(arr[..., after] if after != slice(None) else arr, dtype=np.float32))
+
+
+def _dequantize_q8_0(data) -> torch.Tensor:
+    """Q8_0 rows (uint8, 34-byte blocks: an fp16 scale, then 32 int8 values) as float32, in torch: the same values as
+    ``gguf.quants.dequantize`` (float32(scale) * float32(q), one rounding), bit for bit, on all the CPU's threads
+    (gguf-py's numpy runs one; SmolLM2's token embedding, 49152 x 576, is most of the embedded model's dense
+    weights)."""
+    import numpy as np
+
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))  # a copy: the mapping is read-only
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    scale = blocks[..., :2].contiguous().view(torch.float16).float()
+    q = blocks[..., 2:].contiguous().view(torch.int8).float()
+    return (q * scale).reshape(raw.shape[0], -1)
 
 
 def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
