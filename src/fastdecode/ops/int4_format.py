@@ -226,8 +226,10 @@ def _check_int(name, t, shape, lo=0, hi=15):
     if not isinstance(t, torch.Tensor) or t.is_floating_point() or tuple(t.shape) != tuple(shape):
         got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{name} must be an integer tensor of shape {tuple(shape)}, got {got}")
-    if t.numel() and (int(t.min()) < lo or int(t.max()) > hi):
-        raise ValueError(f"{name} must hold values in [{lo}, {hi}], got [{int(t.min())}, {int(t.max())}]")
+    if t.numel():
+        tmin, tmax = (int(v) for v in torch.stack(torch.aminmax(t)).tolist())  # one host sync, not two
+        if tmin < lo or tmax > hi:
+            raise ValueError(f"{name} must hold values in [{lo}, {hi}], got [{tmin}, {tmax}]")
 
 
 def prepack(q: torch.Tensor, scales: torch.Tensor, *, group_size: int, zeros: Optional[torch.Tensor] = None,
