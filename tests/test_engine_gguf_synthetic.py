@@ -239,23 +239,27 @@ def test_gguf_without_vocabulary_loads_and_generate_takes_tokenizer(tmp_path, ca
                  "--warmup", "0", "--dtype", "float32", "--out", out]) == 0
 
 
-def test_q8_0_rows_dequantise_in_torch_as_gguf_py_does():
-    """``gguf_io.GGUFTensor``: Q8_0 tensors dequantise in torch (``_dequantize_q8_0``), bit for bit the values of
-    gguf-py's numpy ``dequantize``: whole, a row range, whole-block and part-block column ranges; fresh random
-    scales (signs, subnormal and large fp16) and int8 values."""
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_block_types_dequantise_in_torch_as_gguf_py_does(qtype):
+    """``gguf_io.GGUFTensor``: Q8_0, Q4_0 and Q4_1 tensors dequantise in torch (``_TORCH_DEQUANT``), bit for bit the
+    values of gguf-py's numpy ``dequantize``: whole, a row range, whole-block and part-block column ranges; fresh
+    random rows at several magnitudes, and one block of random bytes (every quant value) in each row."""
     from types import SimpleNamespace
 
     from fastdecode.engine.checkpoint.gguf_io import GGUFTensor
 
+    qt = getattr(gguf.GGMLQuantizationType, qtype)
+    block, nbytes = gguf.GGML_QUANT_SIZES[qt]
     rng = np.random.default_rng()
     rows, K = 37, 160  # five blocks a row
     w = rng.standard_normal((rows, K)).astype(np.float32) * rng.choice([1e-6, 1.0, 300.0], (rows, 1))
-    data = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-    data.reshape(rows, -1, 34)[:, 0, 2:] = rng.integers(0, 256, (rows, 32), dtype=np.uint8)  # every int8 value
-    t = GGUFTensor(SimpleNamespace(data=data, tensor_type=gguf.GGMLQuantizationType.Q8_0, shape=[K, rows]))
-    ref = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q8_0).astype(np.float32))
+    data = gguf.quants.quantize(w, qt)
+    head = nbytes - block // (1 if qtype == "Q8_0" else 2)  # the scale (and min) bytes before the values
+    data.reshape(rows, -1, nbytes)[:, 0, head:] = rng.integers(0, 256, (rows, nbytes - head), dtype=np.uint8)
+    t = GGUFTensor(SimpleNamespace(data=data, tensor_type=qt, shape=[K, rows]))
+    ref = torch.from_numpy(gguf.quants.dequantize(data, qt).astype(np.float32))
     assert t.get_shape() == (rows, K)
     for idx, want in (((...), ref), (slice(3, 20), ref[3:20]), ((slice(None), slice(32, 96)), ref[:, 32:96]),
                       ((slice(None), slice(40, 150)), ref[:, 40:150]), ((slice(5, 6), slice(0, K)), ref[5:6])):
         got = t[idx]
-        assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, want), idx
+        assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, want), (qtype, idx)
