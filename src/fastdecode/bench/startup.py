@@ -44,7 +44,7 @@ PHASES = (
     "weights_dense",  # the other tensors read (GGUF: dequantised), quantised where asked
     "weights_to_device",  # the copies to the device
     "assign",  # int4 modules swapped in, weights assigned, RoPE table
-    "tokenizer",
+    "tokenizer",  # the wait for the tokenizer, built in a thread while the weights load (0.0: it was ready first)
     "random_init",  # presets only: random weights
     "quant_head",  # --quant-head only
     "kv_cache",

@@ -71,7 +71,8 @@ def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtyp
     (``models.quantize.quantize_head``; under ``tp``, this rank's rows).
     ``timings``: a ``engine.timing.Timings`` that gets the phases (``checkpoint_open``, ``model_build``,
     ``weights_int4`` (int4 weights read and repacked), ``weights_dense`` (the others read, dequantised,
-    quantised), ``weights_to_device``, ``assign``, ``tokenizer``, ``quant_head``; a preset: ``random_init``).
+    quantised), ``weights_to_device``, ``assign``, ``tokenizer`` (the wait for it: it is built in a thread while the
+    weights load), ``quant_head``; a preset: ``random_init``).
     """
     from fastdecode.models.quantize import QUANT_METHODS, check_head
 
@@ -94,10 +95,11 @@ def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtyp
             loaded = _load_preset(source, device=device, dtype=dtype, backend=backend, max_seq_len=max_seq_len,
                                   quant=quant, tp=tp)
     else:
+        tokenizer = _Background(_tokenizer, ckpt)  # built while the weights load: their copies free the GIL
         model = _load_model(ckpt, device=device, dtype=dtype, backend=backend, max_seq_len=max_seq_len,
                             progress=progress, quant=quant, tp=tp, timings=timings)
-        with phase(timings, "tokenizer"):
-            tok, tok_error = _tokenizer(ckpt)
+        with phase(timings, "tokenizer"):  # what is left of it
+            tok, tok_error = tokenizer.result()
         loaded = Loaded(model, tok, ckpt.config, source, tok_error)
     if quant_head is not None:
         from fastdecode.models.quantize import quantize_head
@@ -107,6 +109,29 @@ def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtyp
     if prewarm is not None:
         prewarm.join()
     return loaded
+
+
+class _Background:
+    """``fn(*args)`` in a daemon thread from now; ``result()`` joins it and returns its value or raises its
+    exception in the caller."""
+
+    def __init__(self, fn, *args):
+        self._out = self._err = None
+
+        def run():
+            try:
+                self._out = fn(*args)
+            except BaseException as e:  # re-raised by result(), in the loading thread
+                self._err = e
+
+        self._thread = threading.Thread(target=run, name=f"fastdecode-{fn.__name__.strip('_')}", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+        return self._out
 
 
 def _prewarm_triton(device: torch.device, backend: str) -> Optional[threading.Thread]:
