@@ -208,10 +208,9 @@ def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[di
     """Where the mma kind's time goes at one token: the kernel against itself without the nibble conversion, without
     the MMAs (and their waits, fences and x loads), and without both, beside the probe (the words streamed, XOR-ed),
     the copy rate and the table's own choice; the kernel and the skeleton (ablate 3) without PDL, as the probe runs;
-    the kernel at 2 and 4 stages; the kernel and the table's choice with their rows' scales and zeros prefetched
-    into L2 first (PARAMS_PF), and on one column of scales and zeros (their lines hot in L1 / L2: what their loads'
-    latency costs); the kernel on the scales and zeros stored group-major
-    (PARAMS_T). An ablation's outputs are not the product: only the kernel's rows are checked."""
+    the kernel at 2 and 4 stages; the kernel and the table's choice on one column of scales and zeros (their lines
+    hot in L1 / L2: what their loads' latency costs). An ablation's outputs are not the product: only the kernel's
+    rows are checked."""
     rows = []
     for sname, (N, K) in shapes.items():
         ops = _Operands(N, K, 128, 1, zero_mode)
@@ -233,22 +232,13 @@ def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[di
                 timed(f"ablate {a} no pdl", {**base, "_ABLATE": a}, ablate=a, pdl=False)
         for st in (2, 4):  # the pipeline's depth (words and x in flight: num_stages - 1 steps ahead)
             timed(f"stages {st}", {**base, "num_stages": st}, ablate=0)
-        # the rows' scales and zeros into L2 before the PDL wait (kernels.prefetch, PARAMS_PF): checked
-        timed("params prefetch: the kernel", {**base, "PARAMS_PF": True}, check=True)
-        timed("params prefetch: the table's choice", {**cfg, "PARAMS_PF": True}, check=True)
-        row_major = ops.packed
         # the scales' and zeros' latency: one column of them (N, 1), so every step re-reads the lines of its first
         # (L1 / L2 hits, no DRAM after the first step); the words as before; the outputs are not the product
         ops.packed = [dataclasses.replace(p, scales=p.scales[:, :1].contiguous(),
                                           zeros=None if p.zeros is None else p.zeros[:, :1].contiguous())
-                      for p in row_major]
+                      for p in ops.packed]
         timed("hot params: the kernel", base, params="hot")
         timed("hot params: the table's choice", cfg, params="hot")
-        # the same weights with the scales and zeros stored group-major (kernels.int4_mma's PARAMS_T)
-        ops.packed = [dataclasses.replace(p, scales=p.scales.t().contiguous().t(),
-                                          zeros=None if p.zeros is None else p.zeros.t().contiguous().t())
-                      for p in row_major]
-        timed("group-major scales and zeros", base, check=True, ablate=0, params="group-major")
         print_table([r for r in rows if r["shape"] == shape], ("impl", "median_us", "tbps"))
         del ops, timed  # the partial holds the operands too: both go before _flush empties the cache
         _flush(rows, zero_mode, out_path)

@@ -14,11 +14,7 @@ Sweeps after session 32's a7271b7 time each one-split norm tile with and without
 in-loop norm, opt-in since session 32), and the tile taken carries the key as timed. ``--norm-loop`` sets NORM_LOOP
 on the norm shapes' entries (qkv, gate_up), as the sweep at 5006ffb ran them all; ``--norm-loop-only`` gives the
 norm shapes the base's tile with NORM_LOOP and nothing else; ``--unchanged`` writes the base as it is (the other
-side of ``gpu.py step-tables``). ``--params-pf`` (session 36) then sets PARAMS_PF (the rows' scales and zeros / mins
-into L2 before the PDL wait, ``fastdecode.kernels.prefetch``) on every fma and mma entry of every section: with
-``--unchanged``, table B of ``gpu.py step-tables --step-config-dir`` for the 8B int4 step with that prefetch::
-
-    python benchmarks/int4_small_table.py --unchanged --params-pf --gpu nvidia_h100_80gb_hbm3 --out-dir /tmp/ppf
+side of ``gpu.py step-tables``).
 
     python benchmarks/int4_small_table.py sweep_int4_small_fma.json --gpu nvidia_h100_80gb_hbm3 --out-dir /tmp/cfg3
 """
@@ -41,18 +37,6 @@ def side(shape: dict) -> str:
     """The op a swept shape ran as: its row's ``side`` (sweeps after a7271b7), else by name (qkv and gate_up the
     norm, the rest the residual add: the sweep at 5006ffb ran down without SiLU-and-mul inside)."""
     return shape.get("side") or ("norm" if shape["name"] in NORM_SHAPES else "add")
-
-
-def params_pf(table: dict) -> dict:
-    """``table`` with PARAMS_PF on every fma and mma entry of every section (in place; returned)."""
-    for section in table.values():
-        if not isinstance(section, dict):
-            continue
-        for by_m in section.values():
-            for entry in by_m.values() if isinstance(by_m, dict) else ():
-                if isinstance(entry, dict) and (entry.get("config") or {}).get("kind") in ("fma", "mma"):
-                    entry["config"]["PARAMS_PF"] = True
-    return table
 
 
 def build(rows: list[dict], base: dict, norm_loop: bool = False, norm_loop_only: bool = False,
@@ -99,7 +83,6 @@ def main() -> None:
     p.add_argument("--norm-loop", action="store_true", help="NORM_LOOP on the norm shapes' M = 1 tiles")
     p.add_argument("--norm-loop-only", action="store_true", help="the base's tiles, with NORM_LOOP on the norm shapes")
     p.add_argument("--unchanged", action="store_true", help="the base as it is, under --gpu's name")
-    p.add_argument("--params-pf", action="store_true", help="then PARAMS_PF on every fma and mma entry")
     a = p.parse_args()
     if not (a.sweep or a.unchanged):
         p.error("a sweep result is needed unless --unchanged")
@@ -114,11 +97,7 @@ def main() -> None:
             " with NORM_LOOP on the norm shapes" if a.norm_loop else "")
     sha = {r.get("git_sha") for r in rows}
     source = f"{Path(a.base).name} with {what}" + (f" (sweep at {', '.join(sorted(map(str, sha)))})" if rows else "")
-    if a.params_pf:
-        source += ", PARAMS_PF on every fma and mma entry"
     table = build(rows, json.loads(Path(a.base).read_text()), a.norm_loop, a.norm_loop_only, source, a.unchanged)
-    if a.params_pf:
-        params_pf(table)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for fam in ("linear", "allreduce"):  # the base GPU's other tables beside it, under the same GPU key

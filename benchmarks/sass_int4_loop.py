@@ -45,7 +45,7 @@ def sass(block_n: int, warps: int, norm: bool, prefetch: int = 1, scale_pf: bool
     and mins with its words); ``norm_loop``: NORM_LOOP (with ``norm``, the loop sums the rows' squares)."""
     consts = dict(GROUP=32, ZERO_MODE=2, HAS_BIAS=False, USE_DOT=False, UNIFORM=True, SPG=1, EVEN_K=even_k,
                   X_SCALE_MODE=0, FAST_CVT=False, PREFETCH=prefetch, SCALE_PF=scale_pf, NORM_LOOP=norm_loop,
-                  LOP3_ASM=True, USE_PDL=True, PARAMS_PF=False,
+                  LOP3_ASM=True, USE_PDL=True,
                   L2_SLAB=0, PF_LANES=32 * warps, X_NORM=norm, NORM_AFFINE=norm, NORM_NB=2048, NORM_RM=1,
                   ACCUMULATE=not norm, X_GLU=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=256, SPLIT=False)
     sig = {**_SIG, **{k: "constexpr" for k in consts}}

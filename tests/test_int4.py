@@ -611,8 +611,7 @@ consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"
               X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048 // cfg["BLOCK_M"],
               NORM_RM=cfg["BLOCK_M"],
               ACCUMULATE=cfg.get("XN", False) or cfg.get("GLU", False), X_GLU=cfg.get("GLU", False),
-              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=256, SPLIT=cfg.get("SPLIT", True),
-              PARAMS_PF=cfg.get("PPF", False))
+              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=256, SPLIT=cfg.get("SPLIT", True))
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "xs_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K",
            "G", "KW", "stride_xm", "stride_om"}
@@ -751,43 +750,49 @@ def test_mma_ablations_run_and_ablate_0_is_the_kernel():
     assert torch.equal(outs[2], torch.zeros_like(outs[2]))
 
 
-def _group_major(t):
-    """The same (N, G) values stored group-major: a (G, N) contiguous tensor seen as (N, G), strides (1, N)."""
-    return None if t is None else t.t().contiguous().t()
-
-
-@pytest.mark.parametrize("fmt,g,split", [("zero", 128, 1), ("zero", 64, 3), ("sym", 32, 2), ("min", 128, 1)])
-def test_mma_kind_reads_group_major_scales(fmt, g, split):
-    """The mma kind reads the scales and zeros / mins group-major (strides (1, N): PARAMS_T) as well as row-major,
-    the same outputs; a mixed pair or other strides are refused by name, and so are group-major ones on the kinds
-    that read them row-major (fma, dot, the dequant kernel)."""
+@pytest.mark.parametrize("fmt", ["zero", "min", "sym"])
+def test_every_int4_launch_refuses_non_contiguous_scales_zeros_and_mins(fmt):
+    """The int4 kernels read the (N, G) scales and zeros / mins row-major (``row * G + group``): every launch (the
+    fma, dot and mma kinds, the dequant kernel, W4A8) refuses a non-contiguous one by name, a group-major view
+    (strides (1, N)) or a column slice, rather than reading the wrong values; the same weight made contiguous
+    runs. The checked ops refuse it too (``Int4Weight.validate``)."""
     import dataclasses
 
-    from fastdecode.kernels.int4_dequant import params_layout
+    import fastdecode.ops.int4_a8 as A
+    from fastdecode.kernels.int4_dequant import launch_int4_dequant
 
-    N, K, M = 70, 1280, 3
+    N, K, M, g = 70, 512, 2, 128
     w = _packed(fmt, N, K, g)
     x = _x(M, K)
-    wt = dataclasses.replace(w, scales=_group_major(w.scales), zeros=_group_major(w.zeros),
-                             mins=_group_major(w.mins))
-    assert params_layout(wt.scales, wt.zeros if fmt == "zero" else wt.mins) and not params_layout(w.scales)
-    cfg = dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=split, MASK_X=True)
-    if fmt == "min":  # scales of x's dtype, as mma_supported asks
-        x = x.to(w.scales.dtype)
-    outs = []
-    for weight in (w, wt):
+    group_major = lambda t: t.t().contiguous().t()  # noqa: E731 (the same values, strides (1, N))
+    column_slice = lambda t: torch.stack([t, t], -1)[..., 0]  # noqa: E731 (the same values, strides (2G, 2))
+    bad = [("scales", {"scales": group_major(w.scales)})]
+    if fmt != "sym":
+        name = "zeros" if fmt == "zero" else "mins"
+        bad.append(("zeros / mins", {name: column_slice(getattr(w, name))}))
+    kinds = (CONFIGS["fma_m1"], CONFIGS["dot_split3"], dict(kind="mma", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
+                                                            SPLIT_K=2, MASK_X=True))
+    q, s, sums = A.quantize_act_int8(x, backend="torch")
+    for what, field in bad:
+        assert not any(t.is_contiguous() for t in field.values())
+        wb = dataclasses.replace(w, **field)
+        for cfg in kinds:
+            with pytest.raises(ValueError, match=f"the int4 {cfg['kind']} kind reads int4 {what} row-major"):
+                I.int4_linear_with_config(x, wb, None, torch.empty(M, N, dtype=x.dtype), cfg)
+        zm = wb.zeros if fmt == "zero" else wb.mins
+        with pytest.raises(ValueError, match=f"the int4 dequant kernel reads int4 {what} row-major"):
+            launch_int4_dequant(wb.qweight, wb.scales, zm, g, fmt, torch.empty(N, K, dtype=torch.float16))
+        with pytest.raises(ValueError, match=f"the W4A8 kernel reads int4 {what} row-major"):
+            A.a8_with_config(q, s, sums, wb, None, torch.empty(M, N, dtype=x.dtype),
+                             dict(BLOCK_M=1, BLOCK_N=32, SPLIT_K=1))
+        with pytest.raises(ValueError, match="must be contiguous"):
+            I.int4_linear(x, wb)
+        fixed = dataclasses.replace(wb, scales=wb.scales.contiguous(),
+                                    zeros=None if wb.zeros is None else wb.zeros.contiguous(),
+                                    mins=None if wb.mins is None else wb.mins.contiguous())
         out = poison_(torch.empty(M, N, dtype=x.dtype))
-        I.int4_linear_with_config(x, weight, None, out, cfg)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    assert_close(outs[0], I.int4_linear_ref(x, w))
-    with pytest.raises(ValueError, match="group-major ones: the mma kind only"):
-        I.int4_linear_with_config(x, wt, None, torch.empty(M, N, dtype=x.dtype), CONFIGS["fma_m1"])
-    if fmt == "zero":
-        with pytest.raises(ValueError, match="different layouts"):
-            params_layout(wt.scales, w.zeros)
-        with pytest.raises(ValueError, match="strides"):
-            params_layout(torch.empty(N, 2 * (K // g), dtype=torch.float16)[:, ::2])
+        I.int4_linear_with_config(x, fixed, None, out, kinds[2])
+        assert_close(out, I.int4_linear_ref(x, w))
 
 
 def test_tuner_proposes_mma_tiles_for_few_tokens_only():
@@ -823,8 +828,8 @@ sig = {"x_ptr": "*" + xt, "qw_ptr": "*i32", "s_ptr": "*" + xt, "z_ptr": "*" + zt
 consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, SPG=4, EVEN_K=True, ASM=True, USE_PDL=True,
               L2_PREFETCH=True, X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048, NORM_RM=1,
               ACCUMULATE=cfg.get("XN", False), MASK_X=cfg.get("MASK_X", False), TILES=cfg.get("TILES", 1),
-              CVT1=cfg.get("CVT1", False), ABLATE=0, PARAMS_T=False, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True,
-              L2_SLAB=cfg.get("SLAB", 0), PF_LANES=32 * cfg.get("num_warps", 4), PARAMS_PF=cfg.get("PPF", False))
+              CVT1=cfg.get("CVT1", False), ABLATE=0, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], SPLIT=True,
+              L2_SLAB=cfg.get("SLAB", 0), PF_LANES=32 * cfg.get("num_warps", 4))
 sig.update({k: "constexpr" for k in consts})
 aligned = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr", "N", "K", "G", "KW",
            "stride_xm", "stride_om"}
@@ -862,45 +867,6 @@ def test_sm90_mma_kind_keeps_the_weight_in_registers(cfg):
     assert len(re.findall(r"st\.shared", body)) < pairs // 4, "weights stored to shared memory in the loop"
     head = ptx[:ptx.index("griddepcontrol.wait")]
     assert "prefetch.global.L2" in head, "the L2 prefetch comes before the PDL wait"
-
-
-@pytest.mark.parametrize("which", ["fma", "fma_prefetch", "mma"])
-@pytest.mark.parametrize("zm", [0, 1, 2])
-def test_sm90_params_prefetch_comes_before_the_pdl_wait(which, zm):
-    """PARAMS_PF (session 36): the program's rows' scales, and zeros / mins unless "sym", go to L2 by one bulk prefetch
-    a thread each, before ``griddepcontrol.wait`` and never in the loop; none without it."""
-    from helpers import bulk_prefetches
-
-    for on in (True, False):
-        if which == "mma":
-            ptx = sm90_ptx(_MMA_SNIPPET, json.dumps(dict(BLOCK_N=64, ZM=zm, x="bf16", PPF=on)))
-        else:
-            ptx = sm90_ptx(_COMPILE_SNIPPET, json.dumps(dict(kind="fma", BLOCK_M=1, BLOCK_N=64, ZM=zm, x="bf16",
-                                                             PF=which == "fma_prefetch", PDL=True, PPF=on)))
-        want = (1 + (zm > 0)) if on else 0
-        assert bulk_prefetches(ptx) == (want, want)
-
-
-def test_params_prefetch_asks_the_config_the_device_and_the_alignment():
-    """``kernels.prefetch.params_prefetch_ok``: off unless the config asks, and never on CPU tensors (the interpreter
-    runs no inline PTX); ``params_aligned``: only contiguous scales / zeros with 16-byte aligned bases and row blocks
-    (the bulk prefetch's requirement)."""
-    from fastdecode.kernels.prefetch import params_aligned, params_prefetch_ok
-
-    s = torch.zeros(256, 32, dtype=torch.bfloat16)
-    z = torch.zeros(256, 32, dtype=torch.uint8)
-    assert not params_prefetch_ok({}, s, z, 64) and not params_prefetch_ok({"PARAMS_PF": True}, s, z, 64)
-    x = torch.randn(3, 256)
-    w = Q.quantize_int4(torch.randn(64, 256), 128)
-    out = torch.full((3, 64), float("nan"))
-    I.int4_linear_with_config(x, w, None, out, {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256,
-                                                "SPLIT_K": 1, "num_warps": 4, "num_stages": 1, "PARAMS_PF": True})
-    torch.testing.assert_close(out, I.int4_linear_ref(x, w), rtol=1e-4, atol=1e-4)  # asked on the CPU: ignored
-    assert params_aligned(s, z, 64) and params_aligned(s, None, 64)
-    assert not params_aligned(s, torch.zeros(256, 33, dtype=torch.uint8)[:, :32], 64)
-    odd = torch.zeros(256 * 32 + 1, dtype=torch.uint8)[1:].view(256, 32)  # the base 1 byte off 16
-    assert not params_aligned(s, odd, 64)
-    assert not params_aligned(torch.zeros(256, 3, dtype=torch.bfloat16), None, 1)
 
 
 @pytest.mark.parametrize("which", ["fma", "fma_prefetch", "mma"])

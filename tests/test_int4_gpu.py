@@ -401,31 +401,6 @@ def test_mma_kind_asm_equals_portable_and_replays_in_a_graph():
 
 
 @gpu
-@pytest.mark.parametrize("fmt", ["sym", "zero", "min"])
-def test_params_prefetch_changes_no_output(fmt):
-    """PARAMS_PF (the rows' scales and zeros / mins into L2 first, ``kernels.prefetch``): a hint, the same outputs bit
-    for bit on the fma and the mma kinds, eager and with PDL under graph replay; and a partial last row block and
-    layout tile (K = 4224: 33 groups of 128, 16.5 tiles)."""
-    for (N, K), cfg in itertools.product(((4096, 4096), (200, 4224)), (
-            {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4, "num_warps": 4,
-             "num_stages": 1, "PREFETCH": True},
-            _mma_cfg(1, 64, 4, 4, 3))):
-        w = _packed(N, K, 128, fmt)
-        x = torch.randn(1, K, device=DEV).bfloat16()
-        ref, out = (torch.full((1, N), float("nan"), device=DEV, dtype=torch.bfloat16) for _ in range(2))
-        I.int4_linear_with_config(x, w, None, ref, cfg)
-        I.int4_linear_with_config(x, w, None, out, {**cfg, "PARAMS_PF": True})
-        assert torch.equal(out, ref), (fmt, N, K, cfg["kind"])
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            I.int4_linear_with_config(x, w, None, out, {**cfg, "PARAMS_PF": True})
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref), (fmt, N, K, cfg["kind"], "graph")
-
-
-@gpu
 def test_mma_config_on_a_weight_it_does_not_compute_takes_the_heuristic():
     """A table entry of kind "mma" on a GGUF-style weight with fp16 scales under bf16 activations (the packed
     FMAs would round the scales to bf16) runs the heuristic's config instead, with the right values."""

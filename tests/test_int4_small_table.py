@@ -226,35 +226,3 @@ def test_gpu_script_step_tables_on_the_8b_int4_step(tmp_path):
     for i, (_, cmd, limit) in enumerate(steps[1:], 1):
         assert cmd[cmd.index("--preset") + 1] == "llama-3.1-8b" and cmd[cmd.index("--quant") + 1] == "int4"
         assert "--model" not in cmd and cmd[-1] == str(tmp_path / f"decode_8b_int4_tables_{i}.json") and limit > 120
-
-
-def test_params_pf_goes_on_every_fma_and_mma_entry_and_the_ops_read_it(tool, tmp_path):
-    """``--params-pf`` (session 36): PARAMS_PF on every fma and mma entry of every section, nothing else changed; the
-    dispatch hands it to the kernels (``kernels.prefetch.params_prefetch_ok`` then decides per launch)."""
-    base = json.loads(BASE.read_text())
-    table = tool.params_pf(tool.build([], base, unchanged=True))
-    kinds = set()
-    for name, section in base.items():
-        if not isinstance(section, dict):
-            continue
-        for key, by_m in section.items():
-            for m, entry in (by_m.items() if isinstance(by_m, dict) else ()):
-                if not (isinstance(entry, dict) and "config" in entry):
-                    continue
-                got = table[name][key][m]["config"]
-                kind = entry["config"].get("kind")
-                kinds.add(kind)
-                assert got.pop("PARAMS_PF", False) == (kind in ("fma", "mma")), (name, key, m)
-                assert got == entry["config"]
-    assert {"fma", "mma"} <= kinds
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "int4_small_table.py"), "--unchanged", "--params-pf",
-                        "--gpu", "nvidia_h100_80gb_hbm3", "--out-dir", str(tmp_path)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    import fastdecode.ops.int4 as I
-
-    I.clear_config_cache()
-    try:
-        cfg = I.get_int4_config(1, 28672, 4096, 128, path=str(tmp_path / "int4_linear_nvidia_h100_80gb_hbm3.json"))[1]
-        assert cfg["kind"] in ("fma", "mma") and cfg["PARAMS_PF"] is True
-    finally:
-        I.clear_config_cache()

@@ -35,10 +35,10 @@ from fastdecode.kernels.gemm_norm import _affine, _norm_rows, _rows_rstd, norm_t
 from fastdecode.kernels.host import cdiv
 from fastdecode.kernels.int4_dequant import (
     _ZERO_MODES, _dequant, _dequant8_asm, _group_params, _group_params8, _nibble_f32, _nibble_f32_asm, _pick8,
-    _slice_params, _uniform, params_layout, slices_per_group,
+    _slice_params, _uniform, check_params, slices_per_group,
 )
 from fastdecode.kernels.int4_mma import launch_int4_mma
-from fastdecode.kernels.prefetch import l2_prefetch_params, l2_prefetch_rows, params_prefetch_ok, slab_bytes
+from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 
@@ -89,7 +89,7 @@ def _int4_linear_kernel(
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
     ACCUMULATE: tl.constexpr, X_GLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr, PARAMS_PF: tl.constexpr,
+    L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles). BLOCK_K is a multiple of 256 (whole layout tiles); KW is the
     number of words per weight row (Kp // 8); columns >= K are masked (x and scales read as 0).
@@ -134,8 +134,7 @@ def _int4_linear_kernel(
 
     L2_SLAB (bytes, 0: off; with USE_PDL, sm_90+; PF_LANES: the program's threads): before its PDL wait the program
     prefetches up to that much of its packed weight words (its BLOCK_N rows, its split's words) into L2, as
-    ``kernels.gemm``'s skinny kernel does. PARAMS_PF: its rows' scales and zeros / mins, before the wait
-    (``kernels.prefetch.l2_prefetch_params``; opt-in by the config, session 36).
+    ``kernels.gemm``'s skinny kernel does.
     """
     X_FP8: tl.constexpr = X_SCALE_MODE != 0
     NORM_IN_LOOP: tl.constexpr = X_NORM and NORM_LOOP and not (USE_DOT or SPLIT)  # the rows' squares in the loop
@@ -166,8 +165,6 @@ def _int4_linear_kernel(
     if L2_SLAB:  # weights only (never written by the step's kernels): before the wait
         l2_prefetch_rows(qw_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, KW * 4, kb_start * BK8 * 4,
                          tl.minimum(kb_end * BK8, KW) * 4, BLOCK_N, PF_LANES, L2_SLAB)
-    if PARAMS_PF:  # the rows' scales and zeros / mins into L2 (weights: before the wait; kernels.prefetch)
-        l2_prefetch_params(s_ptr, z_ptr, pid_n * BLOCK_N, N, G, ZERO_MODE > 0, BLOCK_N, PF_LANES)
     if USE_PDL and not PREFETCH:  # programmatic dependent launch: kernels.pdl (with PREFETCH: below)
         pdl_wait()
 
@@ -442,9 +439,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
                                asm=bool(config.get("asm", True)) and lop3_asm_ok(x), warmup=warmup, pdl=pdl,
                                norm_weight=norm_weight, eps=eps, x_norm=x_norm, accumulate=accumulate,
                                l2_slab=l2_slab)
-    if params_layout(scales, zm):
-        raise ValueError(f"the {config['kind']} kind reads row-major (contiguous) int4 scales and zeros / mins; "
-                         f"group-major ones: the mma kind only")
+    check_params(scales, zm, f"the int4 {config['kind']} kind")
     N = qweight.shape[0]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     grid = (cdiv(M, bm), split, cdiv(N, bn))
@@ -470,6 +465,6 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
         NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), X_GLU=bool(x_glu), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,
-        L2_SLAB=l2_slab, PF_LANES=32 * config.get("num_warps", 4), PARAMS_PF=params_prefetch_ok(config, scales, zm, bn),
+        L2_SLAB=l2_slab, PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 3), **launch_kwargs(pdl),
     )

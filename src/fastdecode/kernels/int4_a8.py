@@ -36,7 +36,7 @@ import triton.language as tl
 from fastdecode.constants import INT8_MIN_SCALE
 from fastdecode.kernels.gemm import _epilogue, _fma_rows, _split_k_partial
 from fastdecode.kernels.host import cdiv
-from fastdecode.kernels.int4_dequant import params_layout
+from fastdecode.kernels.int4_dequant import check_params
 from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
@@ -283,8 +283,7 @@ def launch_int4_a8(q, scales_x, sums_x, qweight, scales, zm, group_size: int, ze
     inline PTX (compiled CUDA only; else the portable integer maths). ``warmup``: compile only. ``l2_slab`` (with
     ``pdl``, sm_90+; bytes, 0: off): each program prefetches up to that much of its weight words into L2 before
     its PDL wait."""
-    if params_layout(scales, zm):
-        raise ValueError("the W4A8 kernel reads row-major (contiguous) int4 scales and zeros / mins")
+    check_params(scales, zm, "the W4A8 kernel")
     M = q.shape[0]
     N, KW = qweight.shape
     split = split_k_of(KW, config)

@@ -234,24 +234,16 @@ def _dequant8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: t
                    tl.float16), is_pure=True, pack=1)
 
 
-def params_layout(scales, zm=None) -> bool:
-    """Whether the (N, G) scales (and the zeros / mins, in the same layout) are group-major in memory (strides
-    (1, N): the mma kind's PARAMS_T) rather than row-major (contiguous); any other layout is refused. Every int4
-    launch asks: the common case (both contiguous) returns at once."""
-    if scales.is_contiguous() and (zm is None or zm.is_contiguous()):
-        return False
-    N, G = scales.shape
-    layouts = set()
-    for t in (scales,) if zm is None else (scales, zm):
-        if t.shape != (N, G):
-            raise ValueError(f"int4 scales {tuple(scales.shape)} and zeros / mins {tuple(t.shape)} differ in shape")
-        if not (t.is_contiguous() or t.stride() == (1, N)):
-            raise ValueError(f"int4 scales / zeros with strides {t.stride()} for shape {(N, G)}: the kernels read them "
-                             f"row-major (contiguous) or, the mma kind only, group-major (strides (1, {N}))")
-        layouts.add(not t.is_contiguous())
-    if len(layouts) > 1:
-        raise ValueError("int4 scales and zeros / mins in different layouts (one row-major, one group-major)")
-    return layouts.pop()
+def check_params(scales, zm, kernel: str) -> None:
+    """Raise ValueError unless the (N, G) scales and the zeros / mins (or None) are contiguous: every int4 kernel
+    reads them row-major, ``row * G + group``, and would read another layout's values without an error.
+    ``ops.int4_format.Int4Weight.validate`` checks the same for the ops; every int4 launch asks too (the launchers
+    are the benchmarks' and the tuner's entry points): the common case returns at once. ``kernel``: for the
+    message."""
+    for name, t in (("scales", scales), ("zeros / mins", zm)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{kernel} reads int4 {name} row-major (contiguous); got strides {t.stride()} for "
+                             f"shape {tuple(t.shape)} (call .contiguous() once when preparing the weight)")
 
 
 def slices_per_group(group_size: int, K: int, bk: int) -> int:
@@ -298,8 +290,7 @@ def launch_int4_dequant(qweight, scales, zm, group_size: int, zero_mode: str, ou
                         block_k: int = 256):
     """out (N, K) contiguous bf16/fp16 <- dequantised qweight (N, Kp // 8), kernel column order."""
     N, K = out.shape
-    if params_layout(scales, zm):
-        raise ValueError("the dequant kernel reads row-major (contiguous) int4 scales and zeros / mins")
+    check_params(scales, zm, "the int4 dequant kernel")
     grid = (cdiv(N, block_n), cdiv(qweight.shape[1] * 8, block_k))
     _int4_dequant_kernel[grid](
         qweight, scales, zm if zm is not None else scales, out, N, K, scales.shape[1], qweight.shape[1],

@@ -38,8 +38,8 @@ import torch
 from fastdecode.kernels.gemm import _epilogue, _split_k_partial
 from fastdecode.kernels.gemm_norm import _affine, _rows_rstd, norm_tile
 from fastdecode.kernels.host import cdiv
-from fastdecode.kernels.int4_dequant import _ZERO_MODES, params_layout, slices_per_group
-from fastdecode.kernels.prefetch import l2_prefetch_params, l2_prefetch_rows, params_prefetch_ok, slab_bytes
+from fastdecode.kernels.int4_dequant import _ZERO_MODES, check_params, slices_per_group
+from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 # $0-$7: the packed pairs of shifts 0..7 (outputs, two columns each); $8, $9: the two words; then the
@@ -137,16 +137,17 @@ def _portable(qw, p: tl.constexpr, s, z, ZERO_MODE: tl.constexpr, W_DTYPE: tl.co
 
 
 @triton.jit
-def _tile_params(s_ptr, z_ptr, prow, G, GS, k0, j: tl.constexpr, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr):
+def _tile_params(s_ptr, z_ptr, prow, G, k0, j: tl.constexpr, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr):
     """fp32 scale and zero (or min) ``[BLOCK_N]`` of the j-th group of the layout tile at column k0
     (clamped: padding columns >= K may point past the last group; their x is 0). ``int4_dequant._group_params``
     computes the same as ``[BLOCK_N, 1]``; here it stays 1-D: loaded 2-D, the triton 3.6 sm_90 compile put the
-    whole converted weight tile through shared memory (session 11, benchmarks/NOTES.md)."""
+    whole converted weight tile through shared memory (session 11, benchmarks/NOTES.md). ``prow``: the rows'
+    offsets in the row-major (N, G) scales and zeros / mins, ``rn * G`` (computed once, in the kernel)."""
     if GROUP <= 256:
         gi = k0 // GROUP + j
     else:
         gi = k0 // GROUP
-    offs = prow + tl.minimum(gi, G - 1) * GS
+    offs = prow + tl.minimum(gi, G - 1)
     s = tl.load(s_ptr + offs).to(tl.float32)
     if ZERO_MODE == 0:
         z = s * 0.0 + 8.0
@@ -156,26 +157,26 @@ def _tile_params(s_ptr, z_ptr, prow, G, GS, k0, j: tl.constexpr, GROUP: tl.const
 
 
 @triton.jit
-def _tile_scales(s_ptr, prow, G, GS, k0, GROUP: tl.constexpr, SPG: tl.constexpr):
+def _tile_scales(s_ptr, prow, G, k0, GROUP: tl.constexpr, SPG: tl.constexpr):
     """fp32 scales ``[BLOCK_N]`` of the tile's groups (8 // SPG of them; the rest repeat the first)."""
     NG: tl.constexpr = 8 // SPG
-    s0, _ = _tile_params(s_ptr, s_ptr, prow, G, GS, k0, 0, GROUP, 0)
+    s0, _ = _tile_params(s_ptr, s_ptr, prow, G, k0, 0, GROUP, 0)
     s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
     if NG > 1:
-        s1, _ = _tile_params(s_ptr, s_ptr, prow, G, GS, k0, 1, GROUP, 0)
+        s1, _ = _tile_params(s_ptr, s_ptr, prow, G, k0, 1, GROUP, 0)
     if NG > 2:
-        s2, _ = _tile_params(s_ptr, s_ptr, prow, G, GS, k0, 2, GROUP, 0)
-        s3, _ = _tile_params(s_ptr, s_ptr, prow, G, GS, k0, 3, GROUP, 0)
+        s2, _ = _tile_params(s_ptr, s_ptr, prow, G, k0, 2, GROUP, 0)
+        s3, _ = _tile_params(s_ptr, s_ptr, prow, G, k0, 3, GROUP, 0)
     if NG > 4:
-        s4, _ = _tile_params(s_ptr, s_ptr, prow, G, GS, k0, 4, GROUP, 0)
-        s5, _ = _tile_params(s_ptr, s_ptr, prow, G, GS, k0, 5, GROUP, 0)
-        s6, _ = _tile_params(s_ptr, s_ptr, prow, G, GS, k0, 6, GROUP, 0)
-        s7, _ = _tile_params(s_ptr, s_ptr, prow, G, GS, k0, 7, GROUP, 0)
+        s4, _ = _tile_params(s_ptr, s_ptr, prow, G, k0, 4, GROUP, 0)
+        s5, _ = _tile_params(s_ptr, s_ptr, prow, G, k0, 5, GROUP, 0)
+        s6, _ = _tile_params(s_ptr, s_ptr, prow, G, k0, 6, GROUP, 0)
+        s7, _ = _tile_params(s_ptr, s_ptr, prow, G, k0, 7, GROUP, 0)
     return (s0, s1, s2, s3, s4, s5, s6, s7)
 
 
 @triton.jit
-def _tile_zeros(z_ptr, prow, G, GS, k0, GROUP: tl.constexpr, SPG: tl.constexpr, ZERO_MODE: tl.constexpr,
+def _tile_zeros(z_ptr, prow, G, k0, GROUP: tl.constexpr, SPG: tl.constexpr, ZERO_MODE: tl.constexpr,
                 W_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """``-(MAGIC + zero)`` of the tile's groups as ``[BLOCK_N, 32]`` W_DTYPE operands of ``_shift_asm`` ("sym": 8)."""
     if W_DTYPE == tl.bfloat16:
@@ -186,18 +187,18 @@ def _tile_zeros(z_ptr, prow, G, GS, k0, GROUP: tl.constexpr, SPG: tl.constexpr, 
     if ZERO_MODE == 0:
         z0 = _wide(tl.zeros((BLOCK_N,), dtype=tl.float32) - (MAGIC + 8.0), BLOCK_N, W_DTYPE)
         return (z0, z0, z0, z0, z0, z0, z0, z0)
-    _, z0 = _tile_params(z_ptr, z_ptr, prow, G, GS, k0, 0, GROUP, 1)
+    _, z0 = _tile_params(z_ptr, z_ptr, prow, G, k0, 0, GROUP, 1)
     z1, z2, z3, z4, z5, z6, z7 = z0, z0, z0, z0, z0, z0, z0
     if NG > 1:
-        _, z1 = _tile_params(z_ptr, z_ptr, prow, G, GS, k0, 1, GROUP, 1)
+        _, z1 = _tile_params(z_ptr, z_ptr, prow, G, k0, 1, GROUP, 1)
     if NG > 2:
-        _, z2 = _tile_params(z_ptr, z_ptr, prow, G, GS, k0, 2, GROUP, 1)
-        _, z3 = _tile_params(z_ptr, z_ptr, prow, G, GS, k0, 3, GROUP, 1)
+        _, z2 = _tile_params(z_ptr, z_ptr, prow, G, k0, 2, GROUP, 1)
+        _, z3 = _tile_params(z_ptr, z_ptr, prow, G, k0, 3, GROUP, 1)
     if NG > 4:
-        _, z4 = _tile_params(z_ptr, z_ptr, prow, G, GS, k0, 4, GROUP, 1)
-        _, z5 = _tile_params(z_ptr, z_ptr, prow, G, GS, k0, 5, GROUP, 1)
-        _, z6 = _tile_params(z_ptr, z_ptr, prow, G, GS, k0, 6, GROUP, 1)
-        _, z7 = _tile_params(z_ptr, z_ptr, prow, G, GS, k0, 7, GROUP, 1)
+        _, z4 = _tile_params(z_ptr, z_ptr, prow, G, k0, 4, GROUP, 1)
+        _, z5 = _tile_params(z_ptr, z_ptr, prow, G, k0, 5, GROUP, 1)
+        _, z6 = _tile_params(z_ptr, z_ptr, prow, G, k0, 6, GROUP, 1)
+        _, z7 = _tile_params(z_ptr, z_ptr, prow, G, k0, 7, GROUP, 1)
     return (_wide(-(MAGIC + z0), BLOCK_N, W_DTYPE), _wide(-(MAGIC + z1), BLOCK_N, W_DTYPE),
             _wide(-(MAGIC + z2), BLOCK_N, W_DTYPE), _wide(-(MAGIC + z3), BLOCK_N, W_DTYPE),
             _wide(-(MAGIC + z4), BLOCK_N, W_DTYPE), _wide(-(MAGIC + z5), BLOCK_N, W_DTYPE),
@@ -211,7 +212,7 @@ def _wide(v, BLOCK_N: tl.constexpr, W_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _convert(qw, s_ptr, z_ptr, prow, G, GS, k0, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, SPG: tl.constexpr,
+def _convert(qw, s_ptr, z_ptr, prow, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, SPG: tl.constexpr,
              ASM: tl.constexpr, W_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, RAW: tl.constexpr = False):
     """The eight shifts of ``qw [BLOCK_N, 32]`` as W_DTYPE MMA operands: ``q - zero`` (exact) for "sym" /
     "zero", ``q * scale + min`` (one rounding) for "min". Also returns the scales of the tile's groups (fp32,
@@ -221,19 +222,19 @@ def _convert(qw, s_ptr, z_ptr, prow, G, GS, k0, GROUP: tl.constexpr, ZERO_MODE: 
     else:
         MAGIC: tl.constexpr = 1024.0
     NG: tl.constexpr = 8 // SPG
-    s0, z0 = _tile_params(s_ptr, z_ptr, prow, G, GS, k0, 0, GROUP, ZERO_MODE)
+    s0, z0 = _tile_params(s_ptr, z_ptr, prow, G, k0, 0, GROUP, ZERO_MODE)
     s1, z1, s2, z2, s3, z3 = s0, z0, s0, z0, s0, z0
     s4, z4, s5, z5, s6, z6, s7, z7 = s0, z0, s0, z0, s0, z0, s0, z0
     if NG > 1:
-        s1, z1 = _tile_params(s_ptr, z_ptr, prow, G, GS, k0, 1, GROUP, ZERO_MODE)
+        s1, z1 = _tile_params(s_ptr, z_ptr, prow, G, k0, 1, GROUP, ZERO_MODE)
     if NG > 2:
-        s2, z2 = _tile_params(s_ptr, z_ptr, prow, G, GS, k0, 2, GROUP, ZERO_MODE)
-        s3, z3 = _tile_params(s_ptr, z_ptr, prow, G, GS, k0, 3, GROUP, ZERO_MODE)
+        s2, z2 = _tile_params(s_ptr, z_ptr, prow, G, k0, 2, GROUP, ZERO_MODE)
+        s3, z3 = _tile_params(s_ptr, z_ptr, prow, G, k0, 3, GROUP, ZERO_MODE)
     if NG > 4:
-        s4, z4 = _tile_params(s_ptr, z_ptr, prow, G, GS, k0, 4, GROUP, ZERO_MODE)
-        s5, z5 = _tile_params(s_ptr, z_ptr, prow, G, GS, k0, 5, GROUP, ZERO_MODE)
-        s6, z6 = _tile_params(s_ptr, z_ptr, prow, G, GS, k0, 6, GROUP, ZERO_MODE)
-        s7, z7 = _tile_params(s_ptr, z_ptr, prow, G, GS, k0, 7, GROUP, ZERO_MODE)
+        s4, z4 = _tile_params(s_ptr, z_ptr, prow, G, k0, 4, GROUP, ZERO_MODE)
+        s5, z5 = _tile_params(s_ptr, z_ptr, prow, G, k0, 5, GROUP, ZERO_MODE)
+        s6, z6 = _tile_params(s_ptr, z_ptr, prow, G, k0, 6, GROUP, ZERO_MODE)
+        s7, z7 = _tile_params(s_ptr, z_ptr, prow, G, k0, 7, GROUP, ZERO_MODE)
     # the scale / zero of each shift p: group p // SPG
     gs = (s0, s1, s2, s3, s4, s5, s6, s7)
     gz = (z0, z1, z2, z3, z4, z5, z6, z7)
@@ -299,8 +300,7 @@ def _int4_mma_kernel(
     EVEN_K: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, L2_PREFETCH: tl.constexpr,
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
     ACCUMULATE: tl.constexpr, MASK_X: tl.constexpr, TILES: tl.constexpr, CVT1: tl.constexpr, ABLATE: tl.constexpr,
-    PARAMS_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, L2_SLAB: tl.constexpr,
-    PF_LANES: tl.constexpr, PARAMS_PF: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles); a K step is one 256-column layout tile (32 words a row). KW is the
     number of words per weight row (a multiple of 32); columns >= K read x as 0.
@@ -321,12 +321,7 @@ def _int4_mma_kernel(
     ABLATE (a diagnostic: the outputs are not the product; ``benchmarks/diag_int4_gemv.py --ablate``): 0 the kernel;
     1 no conversion (the words' halves go to the MMA as they are, inline PTX only); 2 no MMA (the converted
     operands are XOR-ed into a register tile instead: no x loads, no wgmma, no scale fold); 3 both (ptxas then drops
-    the scale and zero loads too: nothing reads them; sm_90 SASS, session 35).
-
-    PARAMS_T: the scales and zeros / mins are group-major in memory ((G, N) storage, read as an (N, G) view): a
-    step's group of BLOCK_N rows is one contiguous run, where the row-major layout puts them G elements apart
-    (an experiment of session 35; session 36 on the H100: slower on every 8B shape, gate_up 37.4 us against 30.6).
-    PARAMS_PF (row-major only): the rows' scales and zeros / mins into L2 first (``kernels.prefetch``)."""
+    the scale and zero loads too: nothing reads them; sm_90 SASS, session 35)."""
     W_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -338,12 +333,7 @@ def _int4_mma_kernel(
     # out-of-range rows and tokens wrap onto valid ones (loads stay unmasked); they are never stored
     rn = (offs_n % N).to(tl.int64)
     rm = (offs_m % M).to(tl.int64)
-    if PARAMS_T:  # scales and zeros / mins group-major, (G, N) in memory: a group's rows side by side
-        prow = rn
-        GS = N
-    else:  # row-major (N, G)
-        prow = rn * G
-        GS = 1
+    prow = rn * G  # the rows' scales and zeros / mins (row-major (N, G))
     m_valid = offs_m < M
 
     kb_total = KW // (32 * TILES)
@@ -353,8 +343,6 @@ def _int4_mma_kernel(
 
     offs_w = tl.arange(0, 32)
     qw_rows = qw_ptr + rn[:, None] * KW + offs_w[None, :]
-    if PARAMS_PF:  # the rows' scales and zeros / mins into L2 (weights: before the wait; kernels.prefetch)
-        l2_prefetch_params(s_ptr, z_ptr, pid_n * BLOCK_N, N, G, ZERO_MODE > 0, BLOCK_N, PF_LANES)
     if USE_PDL:
         if L2_SLAB:
             l2_prefetch_rows(qw_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, KW * 4,
@@ -382,10 +370,10 @@ def _int4_mma_kernel(
             qw = tl.load(qw_rows + (kb * TILES + t) * 32)
             if CVT1:  # one shift converted at a time (sym / zero, inline PTX): fewer operand registers live
                 h = tl.inline_asm_elementwise(_HALVES, "=r,=r,r,r", [qw], dtype=tl.int32, is_pure=True, pack=2)
-                gs = _tile_scales(s_ptr, prow, G, GS, k0, GROUP, SPG)
-                zg = _tile_zeros(z_ptr, prow, G, GS, k0, GROUP, SPG, ZERO_MODE, W_DTYPE, BLOCK_N)
+                gs = _tile_scales(s_ptr, prow, G, k0, GROUP, SPG)
+                zg = _tile_zeros(z_ptr, prow, G, k0, GROUP, SPG, ZERO_MODE, W_DTYPE, BLOCK_N)
             else:
-                ws, gs = _convert(qw, s_ptr, z_ptr, prow, G, GS, k0, GROUP, ZERO_MODE, SPG, ASM, W_DTYPE, BLOCK_N,
+                ws, gs = _convert(qw, s_ptr, z_ptr, prow, G, k0, GROUP, ZERO_MODE, SPG, ASM, W_DTYPE, BLOCK_N,
                                   ABLATE % 2 == 1)
             for p in tl.static_range(8):
                 if CVT1:
@@ -455,6 +443,7 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
     True)); ``asm``: the inline-PTX conversion (CUDA, not the interpreter). The caller checks
     ``mma_supported``. ``norm_weight``, ``eps``, ``x_norm``, ``accumulate``, ``l2_slab``: as
     ``kernels.int4.launch_int4_linear``."""
+    check_params(scales, zm, "the int4 mma kind")
     M, K = x.shape
     N = qweight.shape[0]
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
@@ -462,7 +451,6 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
     if tiles not in (1, 2) or (qweight.shape[1] // 32) % tiles:
         tiles = 1  # whole steps only
     grid = (cdiv(M, bm), split, cdiv(N, bn))
-    params_t = params_layout(scales, zm)
     # X_NORM only: without it the constants stay those of the tile (one compiled variant, whatever M)
     norm_rm, norm_nb = norm_tile(bm, M if x_norm else bm)
     kernel = _int4_mma_kernel.warmup if warmup else _int4_mma_kernel[grid]
@@ -479,7 +467,6 @@ def launch_int4_mma(x, qweight, scales, zm, group_size: int, zero_mode: str, bia
         NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), MASK_X=bool(config.get("MASK_X", False)), TILES=tiles,
         CVT1=bool(config.get("CVT1", False)) and asm and zero_mode != "min", ABLATE=int(config.get("_ABLATE", 0)),
-        PARAMS_T=params_t, PARAMS_PF=not params_t and params_prefetch_ok(config, scales, zm, bn),
         BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1, L2_SLAB=slab_bytes(l2_slab, pdl, qweight),
         PF_LANES=32 * config.get("num_warps", 4),
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2), **launch_kwargs(pdl),

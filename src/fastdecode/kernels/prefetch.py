@@ -11,10 +11,6 @@ in L2. Weights are never written by the step's kernels, so the prefetch may run 
 The range is split over ``programs * LANES`` threads (``prefetch_plan``); each thread's chunk is a multiple of 16
 bytes from a 16-byte aligned base, as the instruction requires.
 
-``l2_prefetch_params``: an int4 GEMV program's rows' scales and zeros / mins (every group), before its PDL wait: in
-the loop, a step whose scales open a new sector waits on DRAM (session 36, H100: with every row's params in one hot
-column, the mma kind on 8B down ran 18.16 us against 25.30). ``params_prefetch_ok`` decides the launch's constexpr.
-
 ``l2_prefetch_rows``: a GEMV program's own weight slab (its rows, its split's columns), prefetched before its PDL
 wait. Under PDL a GEMV's programs become resident as the previous kernel's retire (or beside a small kernel such as
 the attention), so their slabs stream into L2 during the previous kernel's tail instead of after it; each program
@@ -84,38 +80,3 @@ def l2_prefetch_rows(base_ptr, row0, n_rows, row_stride, col_start, col_end, ROW
     size = tl.where(row < n_rows, tl.maximum(size, 0), 0).to(tl.int32)
     ptr = base_ptr + row.to(tl.int64) * row_stride + start
     tl.inline_asm_elementwise(_BULK_PREFETCH, "=r,l,r", [ptr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def l2_prefetch_params(s_ptr, z_ptr, row0, N, G, HAS_Z: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr):
-    """Rows ``[row0, row0 + ROWS)`` (those below ``N``) of the row-major (N, G) scales, and of the zeros / mins with
-    ``HAS_Z``, into L2: each tensor's rows are one contiguous range, split over the program's ``LANES`` threads
-    (``l2_prefetch_range``; the range cut to a multiple of 16 bytes). The launcher checks the 16-byte alignment
-    (``params_prefetch_ok``). A hint: it changes no result."""
-    rows = tl.minimum(N - row0, ROWS)
-    _l2_prefetch_row_block(s_ptr, row0, rows, G, LANES)
-    if HAS_Z:
-        _l2_prefetch_row_block(z_ptr, row0, rows, G, LANES)
-
-
-@triton.jit
-def _l2_prefetch_row_block(ptr, row0, rows, G, LANES: tl.constexpr):
-    """Rows ``[row0, row0 + rows)`` of a row-major tensor of ``G`` columns (one contiguous range) into L2."""
-    BYTES: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
-    nb = rows * G * BYTES // 16 * 16
-    base = ptr.to(tl.pointer_type(tl.uint8)) + row0.to(tl.int64) * G * BYTES
-    l2_prefetch_range(base, nb, (tl.cdiv(nb, LANES) + 15) // 16 * 16, 0, LANES)
-
-
-def params_prefetch_ok(config: dict, scales, zm, rows: int) -> bool:
-    """The ``PARAMS_PF`` constexpr of an int4 launch: the config asks for it (``"PARAMS_PF": True``; off by default,
-    not in the shipped tables: an experiment of session 36, timed by ``benchmarks/diag_int4_gemv.py --ablate``) and
-    the scales (and ``zm``) are contiguous with 16-byte aligned bases and ``rows``-row blocks (the bulk prefetch's
-    requirement; ``params_aligned``). CUDA tensors only: the interpreter runs no inline PTX."""
-    return bool(config.get("PARAMS_PF")) and scales.is_cuda and params_aligned(scales, zm, rows)
-
-
-def params_aligned(scales, zm, rows: int) -> bool:
-    """Whether the scales (and ``zm``) are contiguous with 16-byte aligned bases and ``rows``-row blocks."""
-    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 and rows * t.shape[1] * t.element_size() % 16 == 0
-               for t in ((scales,) if zm is None else (scales, zm)))
