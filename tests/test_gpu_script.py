@@ -469,3 +469,20 @@ def test_tests_suite_refuses_a_gpu_machine_without_the_embedded_model(gpu, tmp_p
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine: not asked
     assert gpu.main(["tests", "--out-dir", str(tmp_path / "o3"), "--git-sha", "abc"]) == 0
     assert len(ran) == 2
+
+
+def test_startup_bytecode_suite_times_the_warm_start_before_and_after_compileall(gpu, tmp_path):
+    """``startup-bytecode`` (session 37 did it by hand, and lost the first run to a wrong flag): two warm runs, then
+    ``compileall`` over ``src`` and the installed packages that start-up imports from source, then two more."""
+    steps = gpu.suite_commands("startup-bytecode", tmp_path, 1)
+    assert [s[0] for s in steps] == ["bench startup warm", "compileall", "bench startup warm, compiled"]
+    for (_, argv, _), name in zip(steps[::2], ("startup_warm.json", "startup_warm_compiled.json")):
+        assert argv[argv.index("bench") + 1] == "startup" and argv[argv.index("--runs") + 1:][:2] == ["warm", "warm"]
+        assert argv[argv.index("--out") + 1] == str(tmp_path / name)
+    argv = steps[1][1]
+    assert argv[1:3] == ["-m", "compileall"] and argv[argv.index("0") + 1] == str(gpu.ROOT / "src")
+    dirs = argv[argv.index("0") + 2:]
+    import triton  # noqa: F401  (installed with the test extra: its folder is among them)
+
+    assert any(d.rstrip("/").endswith("triton") for d in dirs), dirs
+    assert "startup-bytecode" in gpu.SUITES
