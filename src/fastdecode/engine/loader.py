@@ -111,24 +111,23 @@ def load(path: Optional[str] = None, *, device="cpu", dtype: Optional[torch.dtyp
     return loaded
 
 
-class _Background:
+class _Background(threading.Thread):
     """``fn(*args)`` in a daemon thread from now; ``result()`` joins it and returns its value or raises its
     exception in the caller."""
 
     def __init__(self, fn, *args):
-        self._out = self._err = None
+        super().__init__(name=f"fastdecode-{fn.__name__.strip('_').replace('_', '-')}", daemon=True)
+        self._fn, self._args, self._out, self._err = fn, args, None, None
+        self.start()
 
-        def run():
-            try:
-                self._out = fn(*args)
-            except BaseException as e:  # re-raised by result(), in the loading thread
-                self._err = e
-
-        self._thread = threading.Thread(target=run, name=f"fastdecode-{fn.__name__.strip('_')}", daemon=True)
-        self._thread.start()
+    def run(self):
+        try:
+            self._out = self._fn(*self._args)
+        except BaseException as e:  # re-raised by result(), in the loading thread
+            self._err = e
 
     def result(self):
-        self._thread.join()
+        self.join()
         if self._err is not None:
             raise self._err
         return self._out
@@ -146,15 +145,13 @@ def _prewarm_triton(device: torch.device, backend: str) -> Optional[threading.Th
     except Exception:  # another Triton layout: its first kernel call computes what it needs
         return None
 
-    def run():
+    def _triton_key():
         try:
             triton_key()
         except Exception:
             pass
 
-    t = threading.Thread(target=run, name="fastdecode-triton-key", daemon=True)
-    t.start()
-    return t
+    return _Background(_triton_key)
 
 
 def _load_model(ckpt: Checkpoint, *, device, dtype, backend, max_seq_len, progress, quant, tp,
