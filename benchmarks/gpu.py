@@ -72,6 +72,10 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``w8a16``  ``benchmarks/sweep_w8a16.py``: ``fp8_a16``'s W8A16 GEMV configs (8B wo, w2 with SiLU-and-mul, qkv,
               gate_up; M = 1, FMA and dot tiles) beside the W8A8 kernels they replace; the best into a copy of the table
               (``configs/``, section ``w8a16``) and the 8B FP8 step on it.
+* ``int4-packed`` ``benchmarks/sweep_int4_packed.py``: PACKED (``kernels.int4_packed``, the fma kind in packed 16-bit
+              pairs) against the table's choice on the 8B and 70B-TP2 gate_up shapes, M = 1 and 4, with cuBLAS BF16
+              and tinygemm; the tiles that win into a copy of the int4 table (``configs/``) and the 8B int4 step on it
+              beside the compiled peer.
 * ``int8-producers`` ``benchmarks/diag_int8_producers.py``: the int8-output RMSNorm / SiLU-and-mul / quantisation
               of ``int4_a8`` at one token against their native and FP8 forms, with an ablation of the int8 epilogue.
 * ``test-bounds`` ``benchmarks/diag_norm_gemm_test_bounds.py``: the int4 norm_gemm step against the unfused step
@@ -271,6 +275,15 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                 ("decode int4 head a8 tuned", tuned + _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
                                                               "--quant-head", "int4", "--impl", "fastdecode-graph",
                                                               "fastdecode-graph-with-int4_a8"), 300)]
+    if name == "int4-packed":
+        # PACKED's tiles that beat the table into a copy of the int4 table (main copies it), then the 8B int4 step on it
+        cfg_dir = out / "configs"
+        return [("sweep int4 packed", [PY, str(ROOT / "benchmarks" / "sweep_int4_packed.py"),
+                                       "--out", str(out / "sweep_int4_packed.json"),
+                                       "--table", str(cfg_dir / f"int4_linear_{gpu}.json")], 330),
+                ("decode int4 packed", ["env", f"FASTDECODE_CONFIG_DIR={cfg_dir}"] + _decode(
+                    out, "--batch", "1", "--iters", "30", "--quant", "int4", "--impl", "peer-compile",
+                    "fastdecode-graph"), 240)]
     if name == "w8a16":
         # fp8_a16's GEMV configs into a copy of the linear table (main copies it), then the 8B FP8 step on them
         cfg_dir = out / "configs"
@@ -362,7 +375,7 @@ SUITES = ("tests", "warm-tests", "tune", "tune-int4", "tune-int4-fused", "kernel
           "profile", "profile-switches", "hf", "serve",
           "startup", "startup-bytecode", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
           "int4-small", "int4-8b-options", "step-tables", "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16",
-          "int8-producers", "test-bounds",
+          "int8-producers", "test-bounds", "int4-packed",
           "l2-prefetch", "batch-rule")
 
 
@@ -747,7 +760,7 @@ def main(argv=None) -> int:
     not_in_all = ("tp", "tune", "tune-int4", "tune-int4-fused", "warm-tests", "int4-small", "int4-8b-options",
                   "step-tables", "int4-norm-pdl",
                   "int4-diag", "int4-a8", "profile-switches", "w8a16", "int8-producers", "test-bounds", "l2-prefetch",
-                  "batch-rule", "startup-bytecode")
+                  "batch-rule", "startup-bytecode", "int4-packed")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")
@@ -772,7 +785,7 @@ def main(argv=None) -> int:
             worst = max(worst, 1 if bad or r["exit_code"] else 0)
             continue
         # start from the tables in use (this GPU's, else its sibling's: ops._common.table_path); the rest is kept
-        if s in ("tune", "tune-int4", "tune-int4-fused", "int4-a8", "w8a16"):
+        if s in ("tune", "tune-int4", "tune-int4-fused", "int4-a8", "w8a16", "int4-packed"):
             import shutil
 
             from fastdecode.ops._common import table_path

@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -38,17 +39,21 @@ _ALIGNED = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "xs_ptr", "out_ptr"
 
 
 def sass(block_n: int, warps: int, norm: bool, prefetch: int = 1, scale_pf: bool = False, even_k: bool = False,
-         norm_loop: bool = False) -> str:
+         norm_loop: bool = False, fmt: str = "q4_1", packed: bool = False) -> str:
     """The kernel's sm_90 SASS at one token (BLOCK_M 1, BLOCK_K 256, one split, PDL on): with ``norm`` the RMSNorm
     inside (qkv / gate_up of the norm_gemm step), else the residual add (o / down); ``prefetch``: the kernel's
     PREFETCH (0 none, 1 the next step's words, 2 two steps ahead); ``scale_pf``: SCALE_PF (the next step's scales
-    and mins with its words); ``norm_loop``: NORM_LOOP (with ``norm``, the loop sums the rows' squares)."""
-    consts = dict(GROUP=32, ZERO_MODE=2, HAS_BIAS=False, USE_DOT=False, UNIFORM=True, SPG=1, EVEN_K=even_k,
+    and mins with its words); ``norm_loop``: NORM_LOOP (with ``norm``, the loop sums the rows' squares); ``fmt``: the
+    weight format, "q4_1" (the embedded model's) or "g128" (the 8B int4 model's: group 128, uint8 zeros, bf16
+    scales); ``packed``: PACKED (``kernels.int4_packed``; g128 only)."""
+    group, zero_mode, spg = (32, 2, 1) if fmt == "q4_1" else (128, 1, 4)
+    consts = dict(GROUP=group, ZERO_MODE=zero_mode, HAS_BIAS=False, USE_DOT=False, UNIFORM=True, SPG=spg,
+                  EVEN_K=even_k,
                   X_SCALE_MODE=0, FAST_CVT=False, PREFETCH=prefetch, SCALE_PF=scale_pf, NORM_LOOP=norm_loop,
-                  LOP3_ASM=True, USE_PDL=True,
+                  LOP3_ASM=True, USE_PDL=True, PACKED=packed,
                   L2_SLAB=0, PF_LANES=32 * warps, X_NORM=norm, NORM_AFFINE=norm, NORM_NB=2048, NORM_RM=1,
                   ACCUMULATE=not norm, X_GLU=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=256, SPLIT=False)
-    sig = {**_SIG, **{k: "constexpr" for k in consts}}
+    sig = {**_SIG, **({} if fmt == "q4_1" else {"s_ptr": "*bf16", "z_ptr": "*u8"}), **{k: "constexpr" for k in consts}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in _ALIGNED}
     cc = triton.compile(ASTSource(_int4_linear_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": warps, "num_stages": 1})
@@ -59,9 +64,9 @@ def sass(block_n: int, warps: int, norm: bool, prefetch: int = 1, scale_pf: bool
         return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
-def loop_loads(text: str) -> list[tuple[float, str]]:
-    """(position in the loop body, 0 to 1; the load's opcode) of each global load of the innermost backward-branch
-    loop (the K loop: the last loop whose body holds a 128-bit load)."""
+def _loop(text: str) -> tuple[list[str], int, int]:
+    """The SASS lines and the [start, end) of the K loop's body: the last backward-branch loop whose body holds a
+    128-bit load."""
     lines = text.splitlines()
     labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", ln.strip()))}
     loops = []
@@ -75,13 +80,30 @@ def loop_loads(text: str) -> list[tuple[float, str]]:
             body = (start, end)
     if body is None:
         raise ValueError("no K loop with a 128-bit load found in the SASS")
-    start, end = body
+    return lines, body[0], body[1]
+
+
+def loop_loads(text: str) -> list[tuple[float, str]]:
+    """(position in the loop body, 0 to 1; the load's opcode) of each global load of the innermost backward-branch
+    loop (the K loop: the last loop whose body holds a 128-bit load)."""
+    lines, start, end = _loop(text)
     out = []
     for i in range(start, end):
         m = re.search(r"\b(LDG\.E[.\w]*)", lines[i])
         if m:
             out.append((round((i - start) / (end - start), 3), m.group(1)))
     return out
+
+
+def loop_opcodes(text: str) -> Counter:
+    """The K loop's SASS instructions by opcode (the mnemonic before its first dot)."""
+    lines, start, end = _loop(text)
+    ops = Counter()
+    for ln in lines[start:end + 1]:
+        m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
+        if m and re.search(r"/\*[0-9a-f]{4}\*/", ln):
+            ops[m.group(1)] += 1
+    return ops
 
 
 def main() -> None:
@@ -92,10 +114,26 @@ def main() -> None:
     p.add_argument("--prefetch", type=int, default=1, choices=(0, 1, 2), help="the kernel's PREFETCH depth")
     p.add_argument("--scale-pf", action="store_true", help="SCALE_PF: the next step's scales with its words")
     p.add_argument("--norm-loop", action="store_true", help="NORM_LOOP: with --norm, the loop sums the squares")
+    p.add_argument("--format", default="q4_1", choices=("q4_1", "g128"),
+                   help="the embedded model's Q4_1 (group 32, mins) or the 8B's g128 (uint8 zeros, bf16 scales)")
+    p.add_argument("--packed", action="store_true", help="PACKED (kernels.int4_packed; --format g128)")
+    p.add_argument("--count", action="store_true", help="the loop's instructions per weight value, by opcode")
+    p.add_argument("--even-k", action="store_true", help="EVEN_K (K a multiple of 256: no column masks)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    loads = loop_loads(sass(a.block_n, a.warps, a.norm, prefetch=a.prefetch, scale_pf=a.scale_pf,
-                           norm_loop=a.norm_loop))
+    text = sass(a.block_n, a.warps, a.norm, prefetch=a.prefetch, scale_pf=a.scale_pf, norm_loop=a.norm_loop,
+                even_k=a.even_k, fmt=a.format, packed=a.packed)
+    if a.count:
+        ops = loop_opcodes(text)
+        values = a.block_n * 256 // (32 * a.warps)  # weight values per thread and K step (one token row)
+        total = sum(ops.values())
+        if a.json:
+            print(json.dumps({"instructions": total, "values": values, "opcodes": dict(ops)}))
+            return
+        print(f"{total} instructions a K step, {values} values a thread: {total / values:.2f} a value")
+        print(", ".join(f"{k} {v}" for k, v in ops.most_common()))
+        return
+    loads = loop_loads(text)
     if a.json:
         print(json.dumps([{"at": at, "op": op} for at, op in loads]))
         return

@@ -38,6 +38,7 @@ from fastdecode.kernels.int4_dequant import (
     _slice_params, _uniform, check_params, slices_per_group,
 )
 from fastdecode.kernels.int4_mma import launch_int4_mma
+from fastdecode.kernels.int4_packed import check_packed, packed_step
 from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
@@ -85,7 +86,7 @@ def _int4_linear_kernel(
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
     UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
     FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, SCALE_PF: tl.constexpr, NORM_LOOP: tl.constexpr,
-    LOP3_ASM: tl.constexpr, USE_PDL: tl.constexpr,
+    LOP3_ASM: tl.constexpr, USE_PDL: tl.constexpr, PACKED: tl.constexpr,
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
     ACCUMULATE: tl.constexpr, X_GLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
@@ -142,6 +143,8 @@ def _int4_linear_kernel(
     SCALES_NEXT: tl.constexpr = SCALE_PF and PREFETCH and not USE_DOT and SPG > 0
     tl.static_assert(not (X_NORM and X_FP8), "X_NORM takes a 16-bit residual stream, not an FP8 x")
     tl.static_assert(not (X_GLU and (USE_DOT or X_NORM or X_FP8)), "X_GLU: the FMA path, 16-bit x, no X_NORM")
+    tl.static_assert(not PACKED or (not USE_DOT and not X_FP8 and SPG % 4 == 0 and SPG > 0 and not SCALE_PF),
+                     "PACKED: the FMA kind, 16-bit x, groups of a multiple of 128 columns, no SCALE_PF")
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -189,7 +192,7 @@ def _int4_linear_kernel(
         xs1 = tl.zeros((BK8,), dtype=tl.float32)
         xs2 = tl.zeros((BK8,), dtype=tl.float32)
         xs3 = tl.zeros((BK8,), dtype=tl.float32)
-        if NORM_IN_LOOP:  # h's squares, per thread, reduced after the loop (``_norm_rows``)
+        if NORM_IN_LOOP or PACKED:  # h's squares, per thread, reduced after the loop (``_norm_rows``)
             ss0 = tl.zeros((BK8,), dtype=tl.float32)
             ss1 = tl.zeros((BK8,), dtype=tl.float32)
             ss2 = tl.zeros((BK8,), dtype=tl.float32)
@@ -244,6 +247,11 @@ def _int4_linear_kernel(
                 if NORM_AFFINE:
                     x = _affine(x, nw_ptr, kcol[None, :], k_mask[None, :], W_DTYPE)
                 acc = tl.dot(x, tl.trans(ws[p]), acc)
+        elif PACKED:  # the FMA kind in packed 16-bit pairs (kernels.int4_packed; LOP3_ASM: its inline PTX)
+            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
+                acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, k0, col0, K, s_ptr, z_ptr,
+                rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, LOP3_ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU, NORM_AFFINE,
+                NORM_IN_LOOP)
         else:
             qw_hi = qw >> 16
             for p in tl.static_range(8):
@@ -418,7 +426,8 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     triple buffer, the words of two steps ahead in flight), SCALE_PF (with PREFETCH, the fma kind where a shift's
     slice is one group: the next step's scales and zeros / mins loaded with its words), NORM_LOOP (with x_norm, the
     fma kind with one split: the loop sums the rows' squares instead of a pass before it),
-    fast_cvt (default True: the packed-pair PTX conversion where it applies).
+    fast_cvt (default True: the packed-pair PTX conversion where it applies), PACKED (an experiment, off by default:
+    the fma kind's step in packed 16-bit pairs, ``kernels.int4_packed``; ``check_packed`` says where it applies).
     ``warmup``: compile (or, under ``kernels.precompile``, queue the compile of) the kernel, launch nothing.
     ``pdl``: programmatic dependent launch (``kernels.pdl``).
     ``x_norm``: x is the residual stream h and the input ``rms_norm(h, norm_weight, eps)`` (norm_weight (K,) in
@@ -434,6 +443,9 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     """
     M, K = x.shape[0], x.shape[1] // (2 if x_glu else 1)
     _, split = split_k_blocks(K, config)
+    packed = bool(config.get("PACKED", False))
+    if packed:
+        check_packed(config, group_size, K, x.dtype, x_scale_mode)
     if config["kind"] == "mma":
         return launch_int4_mma(x, qweight, scales, zm, group_size, zero_mode, bias, out, part, locks, config, split,
                                asm=bool(config.get("asm", True)) and lop3_asm_ok(x), warmup=warmup, pdl=pdl,
@@ -461,7 +473,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         USE_DOT=config["kind"] == "dot", UNIFORM=uniform, SPG=spg, EVEN_K=K % bk == 0,
         X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=int(config.get("PREFETCH", False)),
         SCALE_PF=bool(config.get("SCALE_PF", False)), NORM_LOOP=bool(config.get("NORM_LOOP", False)),
-        LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl,
+        LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl, PACKED=packed,
         X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
         NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), X_GLU=bool(x_glu), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,

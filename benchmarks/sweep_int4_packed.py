@@ -1,0 +1,155 @@
+"""PACKED (``kernels.int4_packed``, the int4 FMA kind in packed 16-bit pairs) against the table's choice, one GPU,
+one process.
+
+    python benchmarks/sweep_int4_packed.py --out DIR/sweep_int4_packed.json [--ms 1,4] [--shapes 8b.qkv,...]
+        [--table DIR/int4_linear_<gpu>.json]
+
+Per shape and M (graph replays of 20 calls, rotated weights, median of 30; ``harness.time_cuda``), zero-point
+weights as the engine quantises them (group 128, bf16):
+
+* ``dispatch``: ``int4_linear`` as the engine calls it (the tuned table);
+* ``table + PACKED``: the table's tile with PACKED, where it is an fma tile of BLOCK_K 256 (SCALE_PF dropped);
+* ``packed bn.. w.. sk..``: a grid of PACKED fma tiles (64-128 rows on 4 or 8 warps, 32 on 2 or 4; splits 1-8),
+  each checked against the fp32 reference before it is timed (an ``error`` key where it misses);
+* baselines: ``cublas_bf16`` (``torch.mm`` on the dequantised weight) and ``tinygemm`` (``_weight_int4pack_mm``).
+
+The summary rows (``op: int4_packed_summary``): the table's time, the best PACKED tile's, the speed-up.
+
+``--table PATH``: where the best PACKED tile beats the table's choice, it replaces that (shape, M) entry of the
+``int4_linear`` section in a copy of the table in use at PATH (``FASTDECODE_CONFIG_DIR=DIR`` then runs the step on
+it: ``gpu.py int4-packed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from fastdecode.bench.harness import make_row, print_table, time_cuda, write_rows  # noqa: E402
+from fastdecode.bench.int4 import ZERO_MODE, _Operands, _ok  # noqa: E402
+from fastdecode.kernels.compile import precompile  # noqa: E402
+from fastdecode.ops.int4 import get_int4_config, int4_linear_with_config  # noqa: E402
+
+SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
+          "70b_tp2.gate_up": (28672, 8192)}
+TILES = ((32, 2), (32, 4), (64, 4), (128, 4), (128, 8))  # (BLOCK_N, num_warps)
+SPLITS = (1, 2, 4, 8)
+MIN_GAIN = 0.02  # --table: a PACKED tile replaces the table's entry only when it is this much faster
+
+
+def grid(M: int) -> list[dict]:
+    bm = 1 if M == 1 else (2 if M == 2 else 4)
+    return [{"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk, "num_warps": nw,
+             "num_stages": 1, "PREFETCH": True, "PACKED": True} for bn, nw in TILES for sk in SPLITS]
+
+
+def with_packed(cfg: dict) -> dict | None:
+    """The table's tile with PACKED, where it is an fma tile of one layout tile a step (SCALE_PF dropped)."""
+    if cfg.get("kind") != "fma" or cfg.get("BLOCK_K") != 256:
+        return None
+    return {**{k: v for k, v in cfg.items() if k != "SCALE_PF"}, "PACKED": True}
+
+
+def _name(c: dict) -> str:
+    return f"packed bn{c['BLOCK_N']} w{c['num_warps']} sk{c['SPLIT_K']}"
+
+
+def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
+    rows = []
+    for sname in shapes:
+        N, K = SHAPES[sname]
+        ops = _Operands(N, K, 128, max(ms), ZERO_MODE)
+        for M in ms:
+            shape = {"name": sname, "M": M, "N": N, "K": K, "group": 128}
+            nbytes = ops.bytes_int4(M)
+            t = time_cuda(ops.calls(M, "cublas"), graph=True)
+            rows.append(make_row("int4_packed", "cublas_bf16", shape, t, bytes_moved=ops.bytes_bf16(M)))
+            try:
+                t = time_cuda(ops.calls(M, "tinygemm"), graph=True)
+                rows.append(make_row("int4_packed", "tinygemm", shape, t, bytes_moved=nbytes))
+            except Exception as e:  # noqa: BLE001  (a shape tinygemm refuses: the row says why)
+                rows.append(make_row("int4_packed", "tinygemm", shape, None, error=e))
+            _, table_cfg = get_int4_config(M, N, K, 128, torch.device("cuda"))
+            err = _ok(ops, M, "dispatch")
+            t_table = time_cuda(ops.calls(M, "dispatch"), graph=True)
+            rows.append(make_row("int4_packed", "dispatch", shape, t_table, bytes_moved=nbytes, config=table_cfg,
+                                 **({"error": err} if err else {})))
+            cands = [("table + PACKED", c) for c in [with_packed(table_cfg)] if c] + [(_name(c), c) for c in grid(M)]
+            x, w0, out0 = ops.x_all[:M], ops.packed[0], ops.out_all[0][:M]
+            precompile(lambda c: int4_linear_with_config(x, w0, None, out0, c, warmup=True), [c for _, c in cands])
+            best = None
+            for name, c in cands:
+                try:
+                    err = _ok(ops, M, "triton", c)
+                    t = time_cuda(ops.calls(M, "triton", c), graph=True)
+                except Exception as e:  # noqa: BLE001  (out of resources: the row says so)
+                    rows.append(make_row("int4_packed", name, shape, None, config=c, error=e))
+                    continue
+                r = make_row("int4_packed", name, shape, t, bytes_moved=nbytes, config=c,
+                             **({"error": err} if err else {}))
+                rows.append(r)
+                if not err and (best is None or t.median_us < best["median_us"]):
+                    best = r
+            if best is not None:
+                rows.append(dict(best, impl="packed best", variant=best["impl"]))
+                rows.append(make_row("int4_packed_summary", "packed vs table", shape, None,
+                                     table_us=round(t_table.median_us, 3), packed_us=best["median_us"],
+                                     speedup=round(t_table.median_us / best["median_us"], 3),
+                                     table_config=table_cfg, best_config=best["config"]))
+            print_table([r for r in rows if r["shape"] == shape and not r["impl"].startswith("packed bn")],
+                        ("impl", "median_us", "tbps", "variant"))
+        del ops
+        torch.cuda.empty_cache()
+        for r in rows:
+            r.setdefault("zero_mode", ZERO_MODE)
+        if out_path:
+            write_rows(rows, out_path)
+    return rows
+
+
+def write_table(path: Path, rows: list[dict]) -> dict:
+    """The (shape, M) entries where the best PACKED tile beats the table's choice by ``MIN_GAIN``, into the
+    ``int4_linear`` section of the table at ``path`` (the table in use when ``path`` is new)."""
+    from fastdecode.bench.harness import write_table_section
+    from fastdecode.ops._common import table_path
+    from fastdecode.ops.int4 import table_key
+
+    entries: dict = {}
+    for r in rows:
+        if r["op"] == "int4_packed_summary" and r["speedup"] >= 1 + MIN_GAIN:
+            sh = r["shape"]
+            entries.setdefault(table_key(sh["N"], sh["K"], sh["group"]), {})[str(sh["M"])] = {
+                "impl": "triton", "config": r["best_config"], "us": r["packed_us"]}
+    base = table_path("int4_linear", torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    table = write_table_section(path, "int4_linear", entries, base)
+    print(f"wrote {path}: {sum(len(v) for v in entries.values())} entries with PACKED")
+    return table
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--ms", default="1,4")
+    p.add_argument("--table", type=Path, default=None,
+                   help="the PACKED tiles that win into a copy of the int4_linear table at this path")
+    a = p.parse_args(argv)
+    shapes = [s for s in a.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        p.error(f"unknown shape {bad[0]!r}; known: {', '.join(SHAPES)}")
+    rows = sweep(a.out, shapes, [int(m) for m in a.ms.split(",")])
+    if a.table:
+        write_table(a.table, rows)
+    print_table([r for r in rows if r["op"] == "int4_packed_summary"], ("shape", "table_us", "packed_us", "speedup"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""PACKED (``kernels.int4_packed``): the int4 FMA kind's K step in packed 16-bit pairs, an opt-in config key.
+
+Its products and four-term partial sums round to x's dtype, so it is checked against the exact product (fp32
+dequantised weight, fp32 matmul) with ``helpers.assert_product_close`` at six roundings, not against the FMA kind's
+two-ulp bound. The CPU runs the interpreter's fp32 emulation of those roundings; the GPU the inline PTX
+(``test_int4_packed_gpu_*``); the sm_90 SASS of the loop compiles on the CPU.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastdecode.ops.int4 as I
+from fastdecode.quant import int4 as Q
+from helpers import assert_product_close, poison_
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU = torch.cuda.is_available()
+cpu_only = pytest.mark.skipif(GPU, reason="the Triton interpreter (CPU); the GPU runs the PTX in the tests below")
+gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (the inline PTX)")
+ROUNDINGS = 6  # the product, three partial sums and the reference's weight rounding, with room
+
+
+def _weight(fmt, N, K, g, scale_dtype, device="cpu"):
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    s = (torch.rand(N, K // g) * 0.02 + 0.005).to(scale_dtype)
+    kw = {}
+    if fmt == "zero":
+        kw["zeros"] = torch.randint(0, 16, (N, K // g), dtype=torch.uint8)
+    elif fmt == "min":
+        kw["mins"] = (torch.randn(N, K // g) * 0.05).to(scale_dtype)
+    w = Q.prepack(q, s, group_size=g, **kw)
+    return w.to(device) if device != "cpu" else w
+
+
+def _check(w, x, bias, cfg):
+    """Run ``cfg`` on a poisoned output; compare with the exact product rounded once."""
+    out = poison_(torch.empty(x.shape[0], w.N, dtype=x.dtype, device=x.device))
+    I.int4_linear_with_config(x, w, bias, out, cfg)
+    wf = Q.dequantize_int4(w, torch.float32)
+    exact = x.float() @ wf.t() + (0 if bias is None else bias.float())
+    assert_product_close(out, exact.to(x.dtype), x, wf, roundings=ROUNDINGS)
+    return out
+
+
+def _cfg(block_m, block_n=8, split=1, **kw):
+    return dict(kind="fma", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split, PACKED=True, **kw)
+
+
+@cpu_only
+@pytest.mark.parametrize("fmt", ["sym", "zero", "min"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,block_m,split,K,g", [
+    (1, 1, 1, 512, 128),   # one token, two layout tiles
+    (3, 4, 2, 640, 128),   # a padded last tile (its high half past the last group), two splits, a masked row
+    (2, 2, 1, 768, 256),   # groups of two halves
+    (1, 1, 3, 1024, 1024),  # one group a row, three splits
+], ids=["m1", "m3_pad_split2", "m2_g256", "m1_one_group_split3"])
+def test_packed_matches_the_exact_product(fmt, dtype, M, block_m, split, K, g):
+    torch.manual_seed(0)
+    N = 37  # partial N tiles
+    w = _weight(fmt, N, K, g, dtype)
+    x = (torch.randn(M, K) * 0.5).to(dtype)
+    _check(w, x, torch.randn(N).to(dtype), _cfg(block_m, split=split, PREFETCH=True))
+
+
+@cpu_only
+def test_packed_with_the_norm_the_residual_add_and_silu_inside():
+    """The fused ops' flags on the PACKED step: RMSNorm of x inside (also summed in the loop, NORM_LOOP with one
+    split), the residual add into out, SiLU-and-mul in the loads: each against the plain PACKED GEMV of the input
+    the unfused kernels would give it (the same values up to one rounding of the output)."""
+    torch.manual_seed(1)
+    N, K, g, dtype = 24, 512, 128, torch.bfloat16
+    w = _weight("zero", N, K, g, dtype)
+    h = torch.randn(2, K).to(dtype)
+    nw = (torch.rand(K) + 0.5).to(dtype)
+    wf = Q.dequantize_int4(w, torch.float32)
+    # the kernel multiplies h * nw (rounded to bf16) with the weights, then scales the sums by the row's rstd
+    xn = (h.float() * nw.float()).to(dtype).float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    for norm_loop in (False, True):
+        out = poison_(torch.empty(2, N, dtype=dtype))
+        I.int4_linear_with_config(h, w, None, out, _cfg(2, NORM_LOOP=norm_loop), norm_weight=nw, eps=1e-5,
+                                  x_norm=True)
+        assert_product_close(out, (xn @ wf.t()).to(dtype), xn, wf, roundings=ROUNDINGS)
+    r = torch.randn(2, N).to(dtype)
+    out = r.clone()
+    x = torch.randn(2, K).to(dtype)
+    I.int4_linear_with_config(x, w, None, out, _cfg(2), accumulate=True)
+    assert_product_close(out, (x.float() @ wf.t() + r.float()).to(dtype), x, wf, roundings=ROUNDINGS)
+    gu = torch.randn(2, 2 * K).to(dtype)
+    out = poison_(torch.empty(2, N, dtype=dtype))
+    I.int4_linear_with_config(gu, w, None, out, _cfg(2), glu=True)
+    act = (torch.nn.functional.silu(gu[:, :K].float()) * gu[:, K:].float()).to(dtype)
+    assert_product_close(out, (act.float() @ wf.t()).to(dtype), act, wf, roundings=ROUNDINGS)
+
+
+@pytest.mark.parametrize("change,why", [
+    (dict(kind="dot", BLOCK_M=16), "the fma kind only"),
+    (dict(BLOCK_K=512), "BLOCK_K 512 with group 128"),
+    (dict(SCALE_PF=True, PREFETCH=True), "SCALE_PF"),
+])
+def test_packed_refuses_where_it_does_not_apply(change, why):
+    w = _weight("zero", 16, 512, 128, torch.bfloat16)
+    x = torch.randn(1, 512).bfloat16()
+    out = torch.empty(1, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="PACKED key does not apply: .*" + why.split(" (")[0]):
+        I.int4_linear_with_config(x, w, None, out, {**_cfg(1), **change})
+
+
+def test_packed_refuses_groups_of_64_and_fp32_activations():
+    from fastdecode.kernels.int4_packed import check_packed
+
+    with pytest.raises(ValueError, match="group 64"):
+        check_packed(_cfg(1), 64, 512, torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16 or fp16 only"):
+        check_packed(_cfg(1), 128, 512, torch.float32)
+    with pytest.raises(ValueError, match="bf16 or fp16 only"):
+        check_packed(_cfg(1), 128, 512, torch.bfloat16, x_scale_mode=1)
+    check_packed(_cfg(1), 128, 512, torch.float16)  # applies: no error
+
+
+def _loop_count(*flags):
+    """``benchmarks/sass_int4_loop.py --count`` in a process without the interpreter (as
+    ``test_sass_int4_loop.py``): the K loop's SASS opcodes; skips where this machine cannot compile for sm_90."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_int4_loop.py"), "--block-n", "64",
+                        "--format", "g128", "--even-k", "--count", "--json", *flags], capture_output=True, text=True,
+                       env=env, timeout=300)
+    if r.returncode != 0:
+        if "ptxas" in r.stderr or "nvdisasm" in r.stderr or "backend" in r.stderr.lower():
+            pytest.skip(f"cannot compile for sm_90 here: {r.stderr.strip().splitlines()[-1]}")
+        raise AssertionError(r.stderr[-3000:])
+    return json.loads(r.stdout)
+
+
+def test_sm90_packed_loop_issues_fewer_instructions_a_value():
+    """Speed guard (sm_90 SASS compiled on the CPU, the 8B's g128 zero-mode weight, one token, 64 rows on 4 warps, K
+    a multiple of 256): the PACKED loop converts and multiplies in 16-bit pairs (HFMA2 / HADD2 / HMUL2: one per two
+    values for q - zero and one for the dot, no fp32 maths per value) and issues at most 0.7x the FMA kind's
+    instructions a value (3.27 against 5.15 when it was written, triton 3.9)."""
+    plain, packed = _loop_count(), _loop_count("--packed")
+    values, ops = packed["values"], packed["opcodes"]
+    pairs = ops.get("HFMA2", 0) + ops.get("HADD2", 0) + ops.get("HMUL2", 0)
+    assert pairs == values, (pairs, ops)
+    assert ops.get("FFMA", 0) + ops.get("FMUL", 0) + ops.get("FADD", 0) <= values // 4, ops  # two folds a word
+    assert plain["opcodes"].get("HFMA2", 0) == 0 and plain["opcodes"]["FFMA"] >= values, plain
+    assert packed["instructions"] <= 0.7 * plain["instructions"], (packed["instructions"], plain["instructions"])
+
+
+@gpu_only
+@pytest.mark.parametrize("fmt", ["sym", "zero", "min"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_packed_gpu_matches_the_exact_product(fmt, dtype):
+    torch.manual_seed(2)
+    for (N, K, g), M, block_m, block_n, split in [((4096, 4096, 128), 1, 1, 64, 4), ((6144, 4096, 128), 4, 4, 32, 1),
+                                                  ((75, 640, 128), 3, 4, 16, 2), ((96, 1024, 256), 2, 2, 32, 1)]:
+        w = _weight(fmt, N, K, g, dtype, "cuda")
+        x = (torch.randn(M, K, device="cuda") * 0.5).to(dtype)
+        _check(w, x, torch.randn(N, device="cuda").to(dtype), _cfg(block_m, block_n, split, PREFETCH=True))
+
+
+@gpu_only
+def test_int4_packed_gpu_graph_replay_equals_eager():
+    torch.manual_seed(3)
+    w = _weight("zero", 4096, 4096, 128, torch.bfloat16, "cuda")
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    cfg = _cfg(1, 64, 4, PREFETCH=True)
+    eager = _check(w, x, None, cfg)
+    out = poison_(torch.empty_like(eager))
+    I.int4_linear_with_config(x, w, None, out, cfg)  # warm (compiled, split-K workspace allocated)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        I.int4_linear_with_config(x, w, None, out, cfg)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_the_sweep_writes_only_the_tiles_that_win_and_gpu_py_times_the_step_on_them(tmp_path):
+    """``benchmarks/sweep_int4_packed.py``: every grid tile is one PACKED applies to (the 8B's g128); ``--table``
+    takes a (shape, M) only where PACKED beat the table by ``MIN_GAIN``; ``gpu.py int4-packed`` runs the sweep into a
+    copy of the table, then the 8B int4 step on that copy beside the compiled peer."""
+    from fastdecode.kernels.int4_packed import check_packed
+    from helpers import load_script
+
+    sweep = load_script(ROOT / "benchmarks" / "sweep_int4_packed.py", "sweep_int4_packed")
+    for M in (1, 2, 4):
+        for c in sweep.grid(M):
+            check_packed(c, 128, 4096, torch.bfloat16)
+            assert c["BLOCK_M"] >= M
+    assert sweep.with_packed({"kind": "mma", "BLOCK_K": 256}) is None
+    assert sweep.with_packed({"kind": "fma", "BLOCK_K": 256, "SCALE_PF": True}) == {"kind": "fma", "BLOCK_K": 256,
+                                                                                  "PACKED": True}
+    best = {"kind": "fma", "BLOCK_N": 64, "PACKED": True}
+    rows = [{"op": "int4_packed_summary", "shape": {"N": 4096, "K": 4096, "group": 128, "M": 1}, "speedup": 1.3,
+             "packed_us": 5.0, "best_config": best},
+            {"op": "int4_packed_summary", "shape": {"N": 6144, "K": 4096, "group": 128, "M": 1}, "speedup": 1.01,
+             "packed_us": 9.0, "best_config": best},
+            {"op": "int4_packed", "shape": {"N": 6144, "K": 4096, "group": 128, "M": 1}}]
+    path = tmp_path / "configs" / "int4_linear_x.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"int4_linear": {"4096,4096,128": {"1": {"impl": "triton", "config": {}},
+                                                                   "16": {"impl": "dequant"}}}}))
+    table = sweep.write_table(path, rows)
+    assert table["int4_linear"]["4096,4096,128"]["1"] == {"impl": "triton", "config": best, "us": 5.0}
+    assert table["int4_linear"]["4096,4096,128"]["16"] == {"impl": "dequant"}  # the rest kept
+    assert "6144,4096,128" not in table["int4_linear"]
+    assert json.loads(path.read_text()) == table
+    gpu = load_script(ROOT / "benchmarks" / "gpu.py", "gpu_script")
+    (label, argv, t1), (label2, argv2, t2) = gpu.suite_commands("int4-packed", tmp_path, 1)
+    assert argv[1].endswith("sweep_int4_packed.py") and t1 + t2 < 600
+    assert argv[argv.index("--table") + 1] == str(tmp_path / "configs" / "int4_linear_nvidia_h200.json")
+    assert argv2[:2] == ["env", f"FASTDECODE_CONFIG_DIR={tmp_path / 'configs'}"]
+    assert argv2[argv2.index("--quant") + 1] == "int4"
+    assert argv2[argv2.index("--impl") + 1:] == ["peer-compile", "fastdecode-graph"]
