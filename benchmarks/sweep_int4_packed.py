@@ -5,11 +5,12 @@ one process.
         [--table DIR/int4_linear_<gpu>.json]
 
 Per shape and M (graph replays of 20 calls, rotated weights, median of 30; ``harness.time_cuda``), zero-point
-weights as the engine quantises them (group 128, bf16):
+weights as the engine quantises them (group 128, bf16), the 8B projections, 70B-TP2 gate_up and the 8B head (an int4
+head with ``--quant-head int4``):
 
 * ``dispatch``: ``int4_linear`` as the engine calls it (the tuned table);
 * ``table + PACKED``: the table's tile with PACKED, where it is an fma tile of BLOCK_K 256 (SCALE_PF dropped);
-* ``packed bn.. w.. sk..``: a grid of PACKED fma tiles (64-128 rows on 4 or 8 warps, 32 on 2 or 4; splits 1-8),
+* ``packed bn.. w.. sk..``: a grid of PACKED fma tiles (``bench.int4.PACKED_TILES``, the tuner's; splits 1-8),
   each checked against the fp32 reference before it is timed (an ``error`` key where it misses);
 * baselines: ``cublas_bf16`` (``torch.mm`` on the dequantised weight) and ``tinygemm`` (``_weight_int4pack_mm``).
 
@@ -32,13 +33,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from fastdecode.bench.harness import make_row, print_table, time_cuda, write_rows  # noqa: E402
-from fastdecode.bench.int4 import ZERO_MODE, _Operands, _ok  # noqa: E402
+from fastdecode.bench.int4 import PACKED_TILES, ZERO_MODE, _Operands, _ok  # noqa: E402
 from fastdecode.kernels.compile import precompile  # noqa: E402
 from fastdecode.ops.int4 import get_int4_config, int4_linear_with_config  # noqa: E402
 
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
-          "70b_tp2.gate_up": (28672, 8192)}
-TILES = ((32, 2), (32, 4), (64, 4), (128, 4), (128, 8))  # (BLOCK_N, num_warps)
+          "70b_tp2.gate_up": (28672, 8192), "8b.head": (128256, 4096)}  # the head: --quant-head int4
 SPLITS = (1, 2, 4, 8)
 MIN_GAIN = 0.02  # --table: a PACKED tile replaces the table's entry only when it is this much faster
 
@@ -46,7 +46,7 @@ MIN_GAIN = 0.02  # --table: a PACKED tile replaces the table's entry only when i
 def grid(M: int) -> list[dict]:
     bm = 1 if M == 1 else (2 if M == 2 else 4)
     return [{"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk, "num_warps": nw,
-             "num_stages": 1, "PREFETCH": True, "PACKED": True} for bn, nw in TILES for sk in SPLITS]
+             "num_stages": 1, "PREFETCH": True, "PACKED": True} for bn, nw in PACKED_TILES for sk in SPLITS]
 
 
 def with_packed(cfg: dict) -> dict | None:

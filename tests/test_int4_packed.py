@@ -221,3 +221,22 @@ def test_the_sweep_writes_only_the_tiles_that_win_and_gpu_py_times_the_step_on_t
     assert argv2[:2] == ["env", f"FASTDECODE_CONFIG_DIR={tmp_path / 'configs'}"]
     assert argv2[argv2.index("--quant") + 1] == "int4"
     assert argv2[argv2.index("--impl") + 1:] == ["peer-compile", "fastdecode-graph"]
+
+
+def test_the_tuner_proposes_packed_tiles_where_they_apply():
+    """``bench.int4.candidates(..., group_size=)``: PACKED fma tiles at one and two tokens of W4A16 weights whose
+    groups are a multiple of 128 columns (or one a row), each one ``check_packed`` accepts; none at three tokens,
+    for W4A8, for groups of 32 or 64, or without a group size (the callers that time every candidate)."""
+    from fastdecode.bench.int4 import PACKED_TILES, candidates
+    from fastdecode.kernels.int4_packed import check_packed
+
+    for M in (1, 2):
+        for g in (128, 256, 4096):
+            packed = [c for c in candidates(M, 4096, 4096, group_size=g) if c.get("PACKED")]
+            assert len(packed) == 4 * len(PACKED_TILES), (M, g)
+            for c in packed:
+                check_packed(c, g, 4096, torch.bfloat16)
+    assert not [c for c in candidates(3, 4096, 4096, group_size=128) if c.get("PACKED")]
+    assert not [c for c in candidates(1, 4096, 4096, fp8=True, group_size=128) if c.get("PACKED")]
+    assert not [c for g in (32, 64) for c in candidates(1, 4096, 4096, group_size=g) if c.get("PACKED")]
+    assert not [c for c in candidates(1, 4096, 4096) if c.get("PACKED")]

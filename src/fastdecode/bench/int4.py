@@ -172,9 +172,21 @@ MMA_MAX_M = 64
 KINDS = ("fma", "mma", "dot")
 
 
+# PACKED's fma tiles (BLOCK_N, num_warps): session 38's best at M = 1 on the H100 were 32 rows on 4 warps (qkv,
+# gate_up, 70B-TP2 gate_up) and 128 on 8 (o, down)
+PACKED_TILES = ((32, 2), (32, 4), (64, 4), (128, 4), (128, 8))
+
+
+def packed_applies(group_size: int, K: int) -> bool:
+    """Whether the PACKED key applies to W4A16 weights of this group size and K (``kernels.int4_packed``)."""
+    from fastdecode.kernels.int4_dequant import slices_per_group
+
+    return slices_per_group(group_size, K, 256) in (4, 8)
+
+
 def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
                smem_limit: Optional[int] = None, small_m_dot: bool = False,
-               kinds: Sequence[str] = KINDS) -> list[dict]:
+               kinds: Sequence[str] = KINDS, group_size: Optional[int] = None) -> list[dict]:
     """A small config list per M: fma tiles for M <= 8, mma tiles for M <= 64 (W4A16), dot tiles for M >= 8,
     split-K 1..16; ``kinds``: only these kinds.
 
@@ -194,6 +206,9 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
     up to 16 rows also with PREFETCH 2 and / or SCALE_PF (the kernel's options for the loop's load latency);
     ``quick``: the wide fma tiles on 4 warps, the small ones on 2, fewer dot tiles (a tuning run that fits a few
     device minutes).
+    ``group_size``: where given and PACKED applies (W4A16, M <= 2, groups of a multiple of 128 columns or one a row:
+    ``kernels.int4_packed.check_packed``), the fma tiles of ``PACKED_TILES`` with PACKED too (session 38, H100, 8B
+    shapes at M = 1: 1.17-1.26x the table's fma tiles, a tie with gate_up's mma tile, and a loss at M = 4).
     ``smem_limit`` (bytes, ``fastdecode.ops.int4.smem_limit(device)``): configs whose shared-memory
     estimate (``ops.int4.smem_bytes``) exceeds it are not proposed; None keeps them all."""
     from fastdecode.ops.int4 import smem_bytes
@@ -219,6 +234,10 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
                                                      ((2, False), (True, True)) + (() if quick else ((2, True),))):
             out.append({"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": 1,
                         "num_warps": nw, "num_stages": 1, "PREFETCH": pf, "SCALE_PF": spf})
+        if group_size is not None and M <= 2 and not fp8 and packed_applies(group_size, K):
+            for (bn, nw), sk in itertools.product(PACKED_TILES, splits[:4]):
+                out.append({"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
+                            "num_warps": nw, "num_stages": 1, "PREFETCH": True, "PACKED": True})
     if M < 8 and not small_m_dot:
         bms = []
     else:
@@ -328,7 +347,8 @@ def tune(out_path=None, *, shapes=None, ms: Optional[Sequence[int]] = None, grou
             entries = table[op].setdefault(table_key(N, K, g), {})
             impl = "triton_fp8" if is_fp8 else "triton"
             for M in ms:
-                cands = candidates(M, N, K, is_fp8, quick, smem_limit=limit, small_m_dot=small_m_dot, kinds=kinds)
+                cands = candidates(M, N, K, is_fp8, quick, smem_limit=limit, small_m_dot=small_m_dot, kinds=kinds,
+                                   group_size=g)
                 old = entries.get(str(M))
                 if old and old.get("impl") == "triton" and old.get("config") and old["config"] not in cands:
                     cands.append(dict(old["config"]))  # the incumbent, timed again beside the new kinds
