@@ -36,8 +36,10 @@ import triton.language as tl
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from fastdecode.bench.harness import make_row, print_table, time_cuda, write_rows  # noqa: E402
-from fastdecode.bench.int4 import ZERO_MODE, ZERO_MODES, _Operands, _ok  # noqa: E402
+from fastdecode.bench.harness import make_row, print_table, time_cuda  # noqa: E402
+from fastdecode.bench.int4 import (  # noqa: E402
+    ZERO_MODE, ZERO_MODES, _Operands, _ok, baseline_rows, flush_rows, timed_configs,
+)
 from fastdecode.ops import pdl_override  # noqa: E402
 from fastdecode.ops.int4 import get_int4_config  # noqa: E402
 
@@ -82,17 +84,6 @@ def copy_calls(ops):
     return [lambda p=p: dst.copy_(p.qweight) for p in ops.packed]
 
 
-def tinygemm_calls(ops, M):
-    from fastdecode.bench.peers import TinygemmLinear
-
-    lin = TinygemmLinear.from_dense(ops.w_bf16[0], group_size=128)
-    lins = [lin] + [TinygemmLinear(lin.packed.detach().clone(), lin.scales_and_zeros.detach().clone(),
-                                   lin.in_features, lin.padded_in_features, lin.out_features, lin.group_size,
-                                   None, lin.dtype) for _ in range(ops.rot - 1)]
-    x = ops.x_all[:M]
-    return [lambda m=m: m(x) for m in lins]
-
-
 def mma_variants(M: int, base: dict, few: bool = False) -> list[tuple[str, dict]]:
     """The table's config and variants of it (name, config). ``few``: the 64-row 4-warp tile at splits 1 and 8
     only, as session 18's table ran it (no MASK_X, no CVT1) and as session 19's (both)."""
@@ -121,15 +112,6 @@ PROBES = [(f"probe bn{bn} bw{bw} s{st} sk{sk}", {"BLOCK_N": bn, "BW": bw, "SPLIT
           for bn, bw in ((64, 32), (128, 32), (16, 128), (32, 128)) for st in (1, 3) for sk in (1, 4)]
 
 
-def _flush(rows: list[dict], zero_mode: str, out_path: Path | None) -> None:
-    """After a shape: free its operands' cache, name the weights' zero mode in every row, write the rows so far."""
-    torch.cuda.empty_cache()
-    for r in rows:
-        r.setdefault("zero_mode", zero_mode)
-    if out_path:
-        write_rows(rows, out_path)
-
-
 def sweep(out_path: Path | None, shapes, ms, few: bool = False, zero_mode: str = ZERO_MODE) -> list[dict]:
     rows = []
     for sname, (N, K) in shapes.items():
@@ -137,13 +119,7 @@ def sweep(out_path: Path | None, shapes, ms, few: bool = False, zero_mode: str =
         for M in ms:
             shape = {"name": sname, "M": M, "N": N, "K": K, "group": 128}
             nbytes = ops.bytes_int4(M)
-            t = time_cuda(ops.calls(M, "cublas"), graph=True)
-            rows.append(make_row("int4_gemv_diag", "cublas_bf16", shape, t, bytes_moved=ops.bytes_bf16(M)))
-            try:
-                t = time_cuda(tinygemm_calls(ops, M), graph=True)
-                rows.append(make_row("int4_gemv_diag", "tinygemm", shape, t, bytes_moved=nbytes))
-            except Exception as e:  # noqa: BLE001  (a shape tinygemm refuses: the row says why)
-                rows.append(make_row("int4_gemv_diag", "tinygemm", shape, None, error=e))
+            rows += baseline_rows("int4_gemv_diag", ops, M, shape)
             err = _ok(ops, M, "dispatch")
             t = time_cuda(ops.calls(M, "dispatch"), graph=True)
             impl, cfg = get_int4_config(M, N, K, 128, torch.device("cuda"))
@@ -155,19 +131,7 @@ def sweep(out_path: Path | None, shapes, ms, few: bool = False, zero_mode: str =
                 for name, pc in (PROBES[:2] if few else PROBES):
                     t = time_cuda(probe_calls(ops, pc), graph=True)
                     rows.append(make_row("int4_gemv_diag", name, shape, t, bytes_moved=nbytes, config=pc))
-            best = None
-            for name, c in mma_variants(M, cfg, few):
-                try:
-                    err = _ok(ops, M, "triton", c)
-                    t = time_cuda(ops.calls(M, "triton", c), graph=True)
-                except Exception as e:  # noqa: BLE001  (out of resources: the row says so)
-                    rows.append(make_row("int4_gemv_diag", name, shape, None, config=c, error=e))
-                    continue
-                r = make_row("int4_gemv_diag", name, shape, t, bytes_moved=nbytes, config=c,
-                             **({"error": err} if err else {}))
-                rows.append(r)
-                if not err and (best is None or t.median_us < best["median_us"]):
-                    best = r
+            best = timed_configs("int4_gemv_diag", ops, M, shape, mma_variants(M, cfg, few), rows)
             if best is not None:
                 rows.append(dict(best, impl="mma best of sweep", variant=best["impl"]))
             print_table([r for r in rows if r["shape"] == shape and not r["impl"].startswith(("mma bn", "probe"))]
@@ -175,7 +139,7 @@ def sweep(out_path: Path | None, shapes, ms, few: bool = False, zero_mode: str =
                                   and r["median_us"]], key=lambda r: r["median_us"])[:2],
                         ("impl", "median_us", "tbps", "variant"))
         del ops
-        _flush(rows, zero_mode, out_path)
+        flush_rows(rows, zero_mode, out_path)
     return rows
 
 
@@ -240,8 +204,8 @@ def ablate(out_path: Path | None, shapes, zero_mode: str = ZERO_MODE) -> list[di
         timed("hot params: the kernel", base, params="hot")
         timed("hot params: the table's choice", cfg, params="hot")
         print_table([r for r in rows if r["shape"] == shape], ("impl", "median_us", "tbps"))
-        del ops, timed  # the partial holds the operands too: both go before _flush empties the cache
-        _flush(rows, zero_mode, out_path)
+        del ops, timed  # the partial holds the operands too: both go before flush_rows empties the cache
+        flush_rows(rows, zero_mode, out_path)
     return rows
 
 

@@ -35,8 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from fastdecode.bench.harness import make_row, print_table, time_cuda, write_rows  # noqa: E402
-from fastdecode.bench.int4 import ZERO_MODE, _Operands, _ok  # noqa: E402
+from fastdecode.bench.harness import make_row, print_table, time_cuda  # noqa: E402
+from fastdecode.bench.int4 import (  # noqa: E402
+    ZERO_MODE, _Operands, _ok, baseline_rows, flush_rows, pick_shapes, write_best_configs,
+)
 from fastdecode.kernels.compile import precompile  # noqa: E402
 from fastdecode.ops import int4_a8 as A  # noqa: E402
 from fastdecode.ops.int4 import get_int4_config  # noqa: E402
@@ -108,13 +110,7 @@ def sweep(out_path: Path | None, shapes, ms, quick: bool = False) -> list[dict]:
             shape = {"name": sname, "M": M, "N": N, "K": K, "group": 128}
             a8 = _A8(ops, M)
             nbytes = ops.bytes_int4(M)
-            t = time_cuda(ops.calls(M, "cublas"), graph=True)
-            rows.append(make_row("int4_a8", "cublas_bf16", shape, t, bytes_moved=ops.bytes_bf16(M)))
-            try:
-                t = time_cuda(ops.calls(M, "tinygemm"), graph=True)
-                rows.append(make_row("int4_a8", "tinygemm", shape, t, bytes_moved=nbytes))
-            except Exception as e:  # noqa: BLE001  (a shape tinygemm refuses: the row says why)
-                rows.append(make_row("int4_a8", "tinygemm", shape, None, error=e))
+            rows += baseline_rows("int4_a8", ops, M, shape)
             err = _ok(ops, M, "dispatch")
             t16 = time_cuda(ops.calls(M, "dispatch"), graph=True)
             rows.append(make_row("int4_a8", "w4a16 dispatch", shape, t16, bytes_moved=nbytes,
@@ -168,11 +164,7 @@ def sweep(out_path: Path | None, shapes, ms, quick: bool = False) -> list[dict]:
             print_table([r for r in rows if r["shape"] == shape and not r["impl"].startswith("a8 gemv bn")],
                         ("impl", "median_us", "tbps", "variant"))
         del ops
-        torch.cuda.empty_cache()
-        for r in rows:
-            r.setdefault("zero_mode", ZERO_MODE)
-        if out_path:
-            write_rows(rows, out_path)
+        flush_rows(rows, ZERO_MODE, out_path)
     return rows
 
 
@@ -180,20 +172,7 @@ def write_table(path: Path, rows: list[dict]) -> dict:
     """The sweep's best configs as the ``int4_linear_a8`` section of the int4_linear table at ``path`` (the rest of
     the table as it was, or as the table in use when ``path`` is new; ``int4_linear_a8_env``: this run's GPU and
     commit, as the section's own record)."""
-    from fastdecode.bench.harness import write_table_section
-    from fastdecode.ops._common import table_path
-    from fastdecode.ops.int4 import table_key
-
-    entries: dict = {}
-    for r in rows:
-        if r["op"] == "int4_a8_summary" and r.get("best_config"):
-            sh = r["shape"]
-            entries.setdefault(table_key(sh["N"], sh["K"], sh["group"]), {})[str(sh["M"])] = {
-                "impl": "triton", "config": r["best_config"], "us": r["a8_gemv_best_us"]}
-    base = table_path("int4_linear", torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-    table = write_table_section(path, A.TABLE_SECTION, entries, base)
-    print(f"wrote {path}")
-    return table
+    return write_best_configs(path, A.TABLE_SECTION, rows, "int4_a8_summary", "a8_gemv_best_us")
 
 
 def main(argv=None) -> int:
@@ -205,11 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--table", type=Path, default=None,
                    help="write each (shape, M)'s best config into this int4_linear table (section int4_linear_a8)")
     a = p.parse_args(argv)
-    shapes = [s for s in a.shapes.split(",") if s]
-    bad = [s for s in shapes if s not in SHAPES]
-    if bad:
-        p.error(f"unknown shape {bad[0]!r}; known: {', '.join(SHAPES)}")
-    rows = sweep(a.out, shapes, [int(m) for m in a.ms.split(",")], a.quick)
+    rows = sweep(a.out, pick_shapes(p, a.shapes, SHAPES), [int(m) for m in a.ms.split(",")], a.quick)
     if a.table:
         write_table(a.table, rows)
     print_table([r for r in rows if r["op"] == "int4_a8_summary"],

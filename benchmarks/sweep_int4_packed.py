@@ -32,8 +32,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from fastdecode.bench.harness import make_row, print_table, time_cuda, write_rows  # noqa: E402
-from fastdecode.bench.int4 import PACKED_TILES, ZERO_MODE, _Operands, _ok  # noqa: E402
+from fastdecode.bench.harness import make_row, print_table, time_cuda  # noqa: E402
+from fastdecode.bench.int4 import (  # noqa: E402
+    PACKED_TILES, ZERO_MODE, _Operands, _ok, baseline_rows, flush_rows, pick_shapes, timed_configs,
+    write_best_configs,
+)
 from fastdecode.kernels.compile import precompile  # noqa: E402
 from fastdecode.ops.int4 import get_int4_config, int4_linear_with_config  # noqa: E402
 
@@ -67,35 +70,16 @@ def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
         ops = _Operands(N, K, 128, max(ms), ZERO_MODE)
         for M in ms:
             shape = {"name": sname, "M": M, "N": N, "K": K, "group": 128}
-            nbytes = ops.bytes_int4(M)
-            t = time_cuda(ops.calls(M, "cublas"), graph=True)
-            rows.append(make_row("int4_packed", "cublas_bf16", shape, t, bytes_moved=ops.bytes_bf16(M)))
-            try:
-                t = time_cuda(ops.calls(M, "tinygemm"), graph=True)
-                rows.append(make_row("int4_packed", "tinygemm", shape, t, bytes_moved=nbytes))
-            except Exception as e:  # noqa: BLE001  (a shape tinygemm refuses: the row says why)
-                rows.append(make_row("int4_packed", "tinygemm", shape, None, error=e))
+            rows += baseline_rows("int4_packed", ops, M, shape)
             _, table_cfg = get_int4_config(M, N, K, 128, torch.device("cuda"))
             err = _ok(ops, M, "dispatch")
             t_table = time_cuda(ops.calls(M, "dispatch"), graph=True)
-            rows.append(make_row("int4_packed", "dispatch", shape, t_table, bytes_moved=nbytes, config=table_cfg,
-                                 **({"error": err} if err else {})))
+            rows.append(make_row("int4_packed", "dispatch", shape, t_table, bytes_moved=ops.bytes_int4(M),
+                                 config=table_cfg, **({"error": err} if err else {})))
             cands = [("table + PACKED", c) for c in [with_packed(table_cfg)] if c] + [(_name(c), c) for c in grid(M)]
             x, w0, out0 = ops.x_all[:M], ops.packed[0], ops.out_all[0][:M]
             precompile(lambda c: int4_linear_with_config(x, w0, None, out0, c, warmup=True), [c for _, c in cands])
-            best = None
-            for name, c in cands:
-                try:
-                    err = _ok(ops, M, "triton", c)
-                    t = time_cuda(ops.calls(M, "triton", c), graph=True)
-                except Exception as e:  # noqa: BLE001  (out of resources: the row says so)
-                    rows.append(make_row("int4_packed", name, shape, None, config=c, error=e))
-                    continue
-                r = make_row("int4_packed", name, shape, t, bytes_moved=nbytes, config=c,
-                             **({"error": err} if err else {}))
-                rows.append(r)
-                if not err and (best is None or t.median_us < best["median_us"]):
-                    best = r
+            best = timed_configs("int4_packed", ops, M, shape, cands, rows)
             if best is not None:
                 rows.append(dict(best, impl="packed best", variant=best["impl"]))
                 rows.append(make_row("int4_packed_summary", "packed vs table", shape, None,
@@ -105,31 +89,15 @@ def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
             print_table([r for r in rows if r["shape"] == shape and not r["impl"].startswith("packed bn")],
                         ("impl", "median_us", "tbps", "variant"))
         del ops
-        torch.cuda.empty_cache()
-        for r in rows:
-            r.setdefault("zero_mode", ZERO_MODE)
-        if out_path:
-            write_rows(rows, out_path)
+        flush_rows(rows, ZERO_MODE, out_path)
     return rows
 
 
 def write_table(path: Path, rows: list[dict]) -> dict:
     """The (shape, M) entries where the best PACKED tile beats the table's choice by ``MIN_GAIN``, into the
     ``int4_linear`` section of the table at ``path`` (the table in use when ``path`` is new)."""
-    from fastdecode.bench.harness import write_table_section
-    from fastdecode.ops._common import table_path
-    from fastdecode.ops.int4 import table_key
-
-    entries: dict = {}
-    for r in rows:
-        if r["op"] == "int4_packed_summary" and r["speedup"] >= 1 + MIN_GAIN:
-            sh = r["shape"]
-            entries.setdefault(table_key(sh["N"], sh["K"], sh["group"]), {})[str(sh["M"])] = {
-                "impl": "triton", "config": r["best_config"], "us": r["packed_us"]}
-    base = table_path("int4_linear", torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-    table = write_table_section(path, "int4_linear", entries, base)
-    print(f"wrote {path}: {sum(len(v) for v in entries.values())} entries with PACKED")
-    return table
+    return write_best_configs(path, "int4_linear", rows, "int4_packed_summary", "packed_us",
+                              keep=lambda r: r["speedup"] >= 1 + MIN_GAIN)
 
 
 def main(argv=None) -> int:
@@ -140,11 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--table", type=Path, default=None,
                    help="the PACKED tiles that win into a copy of the int4_linear table at this path")
     a = p.parse_args(argv)
-    shapes = [s for s in a.shapes.split(",") if s]
-    bad = [s for s in shapes if s not in SHAPES]
-    if bad:
-        p.error(f"unknown shape {bad[0]!r}; known: {', '.join(SHAPES)}")
-    rows = sweep(a.out, shapes, [int(m) for m in a.ms.split(",")])
+    rows = sweep(a.out, pick_shapes(p, a.shapes, SHAPES), [int(m) for m in a.ms.split(",")])
     if a.table:
         write_table(a.table, rows)
     print_table([r for r in rows if r["op"] == "int4_packed_summary"], ("shape", "table_us", "packed_us", "speedup"))

@@ -157,23 +157,21 @@ def _dot_ref(qw, z_lo, z_hi, xl0, xl1, xl2, xl3, xh0, xh1, xh2, xh3, ZERO_MODE: 
 
 
 @triton.jit
-def _x_shift(x_row, kcol, mask, K, nw_ptr, X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr, W_DTYPE: tl.constexpr):
-    """One token row's x at the columns ``kcol`` in W_DTYPE (SiLU-and-mul inside with X_GLU; times the norm weight
-    with NORM_AFFINE) and h itself as fp32 (for the rows' squares of the norm in the loop)."""
-    h = _load_x(x_row + kcol, mask, K, X_GLU)
+def _x_shift(x_row, kc, OFF: tl.constexpr, col0, row_ok, K, nw_ptr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+             X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr, W_DTYPE: tl.constexpr):
+    """One token row's x at the columns ``kc + OFF`` (those that exist, of a row that exists; EVEN_K: every column,
+    a mask constant along K) in W_DTYPE (SiLU-and-mul inside with X_GLU; times the norm weight with NORM_AFFINE),
+    and h itself as fp32 (for the rows' squares of the norm in the loop)."""
+    if EVEN_K:
+        mask = (col0 < BLOCK_K) & row_ok
+    else:
+        mask = (kc + OFF < K) & row_ok
+    h = _load_x(x_row + kc + OFF, mask, K, X_GLU)
     x = h
     if NORM_AFFINE:
-        g = tl.load(nw_ptr + kcol, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(nw_ptr + kc + OFF, mask=mask, other=0.0).to(tl.float32)
         x = (h.to(tl.float32) * g).to(W_DTYPE)
     return x, h.to(tl.float32)
-
-
-@triton.jit
-def _mask(kc, off: tl.constexpr, col0, row_ok, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The columns ``kc + off`` that exist, of a row that exists (EVEN_K: every column; a constant along K)."""
-    if EVEN_K:
-        return (col0 < BLOCK_K) & row_ok
-    return (kc + off < K) & row_ok
 
 
 @triton.jit
@@ -184,22 +182,14 @@ def _row_step(acc, ss, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x_row, row_ok
     """One token row of a K step: ``acc += s_lo * sum_lo + s_hi * sum_hi`` (+ the mins' terms); ``ss``: h's squares
     (NORM_IN_LOOP)."""
     kc = k0 + col0
-    xl0, hl0 = _x_shift(x_row, kc, _mask(kc, 0, col0, row_ok, K, EVEN_K, BLOCK_K), K, nw_ptr, X_GLU, NORM_AFFINE,
-                        W_DTYPE)
-    xl1, hl1 = _x_shift(x_row, kc + 32, _mask(kc, 32, col0, row_ok, K, EVEN_K, BLOCK_K), K, nw_ptr, X_GLU,
-                        NORM_AFFINE, W_DTYPE)
-    xl2, hl2 = _x_shift(x_row, kc + 64, _mask(kc, 64, col0, row_ok, K, EVEN_K, BLOCK_K), K, nw_ptr, X_GLU,
-                        NORM_AFFINE, W_DTYPE)
-    xl3, hl3 = _x_shift(x_row, kc + 96, _mask(kc, 96, col0, row_ok, K, EVEN_K, BLOCK_K), K, nw_ptr, X_GLU,
-                        NORM_AFFINE, W_DTYPE)
-    xh0, hh0 = _x_shift(x_row, kc + 128, _mask(kc, 128, col0, row_ok, K, EVEN_K, BLOCK_K), K, nw_ptr, X_GLU,
-                        NORM_AFFINE, W_DTYPE)
-    xh1, hh1 = _x_shift(x_row, kc + 160, _mask(kc, 160, col0, row_ok, K, EVEN_K, BLOCK_K), K, nw_ptr, X_GLU,
-                        NORM_AFFINE, W_DTYPE)
-    xh2, hh2 = _x_shift(x_row, kc + 192, _mask(kc, 192, col0, row_ok, K, EVEN_K, BLOCK_K), K, nw_ptr, X_GLU,
-                        NORM_AFFINE, W_DTYPE)
-    xh3, hh3 = _x_shift(x_row, kc + 224, _mask(kc, 224, col0, row_ok, K, EVEN_K, BLOCK_K), K, nw_ptr, X_GLU,
-                        NORM_AFFINE, W_DTYPE)
+    xl0, hl0 = _x_shift(x_row, kc, 0, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xl1, hl1 = _x_shift(x_row, kc, 32, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xl2, hl2 = _x_shift(x_row, kc, 64, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xl3, hl3 = _x_shift(x_row, kc, 96, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xh0, hh0 = _x_shift(x_row, kc, 128, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xh1, hh1 = _x_shift(x_row, kc, 160, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xh2, hh2 = _x_shift(x_row, kc, 192, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xh3, hh3 = _x_shift(x_row, kc, 224, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
     if NORM_IN_LOOP:
         ss += hl0 * hl0 + hl1 * hl1 + hl2 * hl2 + hl3 * hl3 + hh0 * hh0 + hh1 * hh1 + hh2 * hh2 + hh3 * hh3
     if ASM:
