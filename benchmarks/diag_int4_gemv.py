@@ -37,9 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from fastdecode.bench.harness import make_row, print_table, time_cuda  # noqa: E402
-from fastdecode.bench.int4 import (  # noqa: E402
-    ZERO_MODE, ZERO_MODES, _Operands, _ok, baseline_rows, flush_rows, timed_configs,
-)
+from fastdecode.bench.int4 import ZERO_MODE, ZERO_MODES, _Operands, _ok  # noqa: E402
+from fastdecode.bench.int4_scripts import baseline_rows, flush_rows, timed_configs  # noqa: E402
 from fastdecode.ops import pdl_override  # noqa: E402
 from fastdecode.ops.int4 import get_int4_config  # noqa: E402
 

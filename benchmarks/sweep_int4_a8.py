@@ -36,9 +36,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fastdecode.bench.harness import make_row, print_table, time_cuda  # noqa: E402
-from fastdecode.bench.int4 import (  # noqa: E402
-    ZERO_MODE, _Operands, _ok, baseline_rows, flush_rows, pick_shapes, write_best_configs,
-)
+from fastdecode.bench.int4 import ZERO_MODE, _Operands, _ok  # noqa: E402
+from fastdecode.bench.int4_scripts import baseline_rows, flush_rows, pick_shapes, write_best_configs  # noqa: E402
 from fastdecode.kernels.compile import precompile  # noqa: E402
 from fastdecode.ops import int4_a8 as A  # noqa: E402
 from fastdecode.ops.int4 import get_int4_config  # noqa: E402

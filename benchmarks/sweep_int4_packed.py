@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from fastdecode.bench.harness import make_row, print_table, time_cuda  # noqa: E402
-from fastdecode.bench.int4 import (  # noqa: E402
-    PACKED_TILES, ZERO_MODE, _Operands, _ok, baseline_rows, flush_rows, pick_shapes, timed_configs,
-    write_best_configs,
+from fastdecode.bench.int4 import PACKED_TILES, ZERO_MODE, _Operands, _ok  # noqa: E402
+from fastdecode.bench.int4_scripts import (  # noqa: E402
+    baseline_rows, flush_rows, pick_shapes, timed_configs, write_best_configs,
 )
 from fastdecode.kernels.compile import precompile  # noqa: E402
 from fastdecode.ops.int4 import get_int4_config, int4_linear_with_config  # noqa: E402

@@ -165,78 +165,6 @@ def _ok(ops: _Operands, M: int, impl: str, config=None, fp8: bool = False) -> Op
     return None if err <= tol else f"max error {err:.3g} > {tol:.3g}"
 
 
-def baseline_rows(op: str, ops: _Operands, M: int, shape: dict) -> list[dict]:
-    """The benchmarks' two baselines at M, as rows of ``op``: ``cublas_bf16`` (``torch.mm`` on the dequantised
-    weight) and ``tinygemm`` (``_weight_int4pack_mm``; a shape it refuses gives a row with the error)."""
-    rows = [make_row(op, "cublas_bf16", shape, time_cuda(ops.calls(M, "cublas"), graph=True),
-                     bytes_moved=ops.bytes_bf16(M))]
-    try:
-        rows.append(make_row(op, "tinygemm", shape, time_cuda(ops.calls(M, "tinygemm"), graph=True),
-                             bytes_moved=ops.bytes_int4(M)))
-    except Exception as e:  # noqa: BLE001  (a shape tinygemm refuses: the row says why)
-        rows.append(make_row(op, "tinygemm", shape, None, error=e))
-    return rows
-
-
-def timed_configs(op: str, ops: _Operands, M: int, shape: dict, named: Sequence[tuple[str, dict]],
-                  rows: list[dict]) -> Optional[dict]:
-    """Each (name, config) checked against the reference (an ``error`` key where it misses), then timed, appended
-    to ``rows`` (one that cannot launch: a row with the error); returns the fastest correct row, or None."""
-    best = None
-    for name, c in named:
-        try:
-            err = _ok(ops, M, "triton", c)
-            t = time_cuda(ops.calls(M, "triton", c), graph=True)
-        except Exception as e:  # noqa: BLE001  (out of resources: the row says so)
-            rows.append(make_row(op, name, shape, None, config=c, error=e))
-            continue
-        r = make_row(op, name, shape, t, bytes_moved=ops.bytes_int4(M), config=c, **({"error": err} if err else {}))
-        rows.append(r)
-        if not err and (best is None or t.median_us < best["median_us"]):
-            best = r
-    return best
-
-
-def flush_rows(rows: list[dict], zero_mode: str, out_path: Optional[Path]) -> None:
-    """After a shape (its operands deleted by the caller): free the cache, name the weights' zero mode in every
-    row, write the rows so far."""
-    torch.cuda.empty_cache()
-    for r in rows:
-        r.setdefault("zero_mode", zero_mode)
-    if out_path:
-        write_rows(rows, out_path)
-
-
-def write_best_configs(path: Path, section: str, rows: list[dict], summary_op: str, us_key: str,
-                       keep=lambda r: bool(r.get("best_config"))) -> dict:
-    """The sweep scripts' ``--table``: each ``summary_op`` row that ``keep`` accepts gives its (shape, M) entry
-    ``{"impl": "triton", "config": best_config, "us": row[us_key]}`` in ``section`` of the int4_linear table at
-    ``path`` (``harness.write_table_section``: merged into what the file holds, else into the table in use)."""
-    from fastdecode.bench.harness import write_table_section
-    from fastdecode.ops._common import table_path
-    from fastdecode.ops.int4 import table_key
-
-    entries: dict = {}
-    for r in rows:
-        if r["op"] == summary_op and keep(r):
-            sh = r["shape"]
-            entries.setdefault(table_key(sh["N"], sh["K"], sh["group"]), {})[str(sh["M"])] = {
-                "impl": "triton", "config": r["best_config"], "us": r[us_key]}
-    base = table_path("int4_linear", torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-    table = write_table_section(path, section, entries, base)
-    print(f"wrote {path}: {sum(len(v) for v in entries.values())} entries into {section}")
-    return table
-
-
-def pick_shapes(parser, text: str, known: dict) -> list[str]:
-    """The sweep scripts' ``--shapes``: comma-separated names of ``known``; an unknown one is the parser's error."""
-    shapes = [s for s in text.split(",") if s]
-    bad = [s for s in shapes if s not in known]
-    if bad:
-        parser.error(f"unknown shape {bad[0]!r}; known: {', '.join(known)}")
-    return shapes
-
-
 # ----------------------------------------------------------------------------- tuning
 
 
@@ -278,9 +206,8 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
     up to 16 rows also with PREFETCH 2 and / or SCALE_PF (the kernel's options for the loop's load latency);
     ``quick``: the wide fma tiles on 4 warps, the small ones on 2, fewer dot tiles (a tuning run that fits a few
     device minutes).
-    ``group_size``: where given and PACKED applies (W4A16, M <= 2, groups of a multiple of 128 columns or one a row:
-    ``kernels.int4_packed.check_packed``), the fma tiles of ``PACKED_TILES`` with PACKED too (session 38, H100, 8B
-    shapes at M = 1: 1.17-1.26x the table's fma tiles, a tie with gate_up's mma tile, and a loss at M = 4).
+    ``group_size``: where given and PACKED applies (W4A16, M <= 2, ``packed_applies``), ``PACKED_TILES`` with PACKED
+    too (session 38, H100, 8B at M = 1: 1.17-1.26x the fma tiles, a tie with gate_up's mma tile, a loss at M = 4).
     ``smem_limit`` (bytes, ``fastdecode.ops.int4.smem_limit(device)``): configs whose shared-memory
     estimate (``ops.int4.smem_bytes``) exceeds it are not proposed; None keeps them all."""
     from fastdecode.ops.int4 import smem_bytes
