@@ -73,9 +73,9 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               gate_up; M = 1, FMA and dot tiles) beside the W8A8 kernels they replace; the best into a copy of the table
               (``configs/``, section ``w8a16``) and the 8B FP8 step on it.
 * ``int4-packed`` ``benchmarks/sweep_int4_packed.py``: PACKED (``kernels.int4_packed``, the fma kind in packed 16-bit
-              pairs) against the table's choice on the 8B and 70B-TP2 gate_up shapes, M = 1 and 4, with cuBLAS BF16
-              and tinygemm; the tiles that win into a copy of the int4 table (``configs/``) and the 8B int4 step on it
-              beside the compiled peer.
+              pairs) against the table's choice on the 8B shapes, the 8B head and 70B-TP2 gate_up, M = 1 and 2, with
+              cuBLAS BF16 and tinygemm; the tiles that win into a copy of the int4 table (``configs/``) and the 8B int4
+              step on it beside the compiled peer.
 * ``int8-producers`` ``benchmarks/diag_int8_producers.py``: the int8-output RMSNorm / SiLU-and-mul / quantisation
               of ``int4_a8`` at one token against their native and FP8 forms, with an ablation of the int8 epilogue.
 * ``test-bounds`` ``benchmarks/diag_norm_gemm_test_bounds.py``: the int4 norm_gemm step against the unfused step

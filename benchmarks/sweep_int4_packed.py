@@ -1,7 +1,7 @@
 """PACKED (``kernels.int4_packed``, the int4 FMA kind in packed 16-bit pairs) against the table's choice, one GPU,
 one process.
 
-    python benchmarks/sweep_int4_packed.py --out DIR/sweep_int4_packed.json [--ms 1,4] [--shapes 8b.qkv,...]
+    python benchmarks/sweep_int4_packed.py --out DIR/sweep_int4_packed.json [--ms 1,2] [--shapes 8b.qkv,...]
         [--table DIR/int4_linear_<gpu>.json]
 
 Per shape and M (graph replays of 20 calls, rotated weights, median of 30; ``harness.time_cuda``), zero-point
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    p.add_argument("--ms", default="1,4")
+    p.add_argument("--ms", default="1,2")
     p.add_argument("--table", type=Path, default=None,
                    help="the PACKED tiles that win into a copy of the int4_linear table at this path")
     a = p.parse_args(argv)

@@ -172,9 +172,9 @@ MMA_MAX_M = 64
 KINDS = ("fma", "mma", "dot")
 
 
-# PACKED's fma tiles (BLOCK_N, num_warps): session 38's best at M = 1 on the H100 were 32 rows on 4 warps (qkv,
-# gate_up, 70B-TP2 gate_up) and 128 on 8 (o, down)
-PACKED_TILES = ((32, 2), (32, 4), (64, 4), (128, 4), (128, 8))
+# PACKED's fma tiles (BLOCK_N, num_warps): session 38's best at M = 1 on the H100, 32 rows on 4 warps and 128 on 8,
+# had few words a thread; 16 rows and 32 or 64 on 8 warps (4-8 words a thread) were not timed then
+PACKED_TILES = ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 4), (128, 8))
 
 
 def packed_applies(group_size: int, K: int) -> bool:
