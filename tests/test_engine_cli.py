@@ -150,3 +150,8 @@ def test_bench_decode_out_merges_rows_instead_of_clobbering(tmp_path, capsys):
     assert merge_rows([committed], [skipped]) == [committed]
     faster = {**skipped, "median_us": 3500.0}
     assert merge_rows([committed], [faster]) == [faster]
+    # a run on another table directory (FASTDECODE_CONFIG_DIR) is another measurement: both rows stay
+    other_tables = {**faster, "config_dir": "/tmp/configs", "median_us": 3000.0}
+    assert merge_rows([faster], [other_tables]) == [faster, other_tables]
+    assert merge_rows([faster, other_tables], [{**faster, "median_us": 3400.0}]) == [
+        {**faster, "median_us": 3400.0}, other_tables]

@@ -29,10 +29,13 @@ def add_speedup_vs_peer(rows: list[dict]) -> None:
 
 def row_key(row: dict) -> tuple:
     """What one decode row measures: rows with equal keys replace each other in a results file.
-    (Older rows have no quant / tp in their shape: none and 1.)"""
+    (Older rows have no quant / tp in their shape: none and 1.) The tables' directory (``config_dir``, from
+    ``FASTDECODE_CONFIG_DIR``; none for the package's) is part of it: in session 38 the step on a sweep's table copy
+    was replaced by the step on the package's tables, run later into the same file."""
     s = row.get("shape", {})
     return (row.get("op"), s.get("model"), row.get("impl"), s.get("dtype"), s.get("quant") or "none",
-            s.get("tp") or 1, s.get("batch"), s.get("input_len"), s.get("output_len"), row.get("gpu"))
+            s.get("tp") or 1, s.get("batch"), s.get("input_len"), s.get("output_len"), row.get("gpu"),
+            row.get("config_dir"))
 
 
 def merge_rows(old: list, new: list[dict]) -> list[dict]:
