@@ -177,13 +177,6 @@ KINDS = ("fma", "mma", "dot")
 PACKED_TILES = ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 4), (128, 8))
 
 
-def packed_applies(group_size: int, K: int) -> bool:
-    """Whether the PACKED key applies to W4A16 weights of this group size and K (``kernels.int4_packed``)."""
-    from fastdecode.kernels.int4_dequant import slices_per_group
-
-    return slices_per_group(group_size, K, 256) in (4, 8)
-
-
 def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
                smem_limit: Optional[int] = None, small_m_dot: bool = False,
                kinds: Sequence[str] = KINDS, group_size: Optional[int] = None) -> list[dict]:
@@ -206,10 +199,12 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
     up to 16 rows also with PREFETCH 2 and / or SCALE_PF (the kernel's options for the loop's load latency);
     ``quick``: the wide fma tiles on 4 warps, the small ones on 2, fewer dot tiles (a tuning run that fits a few
     device minutes).
-    ``group_size``: where given and PACKED applies (W4A16, M <= 2, ``packed_applies``), ``PACKED_TILES`` with PACKED
-    too (session 38, H100, 8B at M = 1: 1.17-1.26x the fma tiles, a tie with gate_up's mma tile, a loss at M = 4).
+    ``group_size``: where given and PACKED applies (W4A16, M <= 2, ``kernels.int4_packed.groups_fit``), ``PACKED_TILES``
+    with PACKED too (session 38, H100, 8B at M = 1: 1.17-1.26x the fma tiles, a tie with gate_up's mma tile, a loss
+    at M = 4).
     ``smem_limit`` (bytes, ``fastdecode.ops.int4.smem_limit(device)``): configs whose shared-memory
     estimate (``ops.int4.smem_bytes``) exceeds it are not proposed; None keeps them all."""
+    from fastdecode.kernels.int4_packed import groups_fit
     from fastdecode.ops.int4 import smem_bytes
 
     out = []
@@ -233,7 +228,7 @@ def candidates(M: int, N: int, K: int, fp8: bool = False, quick: bool = False,
                                                      ((2, False), (True, True)) + (() if quick else ((2, True),))):
             out.append({"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": 1,
                         "num_warps": nw, "num_stages": 1, "PREFETCH": pf, "SCALE_PF": spf})
-        if group_size is not None and M <= 2 and not fp8 and packed_applies(group_size, K):
+        if group_size is not None and M <= 2 and not fp8 and groups_fit(group_size, K):
             for (bn, nw), sk in itertools.product(PACKED_TILES, splits[:4]):
                 out.append({"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk,
                             "num_warps": nw, "num_stages": 1, "PREFETCH": True, "PACKED": True})

@@ -96,12 +96,12 @@ _DOT_F16: tl.constexpr = tl.constexpr(_dot_asm("fma.rn.f16x2", "mov.b32 {{l, h}}
 @triton.jit
 def _neg_zeros(z_lo, z_hi, ZERO_MODE: tl.constexpr, F16: tl.constexpr):
     """``-(MAGIC + zero)`` of the two halves' groups as one packed word ``[BLOCK_N, 1]`` (the zeros are the fp32
-    integers 0..15 of ``_group_params``; sym: 8; min: 0, the min is added apart)."""
+    integers 0..15 of ``_half_params``, 8 for sym; min: 0, the min is added apart)."""
     if F16:
         neg = _NEG_MAGIC_F16
     else:
         neg = _NEG_MAGIC_BF16
-    if ZERO_MODE == 0:
+    if ZERO_MODE == 0:  # a constant: not derived from z_lo (s * 0 + 8 at run time)
         return neg | 8 | (8 << 16) | (z_lo * 0.0).to(tl.int32)
     elif ZERO_MODE == 1:
         return neg | z_lo.to(tl.int32) | (z_hi.to(tl.int32) << 16)
@@ -265,6 +265,12 @@ def packed_step(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_x
     return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
 
 
+def groups_fit(group_size: int, K: int, block_k: int = 256) -> bool:
+    """Whether each half of a K step's layout tile lies in one group: BLOCK_K 256 and groups of a multiple of 128
+    columns, or one group a row (the rule ``check_packed`` and the int4 tuner's PACKED candidates share)."""
+    return slices_per_group(group_size, K, block_k) in (4, 8)
+
+
 def check_packed(config: dict, group_size: int, K: int, x_dtype, x_scale_mode: int = 0) -> None:
     """Raise ValueError unless the PACKED key applies (``kernels.int4_packed``): the fma kind, BLOCK_K 256, 16-bit
     activations (W4A16), groups of a multiple of 128 columns (or one group a row), no SCALE_PF."""
@@ -273,7 +279,7 @@ def check_packed(config: dict, group_size: int, K: int, x_dtype, x_scale_mode: i
         why.append(f"kind {config.get('kind')!r} (the fma kind only)")
     if x_scale_mode != 0 or x_dtype not in (torch.bfloat16, torch.float16):
         why.append(f"activations {x_dtype} (bf16 or fp16 only)")
-    if slices_per_group(group_size, K, config["BLOCK_K"]) not in (4, 8):
+    if not groups_fit(group_size, K, config["BLOCK_K"]):
         why.append(f"BLOCK_K {config['BLOCK_K']} with group {group_size} (BLOCK_K 256 and a group of a multiple of "
                    "128 columns, or one group a row)")
     if config.get("SCALE_PF"):
