@@ -11,7 +11,8 @@ head with ``--quant-head int4``):
 * ``dispatch``: ``int4_linear`` as the engine calls it (the tuned table);
 * ``table + PACKED``: the table's tile with PACKED, where it is an fma tile of BLOCK_K 256 (SCALE_PF dropped);
 * ``packed bn.. w.. sk..``: a grid of PACKED fma tiles (``bench.int4.PACKED_TILES``, the tuner's; splits 1-8),
-  each checked against the fp32 reference before it is timed (an ``error`` key where it misses);
+  each checked against the fp32 reference before it is timed (``err_rel``: the max error over the reference's
+  largest value; an ``error`` key where it misses);
 * baselines: ``cublas_bf16`` (``torch.mm`` on the dequantised weight) and ``tinygemm`` (``_weight_int4pack_mm``).
 
 The summary rows (``op: int4_packed_summary``): the table's time, the best PACKED tile's, the speed-up.
@@ -72,10 +73,11 @@ def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
             shape = {"name": sname, "M": M, "N": N, "K": K, "group": 128}
             rows += baseline_rows("int4_packed", ops, M, shape)
             _, table_cfg = get_int4_config(M, N, K, 128, torch.device("cuda"))
-            err = _ok(ops, M, "dispatch")
+            acc: dict = {}
+            err = _ok(ops, M, "dispatch", errors=acc)
             t_table = time_cuda(ops.calls(M, "dispatch"), graph=True)
             rows.append(make_row("int4_packed", "dispatch", shape, t_table, bytes_moved=ops.bytes_int4(M),
-                                 config=table_cfg, **({"error": err} if err else {})))
+                                 config=table_cfg, **acc, **({"error": err} if err else {})))
             cands = [("table + PACKED", c) for c in [with_packed(table_cfg)] if c] + [(_name(c), c) for c in grid(M)]
             x, w0, out0 = ops.x_all[:M], ops.packed[0], ops.out_all[0][:M]
             precompile(lambda c: int4_linear_with_config(x, w0, None, out0, c, warmup=True), [c for _, c in cands])
@@ -85,9 +87,10 @@ def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
                 rows.append(make_row("int4_packed_summary", "packed vs table", shape, None,
                                      table_us=round(t_table.median_us, 3), packed_us=best["median_us"],
                                      speedup=round(t_table.median_us / best["median_us"], 3),
+                                     table_err_rel=acc.get("err_rel"), packed_err_rel=best.get("err_rel"),
                                      table_config=table_cfg, best_config=best["config"]))
             print_table([r for r in rows if r["shape"] == shape and not r["impl"].startswith("packed bn")],
-                        ("impl", "median_us", "tbps", "variant"))
+                        ("impl", "median_us", "tbps", "err_rel", "variant"))
         del ops
         flush_rows(rows, ZERO_MODE, out_path)
     return rows
@@ -111,7 +114,8 @@ def main(argv=None) -> int:
     rows = sweep(a.out, pick_shapes(p, a.shapes, SHAPES), [int(m) for m in a.ms.split(",")])
     if a.table:
         write_table(a.table, rows)
-    print_table([r for r in rows if r["op"] == "int4_packed_summary"], ("shape", "table_us", "packed_us", "speedup"))
+    print_table([r for r in rows if r["op"] == "int4_packed_summary"],
+                ("shape", "table_us", "packed_us", "speedup", "table_err_rel", "packed_err_rel"))
     return 0
 
 

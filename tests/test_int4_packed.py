@@ -184,6 +184,34 @@ def test_int4_packed_gpu_graph_replay_equals_eager():
     assert torch.equal(out, eager)
 
 
+@gpu_only
+def test_the_sweeps_rows_carry_each_impls_error_against_the_fp32_reference():
+    """Session 39: the sweep's rows give ``err_rel`` (max error over the reference's largest value) for the
+    baselines, the dispatcher and every tile, so PACKED's bf16 roundings stand beside tinygemm's in the results;
+    a tile whose output stays poisoned gets an ``error`` key and never wins."""
+    from fastdecode.bench.int4 import _ok, _Operands, max_error
+    from fastdecode.bench.int4_scripts import baseline_rows, timed_configs
+
+    ops = _Operands(256, 1024, 128, 2, "zero")
+    shape = {"name": "t", "M": 1, "N": 256, "K": 1024, "group": 128}
+    rows = baseline_rows("t", ops, 1, shape)
+    assert [r["impl"] for r in rows] == ["cublas_bf16", "tinygemm"]
+    for r in rows:
+        assert 0 < r["err_rel"] < 2e-2 and "error" not in r, r
+    tile = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4,
+            "num_stages": 1, "PREFETCH": True}
+    best = timed_configs("t", ops, 1, shape, [("fma", tile), ("packed", {**tile, "PACKED": True})], rows)
+    fma, packed = rows[-2:]
+    assert 0 < fma["err_rel"] < 2e-2 and 0 < packed["err_rel"] < 2e-2, (fma, packed)
+    assert best in (fma, packed)
+    err, top = max_error(ops, 1, "triton", tile)
+    assert err / top == pytest.approx(fma["err_rel"], rel=1e-3)
+    ops.calls = lambda M, impl, config=None: [lambda: None]  # nothing writes the poisoned output
+    acc: dict = {}
+    assert _ok(ops, 1, "triton", tile, errors=acc).startswith("max error nan")
+    assert acc["err_rel"] != acc["err_rel"]  # NaN
+
+
 def test_the_sweep_writes_only_the_tiles_that_win_and_gpu_py_times_the_step_on_them(tmp_path):
     """``benchmarks/sweep_int4_packed.py``: every grid tile is one PACKED applies to (the 8B's g128); ``--table``
     takes a (shape, M) only where PACKED beat the table by ``MIN_GAIN``; ``gpu.py int4-packed`` runs the sweep into a

@@ -15,12 +15,16 @@ from fastdecode.bench.int4 import _ok, _Operands
 
 def baseline_rows(op: str, ops: _Operands, M: int, shape: dict) -> list[dict]:
     """The benchmarks' two baselines at M, as rows of ``op``: ``cublas_bf16`` (``torch.mm`` on the dequantised
-    weight) and ``tinygemm`` (``_weight_int4pack_mm``; a shape it refuses gives a row with the error)."""
+    weight) and ``tinygemm`` (``_weight_int4pack_mm``; a shape it refuses gives a row with the error); each with
+    its ``err_rel`` against the fp32 reference (``bench.int4._ok``), as the configs' rows have."""
+    acc: dict = {}
+    _ok(ops, M, "cublas", errors=acc)
     rows = [make_row(op, "cublas_bf16", shape, time_cuda(ops.calls(M, "cublas"), graph=True),
-                     bytes_moved=ops.bytes_bf16(M))]
+                     bytes_moved=ops.bytes_bf16(M), **acc)]
     try:
+        _ok(ops, M, "tinygemm", errors=acc)
         rows.append(make_row(op, "tinygemm", shape, time_cuda(ops.calls(M, "tinygemm"), graph=True),
-                             bytes_moved=ops.bytes_int4(M)))
+                             bytes_moved=ops.bytes_int4(M), **acc))
     except Exception as e:  # noqa: BLE001  (a shape tinygemm refuses: the row says why)
         rows.append(make_row(op, "tinygemm", shape, None, error=e))
     return rows
@@ -28,17 +32,19 @@ def baseline_rows(op: str, ops: _Operands, M: int, shape: dict) -> list[dict]:
 
 def timed_configs(op: str, ops: _Operands, M: int, shape: dict, named: Sequence[tuple[str, dict]],
                   rows: list[dict]) -> Optional[dict]:
-    """Each (name, config) checked against the reference (an ``error`` key where it misses), then timed, appended
-    to ``rows`` (one that cannot launch: a row with the error); returns the fastest correct row, or None."""
+    """Each (name, config) checked against the reference (``err_rel``; an ``error`` key where it misses), then timed,
+    appended to ``rows`` (one that cannot launch: a row with the error); returns the fastest correct row, or None."""
     best = None
     for name, c in named:
+        acc: dict = {}
         try:
-            err = _ok(ops, M, "triton", c)
+            err = _ok(ops, M, "triton", c, errors=acc)
             t = time_cuda(ops.calls(M, "triton", c), graph=True)
         except Exception as e:  # noqa: BLE001  (out of resources: the row says so)
             rows.append(make_row(op, name, shape, None, config=c, error=e))
             continue
-        r = make_row(op, name, shape, t, bytes_moved=ops.bytes_int4(M), config=c, **({"error": err} if err else {}))
+        r = make_row(op, name, shape, t, bytes_moved=ops.bytes_int4(M), config=c, **acc,
+                     **({"error": err} if err else {}))
         rows.append(r)
         if not err and (best is None or t.median_us < best["median_us"]):
             best = r
