@@ -288,6 +288,27 @@ def test_int4_tune_merge_keeps_the_entries_it_does_not_tune(tmp_path):
     assert start_table(new, "NVIDIA H200", 132, merge=True, base=tmp_path / "none.json")["int4_linear"] == {}
 
 
+def test_a_sweeps_table_copy_names_the_gpu_it_was_written_on(tmp_path):
+    """``bench.harness.write_table_section`` (the sweeps' ``--table``, the fused tuner): a copy of a sibling's table
+    becomes this GPU's as ``start_table``'s does (``gpu`` this one, ``based_on`` the other). Session 39 found the
+    H100's int4 table, written by ``sweep_int4_packed.py --table`` from the H200's, still named the H200 at its top."""
+    from fastdecode.bench.harness import write_table_section
+
+    base = tmp_path / "h200.json"
+    base.write_text(json.dumps({"gpu": "NVIDIA H200", "int4_linear": {"4096,4096,128": {"16": {"impl": "x"}}}}))
+    path = tmp_path / "configs" / "int4_linear_nvidia_h100_80gb_hbm3.json"
+    entry = {"1": {"impl": "triton", "config": {"kind": "fma"}}}
+    t = write_table_section(path, "int4_linear", {"4096,4096,128": entry}, base, gpu_name="NVIDIA H100 80GB HBM3")
+    assert t["gpu"] == "NVIDIA H100 80GB HBM3" and t["based_on"] == "NVIDIA H200"
+    assert t["int4_linear"]["4096,4096,128"] == {"16": {"impl": "x"}, **entry} and json.loads(path.read_text()) == t
+    again = write_table_section(path, "int4_linear", {}, base, gpu_name="NVIDIA H100 80GB HBM3")  # its own now
+    assert again["gpu"] == "NVIDIA H100 80GB HBM3" and again["based_on"] == "NVIDIA H200"
+    with pytest.raises(ValueError, match="not on this 'NVIDIA A100'"):
+        write_table_section(tmp_path / "a100.json", "int4_linear", {}, base, gpu_name="NVIDIA A100")
+    assert "based_on" not in write_table_section(tmp_path / "h200_copy.json", "int4_linear", {}, base,
+                                                 gpu_name="NVIDIA H200")
+
+
 def test_cli_tune_int4_merges_into_the_table(monkeypatch):
     """``fastdecode tune int4`` updates the table, as ``tune linear`` does: the shapes and sections it does not tune
     (SmolLM2's entries, the fused ops' sections) stay."""

@@ -85,17 +85,24 @@ def start_table(path: Path, gpu_name: str, num_sms: int, merge: bool, sections: 
         table.setdefault(name, {})
     return table
 
-def write_table_section(path: Path, section: str, entries: dict, base: Optional[Path] = None) -> dict:
+def write_table_section(path: Path, section: str, entries: dict, base: Optional[Path] = None,
+                        gpu_name: Optional[str] = None) -> dict:
     """Merge ``entries`` (``{shape key: {M: entry}}``) into ``section`` of the tuned table at ``path`` and write it,
     with ``<section>_env`` (this run's GPU and commit) as the section's own record. A missing file starts from
     ``base``, the table in use (``ops._common.config_path``): a table under ``FASTDECODE_CONFIG_DIR`` replaces the
-    package's whole table of its family, so the copy must keep the rest. Returns the table written."""
+    package's whole table of its family, so the copy must keep the rest. The table becomes this GPU's
+    (``gpu_name``, default the run's; ``adopt_table``: a sibling's copy names this GPU, ``based_on`` the other;
+    another GPU's raises ValueError). Returns the table written."""
     src = path if path.is_file() else base
     table = json.loads(src.read_text()) if src is not None and src.is_file() else {}
+    info = env_info()
+    gpu_name = gpu_name or (info["gpu"] if info["gpu"] != "cpu" else None)
+    if table and gpu_name:
+        table = adopt_table(table, gpu_name, src, f"not writing its {section} section for this GPU")
     sec = table.setdefault(section, {})
     for key, by_m in entries.items():
         sec.setdefault(key, {}).update(by_m)
-    table[section + "_env"] = env_info()
+    table[section + "_env"] = info
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")
     return table
