@@ -39,18 +39,19 @@ _ALIGNED = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "xs_ptr", "out_ptr"
 
 
 def sass(block_n: int, warps: int, norm: bool, prefetch: int = 1, scale_pf: bool = False, even_k: bool = False,
-         norm_loop: bool = False, fmt: str = "q4_1", packed: bool = False) -> str:
+         norm_loop: bool = False, fmt: str = "q4_1", packed: int = 0) -> str:
     """The kernel's sm_90 SASS at one token (BLOCK_M 1, BLOCK_K 256, one split, PDL on): with ``norm`` the RMSNorm
     inside (qkv / gate_up of the norm_gemm step), else the residual add (o / down); ``prefetch``: the kernel's
     PREFETCH (0 none, 1 the next step's words, 2 two steps ahead); ``scale_pf``: SCALE_PF (the next step's scales
     and mins with its words); ``norm_loop``: NORM_LOOP (with ``norm``, the loop sums the rows' squares); ``fmt``: the
     weight format, "q4_1" (the embedded model's) or "g128" (the 8B int4 model's: group 128, uint8 zeros, bf16
-    scales); ``packed``: PACKED (``kernels.int4_packed``; g128 only)."""
+    scales); ``packed``: the kernel's PACKED (``kernels.int4_packed``; g128 only): 1, or 2 with the groups' scales and
+    zeros loaded in pairs (what ``packed_mode`` picks for the 8B's aligned weights)."""
     group, zero_mode, spg = (32, 2, 1) if fmt == "q4_1" else (128, 1, 4)
     consts = dict(GROUP=group, ZERO_MODE=zero_mode, HAS_BIAS=False, USE_DOT=False, UNIFORM=True, SPG=spg,
                   EVEN_K=even_k,
                   X_SCALE_MODE=0, FAST_CVT=False, PREFETCH=prefetch, SCALE_PF=scale_pf, NORM_LOOP=norm_loop,
-                  LOP3_ASM=True, USE_PDL=True, PACKED=packed,
+                  LOP3_ASM=True, USE_PDL=True, PACKED=int(packed),
                   L2_SLAB=0, PF_LANES=32 * warps, X_NORM=norm, NORM_AFFINE=norm, NORM_NB=2048, NORM_RM=1,
                   ACCUMULATE=not norm, X_GLU=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=256, SPLIT=False)
     sig = {**_SIG, **({} if fmt == "q4_1" else {"s_ptr": "*bf16", "z_ptr": "*u8"}), **{k: "constexpr" for k in consts}}
@@ -116,7 +117,9 @@ def main() -> None:
     p.add_argument("--norm-loop", action="store_true", help="NORM_LOOP: with --norm, the loop sums the squares")
     p.add_argument("--format", default="q4_1", choices=("q4_1", "g128"),
                    help="the embedded model's Q4_1 (group 32, mins) or the 8B's g128 (uint8 zeros, bf16 scales)")
-    p.add_argument("--packed", action="store_true", help="PACKED (kernels.int4_packed; --format g128)")
+    p.add_argument("--packed", type=int, nargs="?", const=2, default=0, choices=(1, 2),
+                   help="PACKED (kernels.int4_packed; --format g128): 2 (the default) with the groups' parameters "
+                        "loaded in pairs, 1 without")
     p.add_argument("--count", action="store_true", help="the loop's instructions per weight value, by opcode")
     p.add_argument("--even-k", action="store_true", help="EVEN_K (K a multiple of 256: no column masks)")
     p.add_argument("--json", action="store_true")

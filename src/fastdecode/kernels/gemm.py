@@ -107,12 +107,20 @@ def _split_k_partial(acc, part_ptr, stride_part, pid_k, lock, split_k, offs_m, o
 def _load_x(ptrs, mask, K, X_GLU: tl.constexpr):
     """An activation tile in x's dtype. X_GLU: x holds ``[gate | up]`` rows of 2K columns and the GEMM's
     input is ``silu(gate) * up`` (fp32 math, rounded once to x's dtype, as the SiLU-and-mul kernel stores it),
-    so ``linear(silu_and_mul(h))`` runs as one kernel with the same input values. Masked: 0 (silu(0) * 0)."""
+    so ``linear(silu_and_mul(h))`` runs as one kernel with the same input values. Masked: 0 (silu(0) * 0);
+    ``mask`` None: every element exists (no predicate, no zero fill)."""
+    if mask is None:
+        g = tl.load(ptrs)
+    else:
+        g = tl.load(ptrs, mask=mask, other=0.0)
     if X_GLU:
-        g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        return (g / (1.0 + tl.exp(-g)) * u).to(ptrs.dtype.element_ty)
-    return tl.load(ptrs, mask=mask, other=0.0)
+        if mask is None:
+            u = tl.load(ptrs + K)
+        else:
+            u = tl.load(ptrs + K, mask=mask, other=0.0)
+        g = g.to(tl.float32)
+        g = (g / (1.0 + tl.exp(-g)) * u.to(tl.float32)).to(ptrs.dtype.element_ty)
+    return g
 
 
 @triton.jit

@@ -38,7 +38,7 @@ from fastdecode.kernels.int4_dequant import (
     _slice_params, _uniform, check_params, slices_per_group,
 )
 from fastdecode.kernels.int4_mma import launch_int4_mma
-from fastdecode.kernels.int4_packed import check_packed, packed_step
+from fastdecode.kernels.int4_packed import check_packed, packed_mode, packed_step
 from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
@@ -251,7 +251,7 @@ def _int4_linear_kernel(
             acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
                 acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, k0, col0, K, s_ptr, z_ptr,
                 rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, LOP3_ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU, NORM_AFFINE,
-                NORM_IN_LOOP)
+                NORM_IN_LOOP, PACKED)
         else:
             qw_hi = qw >> 16
             for p in tl.static_range(8):
@@ -443,7 +443,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     """
     M, K = x.shape[0], x.shape[1] // (2 if x_glu else 1)
     _, split = split_k_blocks(K, config)
-    packed = bool(config.get("PACKED", False))
+    packed = packed_mode(config, group_size, K, scales, zm)
     if packed:
         check_packed(config, group_size, K, x.dtype, x_scale_mode)
     if config["kind"] == "mma":

@@ -19,6 +19,11 @@ kind's fp32 products are exact; the groups' sums and the rest stay fp32. That is
 terms inside an fp32 sum, about one rounding of x's dtype on each product; the tests bound it against the fp32
 reference. f16x2 with a bf16 model is not offered (x's range would not fit fp16).
 
+Loads: with K a multiple of 256 the program's first token row loads x unmasked (it always exists), and with groups
+of 128 columns on aligned rows (``packed_mode`` 2) a row's two groups of a step come in one load of scales (32-bit)
+and one of zeros (16-bit) or mins (32-bit). sm_90 SASS (``benchmarks/sass_int4_loop.py --count``, 64 rows on 4
+warps, triton 3.9): 3.27 -> 3.16 instructions a value, 28 -> 20 loads a step.
+
 GPU: inline PTX (``fma.rn.bf16x2``: sm_80+). The interpreter runs ``_pair_diffs`` / ``_pair_dot`` in fp32 with the
 same roundings (each product and partial sum rounded to x's dtype; a sum may round twice where the hardware rounds
 once: the same values up to that).
@@ -41,6 +46,7 @@ def _i32(u: int) -> int:
 # mantissa gives -(MAGIC + zero) exactly
 _NEG_MAGIC_BF16: tl.constexpr = tl.constexpr(_i32(0xC300C300))
 _NEG_MAGIC_F16: tl.constexpr = tl.constexpr(_i32(0xE400E400))
+_HI16: tl.constexpr = tl.constexpr(_i32(0xFFFF0000))
 
 _DIFFS_BF16: tl.constexpr = tl.constexpr(
     "{\n.reg .b32 t, one;\n"
@@ -158,19 +164,26 @@ def _dot_ref(qw, z_lo, z_hi, xl0, xl1, xl2, xl3, xh0, xh1, xh2, xh3, ZERO_MODE: 
 
 @triton.jit
 def _x_shift(x_row, kc, OFF: tl.constexpr, col0, row_ok, K, nw_ptr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
-             X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr, W_DTYPE: tl.constexpr):
+             X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr, W_DTYPE: tl.constexpr, ROW0: tl.constexpr):
     """One token row's x at the columns ``kc + OFF`` (those that exist, of a row that exists; EVEN_K: every column,
-    a mask constant along K) in W_DTYPE (SiLU-and-mul inside with X_GLU; times the norm weight with NORM_AFFINE),
-    and h itself as fp32 (for the rows' squares of the norm in the loop)."""
-    if EVEN_K:
-        mask = (col0 < BLOCK_K) & row_ok
+    a mask constant along K; EVEN_K and ROW0, the program's first row, which always exists: no mask) in W_DTYPE
+    (SiLU-and-mul inside with X_GLU; times the norm weight with NORM_AFFINE), and h itself as fp32 (for the rows'
+    squares of the norm in the loop)."""
+    if EVEN_K and ROW0:  # no predicate, no zero fill of the registers (CS2R) a step
+        h = _load_x(x_row + kc + OFF, None, K, X_GLU)
+        x = h
+        if NORM_AFFINE:
+            x = (h.to(tl.float32) * tl.load(nw_ptr + kc + OFF).to(tl.float32)).to(W_DTYPE)
     else:
-        mask = (kc + OFF < K) & row_ok
-    h = _load_x(x_row + kc + OFF, mask, K, X_GLU)
-    x = h
-    if NORM_AFFINE:
-        g = tl.load(nw_ptr + kc + OFF, mask=mask, other=0.0).to(tl.float32)
-        x = (h.to(tl.float32) * g).to(W_DTYPE)
+        if EVEN_K:
+            mask = (col0 < BLOCK_K) & row_ok
+        else:
+            mask = (kc + OFF < K) & row_ok
+        h = _load_x(x_row + kc + OFF, mask, K, X_GLU)
+        x = h
+        if NORM_AFFINE:
+            g = tl.load(nw_ptr + kc + OFF, mask=mask, other=0.0).to(tl.float32)
+            x = (h.to(tl.float32) * g).to(W_DTYPE)
     return x, h.to(tl.float32)
 
 
@@ -178,18 +191,26 @@ def _x_shift(x_row, kc, OFF: tl.constexpr, col0, row_ok, K, nw_ptr, EVEN_K: tl.c
 def _row_step(acc, ss, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x_row, row_ok, k0, col0, K, nw_ptr,
               ZERO_MODE: tl.constexpr, W_DTYPE: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
               EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr,
-              NORM_IN_LOOP: tl.constexpr):
+              NORM_IN_LOOP: tl.constexpr, ROW0: tl.constexpr):
     """One token row of a K step: ``acc += s_lo * sum_lo + s_hi * sum_hi`` (+ the mins' terms); ``ss``: h's squares
     (NORM_IN_LOOP)."""
     kc = k0 + col0
-    xl0, hl0 = _x_shift(x_row, kc, 0, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
-    xl1, hl1 = _x_shift(x_row, kc, 32, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
-    xl2, hl2 = _x_shift(x_row, kc, 64, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
-    xl3, hl3 = _x_shift(x_row, kc, 96, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
-    xh0, hh0 = _x_shift(x_row, kc, 128, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
-    xh1, hh1 = _x_shift(x_row, kc, 160, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
-    xh2, hh2 = _x_shift(x_row, kc, 192, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
-    xh3, hh3 = _x_shift(x_row, kc, 224, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xl0, hl0 = _x_shift(x_row, kc, 0, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
+                        ROW0)
+    xl1, hl1 = _x_shift(x_row, kc, 32, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
+                        ROW0)
+    xl2, hl2 = _x_shift(x_row, kc, 64, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
+                        ROW0)
+    xl3, hl3 = _x_shift(x_row, kc, 96, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
+                        ROW0)
+    xh0, hh0 = _x_shift(x_row, kc, 128, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
+                        ROW0)
+    xh1, hh1 = _x_shift(x_row, kc, 160, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
+                        ROW0)
+    xh2, hh2 = _x_shift(x_row, kc, 192, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
+                        ROW0)
+    xh3, hh3 = _x_shift(x_row, kc, 224, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
+                        ROW0)
     if NORM_IN_LOOP:
         ss += hl0 * hl0 + hl1 * hl1 + hl2 * hl2 + hl3 * hl3 + hh0 * hh0 + hh1 * hh1 + hh2 * hh2 + hh3 * hh3
     if ASM:
@@ -207,28 +228,55 @@ def _row_step(acc, ss, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x_row, row_ok
 
 
 @triton.jit
-def _half_params(s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, EVEN_K: tl.constexpr):
+def _pair(w, DT: tl.constexpr):
+    """The two 16-bit values of DT in a 32-bit word (low half, high half) as fp32 (bf16: the halves' bits in place)."""
+    if DT == tl.bfloat16:
+        return (w << 16).to(tl.float32, bitcast=True), (w & _HI16).to(tl.float32, bitcast=True)
+    else:
+        lo = w.to(tl.int16).to(DT, bitcast=True).to(tl.float32)
+        return lo, (w >> 16).to(tl.int16).to(DT, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _half_params(s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, EVEN_K: tl.constexpr,
+                 PAIRS: tl.constexpr):
     """fp32 scales and zeros / mins ``[BLOCK_N, 1]`` of the two halves of the layout tile at column ``k0``: the
     rows' pointers (loop invariant) plus one scalar group index, the second half's at +1 (group 128); clamped only
-    without EVEN_K (a padded last tile: its high half may lie past the last group; its x is 0)."""
+    without EVEN_K (a padded last tile: its high half may lie past the last group; its x is 0).
+    PAIRS (group 128, EVEN_K, an even G, the rows of 16-bit scales / mins 4-byte and of uint8 zeros 2-byte aligned:
+    ``packed_mode`` checks it at launch): the two groups of a row are adjacent, one load each (32-bit scales and
+    mins, 16-bit zeros) instead of two."""
     s_row = s_ptr + rn[:, None] * G
     z_row = z_ptr + rn[:, None] * G
-    gi = k0 // GROUP
-    if GROUP < 256:
-        gj = gi + 1
+    if PAIRS:
+        pair = k0 // (2 * GROUP)
+        s_lo, s_hi = _pair(tl.load(s_row.to(tl.pointer_type(tl.int32)) + pair), s_ptr.dtype.element_ty)
+        if ZERO_MODE == 0:
+            z_lo = s_lo * 0.0 + 8.0
+            z_hi = z_lo
+        elif ZERO_MODE == 1:  # uint8 zeros
+            zp = tl.load(z_row.to(tl.pointer_type(tl.uint16)) + pair).to(tl.int32)
+            z_lo = (zp & 0xFF).to(tl.float32)
+            z_hi = (zp >> 8).to(tl.float32)
+        else:
+            z_lo, z_hi = _pair(tl.load(z_row.to(tl.pointer_type(tl.int32)) + pair), z_ptr.dtype.element_ty)
     else:
-        gj = gi
-    if not EVEN_K:
-        gi = tl.minimum(gi, G - 1)
-        gj = tl.minimum(gj, G - 1)
-    s_lo = tl.load(s_row + gi).to(tl.float32)
-    s_hi = tl.load(s_row + gj).to(tl.float32)
-    if ZERO_MODE == 0:
-        z_lo = s_lo * 0.0 + 8.0
-        z_hi = z_lo
-    else:
-        z_lo = tl.load(z_row + gi).to(tl.float32)
-        z_hi = tl.load(z_row + gj).to(tl.float32)
+        gi = k0 // GROUP
+        if GROUP < 256:
+            gj = gi + 1
+        else:
+            gj = gi
+        if not EVEN_K:
+            gi = tl.minimum(gi, G - 1)
+            gj = tl.minimum(gj, G - 1)
+        s_lo = tl.load(s_row + gi).to(tl.float32)
+        s_hi = tl.load(s_row + gj).to(tl.float32)
+        if ZERO_MODE == 0:
+            z_lo = s_lo * 0.0 + 8.0
+            z_hi = z_lo
+        else:
+            z_lo = tl.load(z_row + gi).to(tl.float32)
+            z_hi = tl.load(z_row + gj).to(tl.float32)
     return s_lo, z_lo, s_hi, z_hi
 
 
@@ -236,12 +284,12 @@ def _half_params(s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.con
 def packed_step(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, k0, col0, K,
                 s_ptr, z_ptr, rn, G, nw_ptr, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, W_DTYPE: tl.constexpr,
                 ASM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_IN_LOOP: tl.constexpr):
+                X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_IN_LOOP: tl.constexpr, PACKED: tl.constexpr):
     """One K step (one 256-column layout tile, ``qw [BLOCK_N, 32]``) of the FMA kind for up to 4 token rows, the
     words' conversion shared by the rows. Returns the updated accumulators and squares."""
     tl.static_assert(BLOCK_K == 256, "PACKED: one 256-column layout tile a K step")
     F16: tl.constexpr = W_DTYPE == tl.float16
-    s_lo, z_lo, s_hi, z_hi = _half_params(s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, EVEN_K)
+    s_lo, z_lo, s_hi, z_hi = _half_params(s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, EVEN_K, PACKED == 2)
     if ASM:
         d0, d1, d2, d3 = _pair_diffs_asm(qw, _neg_zeros(z_lo, z_hi, ZERO_MODE, F16), F16)
     else:  # unused by the interpreter's _dot_ref
@@ -250,18 +298,18 @@ def packed_step(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_x
         d2 = qw
         d3 = qw
     acc0, ss0 = _row_step(acc0, ss0, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr, r0 < M, k0, col0, K, nw_ptr,
-                          ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, NORM_IN_LOOP)
+                          ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, NORM_IN_LOOP, True)
     if BLOCK_M > 1:
         acc1, ss1 = _row_step(acc1, ss1, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr + stride_xm, r0 + 1 < M,
                               k0, col0, K, nw_ptr, ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE,
-                              NORM_IN_LOOP)
+                              NORM_IN_LOOP, False)
     if BLOCK_M > 2:
         acc2, ss2 = _row_step(acc2, ss2, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr + 2 * stride_xm,
                               r0 + 2 < M, k0, col0, K, nw_ptr, ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU,
-                              NORM_AFFINE, NORM_IN_LOOP)
+                              NORM_AFFINE, NORM_IN_LOOP, False)
         acc3, ss3 = _row_step(acc3, ss3, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr + 3 * stride_xm,
                               r0 + 3 < M, k0, col0, K, nw_ptr, ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU,
-                              NORM_AFFINE, NORM_IN_LOOP)
+                              NORM_AFFINE, NORM_IN_LOOP, False)
     return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
 
 
@@ -269,6 +317,19 @@ def groups_fit(group_size: int, K: int, block_k: int = 256) -> bool:
     """Whether each half of a K step's layout tile lies in one group: BLOCK_K 256 and groups of a multiple of 128
     columns, or one group a row (the rule ``check_packed`` and the int4 tuner's PACKED candidates share)."""
     return slices_per_group(group_size, K, block_k) in (4, 8)
+
+
+def packed_mode(config: dict, group_size: int, K: int, scales, zm) -> int:
+    """The kernel's PACKED: 0 off; 1 on; 2 on with the groups' parameters loaded in pairs (``_half_params``' PAIRS:
+    group 128, K a multiple of 256, an even number of groups a row, 16-bit scales (and mins) at 4-byte addresses,
+    uint8 zeros at even ones)."""
+    if not config.get("PACKED"):
+        return 0
+    zm_ok = zm is None or (zm.element_size() == 1 and zm.data_ptr() % 2 == 0) or (
+        zm.element_size() == 2 and zm.data_ptr() % 4 == 0)
+    pairs = (group_size == 128 and K % 256 == 0 and scales.shape[1] % 2 == 0 and scales.element_size() == 2
+             and scales.data_ptr() % 4 == 0 and zm_ok)
+    return 2 if pairs else 1
 
 
 def check_packed(config: dict, group_size: int, K: int, x_dtype, x_scale_mode: int = 0) -> None:
