@@ -164,12 +164,12 @@ def _dot_ref(qw, z_lo, z_hi, xl0, xl1, xl2, xl3, xh0, xh1, xh2, xh3, ZERO_MODE: 
 
 @triton.jit
 def _x_shift(x_row, kc, OFF: tl.constexpr, col0, row_ok, K, nw_ptr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
-             X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr, W_DTYPE: tl.constexpr, ROW0: tl.constexpr):
+             X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr, W_DTYPE: tl.constexpr):
     """One token row's x at the columns ``kc + OFF`` (those that exist, of a row that exists; EVEN_K: every column,
-    a mask constant along K; EVEN_K and ROW0, the program's first row, which always exists: no mask) in W_DTYPE
-    (SiLU-and-mul inside with X_GLU; times the norm weight with NORM_AFFINE), and h itself as fp32 (for the rows'
-    squares of the norm in the loop)."""
-    if EVEN_K and ROW0:  # no predicate, no zero fill of the registers (CS2R) a step
+    a mask constant along K; ``row_ok`` None, with EVEN_K only: the program's first row, which always exists, no
+    mask) in W_DTYPE (SiLU-and-mul inside with X_GLU; times the norm weight with NORM_AFFINE), and h itself as fp32
+    (for the rows' squares of the norm in the loop)."""
+    if row_ok is None:  # no predicate, no zero fill of the registers (CS2R) a step
         h = _load_x(x_row + kc + OFF, None, K, X_GLU)
         x = h
         if NORM_AFFINE:
@@ -191,26 +191,18 @@ def _x_shift(x_row, kc, OFF: tl.constexpr, col0, row_ok, K, nw_ptr, EVEN_K: tl.c
 def _row_step(acc, ss, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x_row, row_ok, k0, col0, K, nw_ptr,
               ZERO_MODE: tl.constexpr, W_DTYPE: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
               EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr,
-              NORM_IN_LOOP: tl.constexpr, ROW0: tl.constexpr):
+              NORM_IN_LOOP: tl.constexpr):
     """One token row of a K step: ``acc += s_lo * sum_lo + s_hi * sum_hi`` (+ the mins' terms); ``ss``: h's squares
-    (NORM_IN_LOOP)."""
+    (NORM_IN_LOOP); ``row_ok``: whether the row exists (None: it does, and every column, ``_x_shift``)."""
     kc = k0 + col0
-    xl0, hl0 = _x_shift(x_row, kc, 0, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
-                        ROW0)
-    xl1, hl1 = _x_shift(x_row, kc, 32, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
-                        ROW0)
-    xl2, hl2 = _x_shift(x_row, kc, 64, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
-                        ROW0)
-    xl3, hl3 = _x_shift(x_row, kc, 96, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
-                        ROW0)
-    xh0, hh0 = _x_shift(x_row, kc, 128, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
-                        ROW0)
-    xh1, hh1 = _x_shift(x_row, kc, 160, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
-                        ROW0)
-    xh2, hh2 = _x_shift(x_row, kc, 192, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
-                        ROW0)
-    xh3, hh3 = _x_shift(x_row, kc, 224, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE,
-                        ROW0)
+    xl0, hl0 = _x_shift(x_row, kc, 0, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xl1, hl1 = _x_shift(x_row, kc, 32, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xl2, hl2 = _x_shift(x_row, kc, 64, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xl3, hl3 = _x_shift(x_row, kc, 96, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xh0, hh0 = _x_shift(x_row, kc, 128, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xh1, hh1 = _x_shift(x_row, kc, 160, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xh2, hh2 = _x_shift(x_row, kc, 192, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
+    xh3, hh3 = _x_shift(x_row, kc, 224, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
     if NORM_IN_LOOP:
         ss += hl0 * hl0 + hl1 * hl1 + hl2 * hl2 + hl3 * hl3 + hh0 * hh0 + hh1 * hh1 + hh2 * hh2 + hh3 * hh3
     if ASM:
@@ -297,19 +289,23 @@ def packed_step(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_x
         d1 = qw
         d2 = qw
         d3 = qw
-    acc0, ss0 = _row_step(acc0, ss0, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr, r0 < M, k0, col0, K, nw_ptr,
-                          ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, NORM_IN_LOOP, True)
+    if EVEN_K:  # the program's first row exists (r0 < M): no masks on it
+        ok0 = None
+    else:
+        ok0 = r0 < M
+    acc0, ss0 = _row_step(acc0, ss0, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr, ok0, k0, col0, K, nw_ptr,
+                          ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, NORM_IN_LOOP)
     if BLOCK_M > 1:
         acc1, ss1 = _row_step(acc1, ss1, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr + stride_xm, r0 + 1 < M,
                               k0, col0, K, nw_ptr, ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE,
-                              NORM_IN_LOOP, False)
+                              NORM_IN_LOOP)
     if BLOCK_M > 2:
         acc2, ss2 = _row_step(acc2, ss2, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr + 2 * stride_xm,
                               r0 + 2 < M, k0, col0, K, nw_ptr, ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU,
-                              NORM_AFFINE, NORM_IN_LOOP, False)
+                              NORM_AFFINE, NORM_IN_LOOP)
         acc3, ss3 = _row_step(acc3, ss3, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr + 3 * stride_xm,
                               r0 + 3 < M, k0, col0, K, nw_ptr, ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU,
-                              NORM_AFFINE, NORM_IN_LOOP, False)
+                              NORM_AFFINE, NORM_IN_LOOP)
     return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
 
 
