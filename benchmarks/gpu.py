@@ -118,6 +118,20 @@ PY = sys.executable
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+# the serve extra and the server tests' client: the device image has none of them (session 39: `serve` failed)
+SERVE_PACKAGES = ("fastapi", "uvicorn", "httpx", "openai")
+
+
+def wheel_install(wheels: Path, packages=SERVE_PACKAGES, find_spec=importlib.util.find_spec) -> list[str] | None:
+    """``--wheels DIR``: the pip command that installs the ``packages`` not importable here from the wheels in DIR
+    (no index: the device has no network; pip resolves their dependencies from DIR and what is installed), or None
+    when all import."""
+    missing = [name for name in packages if find_spec(name) is None]
+    if not missing:
+        return None
+    return [PY, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels), *missing]
+
+
 def _fd(*args: str) -> list[str]:
     return [PY, "-m", "fastdecode", *args]
 
@@ -692,6 +706,9 @@ def main(argv=None) -> int:
     p.add_argument("--parts-dir", default=str(Path(tempfile.gettempdir()) / "fastdecode_gpu_test_parts"),
                    help="tests --part: where the part records wait for each other (outside $OUT, which each call "
                         "empties; default %(default)s)")
+    p.add_argument("--wheels", default=None, metavar="DIR",
+                   help="first install the serve extra and the server tests' client (" + ", ".join(SERVE_PACKAGES)
+                        + ") where missing, from the wheels in DIR, without an index")
     p.add_argument("--workers", type=int, default=0,
                    help="tests: pytest-xdist workers, for diagnosis only (the record says so); default one process")
     p.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4"],
@@ -765,6 +782,10 @@ def main(argv=None) -> int:
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")
     summary, worst = [], 0
+    if a.wheels and (cmd := wheel_install(Path(a.wheels))):
+        rc, dt, text = log.run("install wheels", cmd, 300, env)
+        summary.append(("install wheels", f"rc={rc} {' '.join(cmd[8:])}", round(dt)))
+        worst = max(worst, 1 if rc else 0)
     for s in suites:
         if s == "tests" and n_gpu and not a.allow_no_model and (why := embedded_model_missing(env)):
             # session 36: part 1 of a three-call suite ran before the GGUF's second half came, and 24 of its tests

@@ -288,6 +288,17 @@ def test_int4_tune_merge_keeps_the_entries_it_does_not_tune(tmp_path):
     assert start_table(new, "NVIDIA H200", 132, merge=True, base=tmp_path / "none.json")["int4_linear"] == {}
 
 
+def test_wheels_installs_only_the_serve_packages_that_do_not_import(tmp_path):
+    """``gpu.py --wheels DIR`` (session 39: the device image has no fastapi, so ``serve`` failed and the server tests
+    skip): pip from DIR, no index, only what is missing; nothing when all import."""
+    gpu = load_script(ROOT / "benchmarks" / "gpu.py", "gpu_script")
+    have = {"httpx"}
+    cmd = gpu.wheel_install(tmp_path, find_spec=lambda name: object() if name in have else None)
+    assert cmd[1:7] == ["-m", "pip", "install", "-q", "--no-index", "--find-links"]
+    assert cmd[7] == str(tmp_path) and cmd[8:] == ["fastapi", "uvicorn", "openai"]
+    assert gpu.wheel_install(tmp_path, find_spec=lambda name: object()) is None
+
+
 def test_a_sweeps_table_copy_names_the_gpu_it_was_written_on(tmp_path):
     """``bench.harness.write_table_section`` (the sweeps' ``--table``, the fused tuner): a copy of a sibling's table
     becomes this GPU's as ``start_table``'s does (``gpu`` this one, ``based_on`` the other). Session 39 found the
