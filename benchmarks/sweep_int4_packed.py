@@ -10,7 +10,9 @@ head with ``--quant-head int4``):
 
 * ``dispatch``: ``int4_linear`` as the engine calls it (the tuned table);
 * ``table + PACKED``: the table's tile with PACKED, where it is an fma tile of BLOCK_K 256 (SCALE_PF dropped);
-* ``packed bn.. w.. sk..``: a grid of PACKED fma tiles (``bench.int4.PACKED_TILES``, the tuner's; splits 1-8),
+* ``packed bn.. w.. sk..[ pf2]``: a grid of PACKED fma tiles (``bench.int4.PACKED_TILES``, the tuner's; splits 1-8;
+  PREFETCH 1 and, session 39, 2: two steps' words in flight, ~40 KB a SM against ~24 KB at the best tiles' counted
+  registers),
   each checked against the fp32 reference before it is timed (``err_rel``: the max error over the reference's
   largest value; an ``error`` key where it misses);
 * baselines: ``cublas_bf16`` (``torch.mm`` on the dequantised weight) and ``tinygemm`` (``_weight_int4pack_mm``).
@@ -47,10 +49,14 @@ SPLITS = (1, 2, 4, 8)
 MIN_GAIN = 0.02  # --table: a PACKED tile replaces the table's entry only when it is this much faster
 
 
+PREFETCHES = (True, 2)  # the next step's words in flight, or the next two (more bytes in flight a thread)
+
+
 def grid(M: int) -> list[dict]:
     bm = 1 if M == 1 else (2 if M == 2 else 4)
     return [{"kind": "fma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 256, "SPLIT_K": sk, "num_warps": nw,
-             "num_stages": 1, "PREFETCH": True, "PACKED": True} for bn, nw in PACKED_TILES for sk in SPLITS]
+             "num_stages": 1, "PREFETCH": pf, "PACKED": True}
+            for bn, nw in PACKED_TILES for sk in SPLITS for pf in PREFETCHES]
 
 
 def with_packed(cfg: dict) -> dict | None:
@@ -61,7 +67,7 @@ def with_packed(cfg: dict) -> dict | None:
 
 
 def _name(c: dict) -> str:
-    return f"packed bn{c['BLOCK_N']} w{c['num_warps']} sk{c['SPLIT_K']}"
+    return f"packed bn{c['BLOCK_N']} w{c['num_warps']} sk{c['SPLIT_K']}" + (" pf2" if c["PREFETCH"] == 2 else "")
 
 
 def sweep(out_path: Path | None, shapes, ms) -> list[dict]:

@@ -124,6 +124,18 @@ def test_packed_refuses_groups_of_64_and_fp32_activations():
     check_packed(_cfg(1), 128, 512, torch.float16)  # applies: no error
 
 
+def test_packed_with_two_steps_of_words_in_flight_gives_the_same_bits():
+    """PREFETCH 2 (the next two steps' words in flight; ``sweep_int4_packed.py`` times it since session 39) changes
+    only when the words load: the result equals PREFETCH 1's bit for bit, one split or three, K padded or not."""
+    dev = "cuda" if GPU else "cpu"
+    torch.manual_seed(5)
+    for K, split in ((1280, 1), (1280, 3), (1152, 2)):
+        w = _weight("zero", 24, K, 128, torch.bfloat16, dev)
+        x = torch.randn(1, K, device=dev).bfloat16()
+        one = _check(w, x, None, _cfg(1, 8, split, PREFETCH=True))
+        assert torch.equal(_check(w, x, None, _cfg(1, 8, split, PREFETCH=2)), one)
+
+
 def _shifted(t):
     """A contiguous copy of ``t`` one element past an aligned address (2 bytes for 16-bit scales and mins, 1 for
     uint8 zeros): too little alignment for the paired loads."""
