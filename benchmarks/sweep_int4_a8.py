@@ -36,11 +36,12 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fastdecode.bench.harness import make_row, print_table, time_cuda  # noqa: E402
-from fastdecode.bench.int4 import ZERO_MODE, _Operands, _ok  # noqa: E402
-from fastdecode.bench.int4_scripts import baseline_rows, flush_rows, pick_shapes, write_best_configs  # noqa: E402
+from fastdecode.bench.int4 import ZERO_MODE, _Operands  # noqa: E402
+from fastdecode.bench.int4_scripts import (  # noqa: E402
+    baseline_rows, dispatch_row, flush_rows, pick_shapes, write_best_configs,
+)
 from fastdecode.kernels.compile import precompile  # noqa: E402
 from fastdecode.ops import int4_a8 as A  # noqa: E402
-from fastdecode.ops.int4 import get_int4_config  # noqa: E402
 
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
           "8b.head": (128256, 4096), "70b_tp2.qkv": (5120, 8192), "70b_tp2.gate_up": (28672, 8192),
@@ -110,11 +111,8 @@ def sweep(out_path: Path | None, shapes, ms, quick: bool = False) -> list[dict]:
             a8 = _A8(ops, M)
             nbytes = ops.bytes_int4(M)
             rows += baseline_rows("int4_a8", ops, M, shape)
-            err = _ok(ops, M, "dispatch")
-            t16 = time_cuda(ops.calls(M, "dispatch"), graph=True)
-            rows.append(make_row("int4_a8", "w4a16 dispatch", shape, t16, bytes_moved=nbytes,
-                                 config=get_int4_config(M, N, K, 128, torch.device("cuda"))[1],
-                                 **({"error": err} if err else {})))
+            w16 = dispatch_row("int4_a8", ops, M, shape, "w4a16 dispatch")
+            rows.append(w16)
             if M == 1:
                 pc = {"BLOCK_N": 16, "BW": 128, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
                 t = time_cuda(probe_calls(ops, pc), graph=True)
@@ -153,11 +151,11 @@ def sweep(out_path: Path | None, shapes, ms, quick: bool = False) -> list[dict]:
                 rows.append(make_row("int4_a8", "a8 quant+best", shape, t, bytes_moved=ab, config=best["config"]))
             top_op = time_cuda(a8.op_calls(), graph=True)
             rows.append(make_row("int4_a8", "a8 op", shape, top_op, bytes_moved=ab, config=heur))
-            rows.append(make_row("int4_a8_summary", "a8 vs w4a16", shape, None, w4a16_us=round(t16.median_us, 3),
+            rows.append(make_row("int4_a8_summary", "a8 vs w4a16", shape, None, w4a16_us=w16["median_us"],
                                  a8_op_us=round(top_op.median_us, 3), a8_gemv_best_us=top["median_us"],
                                  a8_quant_us=round(tq.median_us, 3),
-                                 op_speedup=round(t16.median_us / top_op.median_us, 3),
-                                 gemv_best_speedup=(round(t16.median_us / top["median_us"], 3)
+                                 op_speedup=round(w16["median_us"] / top_op.median_us, 3),
+                                 gemv_best_speedup=(round(w16["median_us"] / top["median_us"], 3)
                                                     if top["median_us"] else None),
                                  best_config=top["config"]))
             print_table([r for r in rows if r["shape"] == shape and not r["impl"].startswith("a8 gemv bn")],

@@ -30,18 +30,16 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from fastdecode.bench.harness import make_row, print_table, time_cuda  # noqa: E402
-from fastdecode.bench.int4 import PACKED_TILES, ZERO_MODE, _Operands, _ok  # noqa: E402
+from fastdecode.bench.harness import make_row, print_table  # noqa: E402
+from fastdecode.bench.int4 import PACKED_TILES, ZERO_MODE, _Operands  # noqa: E402
 from fastdecode.bench.int4_scripts import (  # noqa: E402
-    baseline_rows, flush_rows, pick_shapes, timed_configs, write_best_configs,
+    baseline_rows, dispatch_row, flush_rows, pick_shapes, timed_configs, write_best_configs,
 )
 from fastdecode.kernels.compile import precompile  # noqa: E402
-from fastdecode.ops.int4 import get_int4_config, int4_linear_with_config  # noqa: E402
+from fastdecode.ops.int4 import int4_linear_with_config  # noqa: E402
 
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
           "70b_tp2.gate_up": (28672, 8192), "8b.head": (128256, 4096)}  # the head: --quant-head int4
@@ -78,12 +76,9 @@ def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
         for M in ms:
             shape = {"name": sname, "M": M, "N": N, "K": K, "group": 128}
             rows += baseline_rows("int4_packed", ops, M, shape)
-            _, table_cfg = get_int4_config(M, N, K, 128, torch.device("cuda"))
-            acc: dict = {}
-            err = _ok(ops, M, "dispatch", errors=acc)
-            t_table = time_cuda(ops.calls(M, "dispatch"), graph=True)
-            rows.append(make_row("int4_packed", "dispatch", shape, t_table, bytes_moved=ops.bytes_int4(M),
-                                 config=table_cfg, **acc, **({"error": err} if err else {})))
+            table = dispatch_row("int4_packed", ops, M, shape)
+            rows.append(table)
+            table_cfg = table["config"]
             cands = [("table + PACKED", c) for c in [with_packed(table_cfg)] if c] + [(_name(c), c) for c in grid(M)]
             x, w0, out0 = ops.x_all[:M], ops.packed[0], ops.out_all[0][:M]
             precompile(lambda c: int4_linear_with_config(x, w0, None, out0, c, warmup=True), [c for _, c in cands])
@@ -91,9 +86,9 @@ def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
             if best is not None:
                 rows.append(dict(best, impl="packed best", variant=best["impl"]))
                 rows.append(make_row("int4_packed_summary", "packed vs table", shape, None,
-                                     table_us=round(t_table.median_us, 3), packed_us=best["median_us"],
-                                     speedup=round(t_table.median_us / best["median_us"], 3),
-                                     table_err_rel=acc.get("err_rel"), packed_err_rel=best.get("err_rel"),
+                                     table_us=table["median_us"], packed_us=best["median_us"],
+                                     speedup=round(table["median_us"] / best["median_us"], 3),
+                                     table_err_rel=table.get("err_rel"), packed_err_rel=best.get("err_rel"),
                                      table_config=table_cfg, best_config=best["config"]))
             print_table([r for r in rows if r["shape"] == shape and not r["impl"].startswith("packed bn")],
                         ("impl", "median_us", "tbps", "err_rel", "variant"))

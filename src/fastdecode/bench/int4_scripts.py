@@ -30,23 +30,37 @@ def baseline_rows(op: str, ops: _Operands, M: int, shape: dict) -> list[dict]:
     return rows
 
 
+def checked_row(op: str, ops: _Operands, M: int, shape: dict, name: str, impl: str, config: Optional[dict]) -> dict:
+    """``impl`` (``_Operands.calls``) checked against the reference (``err_rel``; an ``error`` key where it misses),
+    then timed: its row, with ``config`` (for "dispatch", the table's choice it runs)."""
+    acc: dict = {}
+    err = _ok(ops, M, impl, config, errors=acc)
+    t = time_cuda(ops.calls(M, impl, config), graph=True)
+    return make_row(op, name, shape, t, bytes_moved=ops.bytes_int4(M), config=config, **acc,
+                    **({"error": err} if err else {}))
+
+
+def dispatch_row(op: str, ops: _Operands, M: int, shape: dict, name: str = "dispatch") -> dict:
+    """``int4_linear`` as the engine calls it (the tuned table's choice, named in the row), checked and timed."""
+    from fastdecode.ops.int4 import get_int4_config
+
+    _, config = get_int4_config(M, ops.N, ops.K, ops.group, torch.device("cuda"))
+    return checked_row(op, ops, M, shape, name, "dispatch", config)
+
+
 def timed_configs(op: str, ops: _Operands, M: int, shape: dict, named: Sequence[tuple[str, dict]],
                   rows: list[dict]) -> Optional[dict]:
-    """Each (name, config) checked against the reference (``err_rel``; an ``error`` key where it misses), then timed,
-    appended to ``rows`` (one that cannot launch: a row with the error); returns the fastest correct row, or None."""
+    """Each (name, config) checked and timed (``checked_row``), appended to ``rows`` (one that cannot launch: a row
+    with the error); returns the fastest correct row, or None."""
     best = None
     for name, c in named:
-        acc: dict = {}
         try:
-            err = _ok(ops, M, "triton", c, errors=acc)
-            t = time_cuda(ops.calls(M, "triton", c), graph=True)
+            r = checked_row(op, ops, M, shape, name, "triton", c)
         except Exception as e:  # noqa: BLE001  (out of resources: the row says so)
             rows.append(make_row(op, name, shape, None, config=c, error=e))
             continue
-        r = make_row(op, name, shape, t, bytes_moved=ops.bytes_int4(M), config=c, **acc,
-                     **({"error": err} if err else {}))
         rows.append(r)
-        if not err and (best is None or t.median_us < best["median_us"]):
+        if "error" not in r and (best is None or r["median_us"] < best["median_us"]):
             best = r
     return best
 

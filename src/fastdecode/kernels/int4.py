@@ -426,8 +426,9 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     triple buffer, the words of two steps ahead in flight), SCALE_PF (with PREFETCH, the fma kind where a shift's
     slice is one group: the next step's scales and zeros / mins loaded with its words), NORM_LOOP (with x_norm, the
     fma kind with one split: the loop sums the rows' squares instead of a pass before it),
-    fast_cvt (default True: the packed-pair PTX conversion where it applies), PACKED (an experiment, off by default:
-    the fma kind's step in packed 16-bit pairs, ``kernels.int4_packed``; ``check_packed`` says where it applies).
+    fast_cvt (default True: the packed-pair PTX conversion where it applies), PACKED (off unless the config sets it, as
+    the H100 SXM's table does at one and two tokens: the fma kind's step in packed 16-bit pairs,
+    ``kernels.int4_packed``; ``check_packed`` says where it applies, ``packed_mode`` picks its paired loads).
     ``warmup``: compile (or, under ``kernels.precompile``, queue the compile of) the kernel, launch nothing.
     ``pdl``: programmatic dependent launch (``kernels.pdl``).
     ``x_norm``: x is the residual stream h and the input ``rms_norm(h, norm_weight, eps)`` (norm_weight (K,) in
