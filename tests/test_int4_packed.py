@@ -250,8 +250,12 @@ def test_the_sweeps_rows_carry_each_impls_error_against_the_fp32_reference():
     shape = {"name": "t", "M": 1, "N": 256, "K": 1024, "group": 128}
     rows = baseline_rows("t", ops, 1, shape)
     assert [r["impl"] for r in rows] == ["cublas_bf16", "tinygemm"]
+    # tinygemm's baseline re-quantises the dequantised weight to its own format (group 128, float zeros): a second
+    # int4 rounding: 0.019-0.033 on the shipped shapes (H200, session 40's sweep), 0.0239 on this shape there (session
+    # 40's suite, which the old bound of 2e-2 failed); cuBLAS on the dequantised weight rounds only its bf16 output
+    bound = {"cublas_bf16": 2e-2, "tinygemm": 1e-1}
     for r in rows:
-        assert 0 < r["err_rel"] < 2e-2 and "error" not in r, r
+        assert 0 < r["err_rel"] < bound[r["impl"]] and "error" not in r, r
     tile = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4,
             "num_stages": 1, "PREFETCH": True}
     best = timed_configs("t", ops, 1, shape, [("fma", tile), ("packed", {**tile, "PACKED": True})], rows)
