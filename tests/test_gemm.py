@@ -425,6 +425,7 @@ def _ptx_for_h100(cfg, elem_ty) -> str:
     ("fp8", "fp8e4nv", 1, True, False, False), ("fp8", "fp8e4nv", 2, False, False, False),
     ("fp8", "fp8e4nv", 1, False, True, False), ("bf16", "bf16", 1, True, True, True),
     ("bf16", "bf16", 4, False, True, True), ("bf16", "bf16", 1, False, False, "folded"),
+    ("fp8", "fp8e4nv", 1, 2, True, False), ("bf16", "bf16", 2, 2, False, True),
 ])
 def test_fma_loop_streams_16_byte_loads_without_shuffles(dkey, elem_ty, M, prefetch, evict, norm):
     """Regression guard for the FMA path's speed: in the K loop every weight load is 16 bytes wide
@@ -443,6 +444,23 @@ def test_fma_loop_streams_16_byte_loads_without_shuffles(dkey, elem_ty, M, prefe
     assert len(w_loads) >= cfg["BLOCK_N"], f"expected >= {cfg['BLOCK_N']} 16-byte loads per step, got {len(w_loads)}"
     hinted = [ld for ld in w_loads if "evict_first" in ld]
     assert len(hinted) == (cfg["BLOCK_N"] if evict else 0), w_loads  # one per weight row; x keeps the default
+
+
+@pytest.mark.parametrize("elem_ty", ["fp8e4nv", "bf16"])
+def test_prefetch_depth_is_the_tiles_loaded_before_the_loop(elem_ty):
+    """PREFETCH 0 / 1 / 2 (``kernels.gemm.prefetch_depth``): the program loads 0, 1 or 2 weight tiles (BLOCK_N
+    16-byte loads each) before its K loop, and each step of the loop loads one tile (the one PREFETCH tiles ahead)."""
+    import re
+
+    vec = r"ld\.global(?:\.[\w:]+)*\.v4\.b32"
+    cfg = L.fma_tile(1, 1 if "fp8" in elem_ty else 2)
+    for depth in (0, 1, 2):
+        ptx = _ptx_for_h100({**cfg, "PREFETCH": depth}, elem_ty)
+        body = k_loop(ptx)
+        before = ptx[:ptx.index(body)]
+        in_loop = len(re.findall(vec, body))
+        assert in_loop >= cfg["BLOCK_N"] and in_loop <= cfg["BLOCK_N"] + 1, (depth, in_loop)  # + x's load
+        assert len(re.findall(vec, before)) == depth * cfg["BLOCK_N"], depth
 
 
 @pytest.mark.parametrize("kind,elem_ty,prefetch", [("fma", "fp8e4nv", True), ("fma", "bf16", False),

@@ -273,7 +273,7 @@ def test_the_sweeps_rows_carry_each_impls_error_against_the_fp32_reference():
 def test_the_sweep_writes_only_the_tiles_that_win_and_gpu_py_times_the_step_on_them(tmp_path):
     """``benchmarks/sweep_int4_packed.py``: every grid tile is one PACKED applies to (the 8B's g128); ``--table``
     takes a (shape, M) only where PACKED beat the table by ``MIN_GAIN``; ``gpu.py int4-packed`` runs the sweep into a
-    copy of the table, then the 8B int4 step on that copy beside the compiled peer."""
+    copy of the table, then the 8B int4 step on that copy beside the compiled peer, and with the int4 head."""
     from fastdecode.kernels.int4_packed import check_packed
     from helpers import load_script
 
@@ -301,12 +301,13 @@ def test_the_sweep_writes_only_the_tiles_that_win_and_gpu_py_times_the_step_on_t
     assert "6144,4096,128" not in table["int4_linear"]
     assert json.loads(path.read_text()) == table
     gpu = load_script(ROOT / "benchmarks" / "gpu.py", "gpu_script")
-    (label, argv, t1), (label2, argv2, t2) = gpu.suite_commands("int4-packed", tmp_path, 1)
-    assert argv[1].endswith("sweep_int4_packed.py") and t1 + t2 < 600
+    (label, argv, t1), (label2, argv2, t2), (label3, argv3, t3) = gpu.suite_commands("int4-packed", tmp_path, 1)
+    assert argv[1].endswith("sweep_int4_packed.py") and t1 + t2 + t3 < 600  # H200, session 40: 77 + 64 s (no head)
     assert argv[argv.index("--table") + 1] == str(tmp_path / "configs" / "int4_linear_nvidia_h200.json")
     assert argv2[:2] == ["env", f"FASTDECODE_CONFIG_DIR={tmp_path / 'configs'}"]
     assert argv2[argv2.index("--quant") + 1] == "int4"
     assert argv2[argv2.index("--impl") + 1:] == ["peer-compile", "fastdecode-graph"]
+    assert argv3[:2] == argv2[:2] and argv3[argv3.index("--quant-head") + 1] == "int4"  # the int4 head on that copy
 
 
 def test_the_tuner_proposes_packed_tiles_where_they_apply():

@@ -301,10 +301,10 @@ def tune(out_path=None, *, shapes=None, ms: Sequence[int] = TUNE_MS,
                     tried += 1
                     if us < best_us:
                         best, best_us = cfg, us
-                # refinements of the winner: register double buffer (FMA), programmatic launch
+                # refinements of the winner: register double buffer (FMA; 2: two tiles ahead), programmatic launch
                 extra = []
                 if best is not None and best["kind"] == "fma":
-                    extra.append({**best, "PREFETCH": True})
+                    extra += [{**best, "PREFETCH": True}, {**best, "PREFETCH": 2}]
                 if best is not None:  # weights evict_first (1-2% on some FP8 shapes in the sweep)
                     extra.append({**best, "EVICT": True})
                 if best is not None and pdl:

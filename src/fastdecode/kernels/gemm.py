@@ -139,6 +139,18 @@ def _load_w_masked(ptrs, mask, EVICT: tl.constexpr):
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
+@triton.jit
+def _next_w(w_ptrs, kb, kb_end, offs_k, K, W_EVICT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            EVEN_K: tl.constexpr):
+    """PREFETCH: the weight tile of K step ``kb`` at ``w_ptrs``; nothing loaded (zeros) for a step past the split's
+    end (a splat mask, constant along K, so the EVEN_K loads stay 16-byte vectors)."""
+    more = (kb + tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)) < kb_end
+    if EVEN_K:
+        return _load_w_masked(w_ptrs, more, W_EVICT)
+    else:
+        return _load_w_masked(w_ptrs, more & ((kb * BLOCK_K + offs_k) < K)[None, :], W_EVICT)
+
+
 # M and the split count change per call: not specialising them keeps one compiled kernel per config
 @triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
 def _skinny_linear_kernel(
@@ -267,6 +279,9 @@ def _skinny_linear_kernel(
                 w_next = _load_w(w_ptrs, W_EVICT)
             else:
                 w_next = _load_w_masked(w_ptrs, ((k0 + offs_k) < K)[None, :], W_EVICT)
+            if PREFETCH == 2:  # and the tile after it (3x the bytes in flight; nothing past the split's end)
+                w_next2 = _next_w(w_ptrs + BLOCK_K, kb_start + 1, kb_end, offs_k, K, W_EVICT, BLOCK_N, BLOCK_K,
+                                  EVEN_K)
             if USE_PDL:
                 pdl_wait()
         for kb in range(kb_start, kb_end):
@@ -275,15 +290,13 @@ def _skinny_linear_kernel(
             else:
                 k_mask = (kb * BLOCK_K + offs_k) < K
                 m0, m1, m2, m3 = k_mask & ok0, k_mask & ok1, k_mask & ok2, k_mask & ok3
-            if PREFETCH:
+            if PREFETCH == 2:  # two tiles ahead
                 w = w_next.to(tl.float32)
-                # the last step loads nothing (a splat mask, constant along K)
-                more = (kb + 1 + tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)) < kb_end
-                if EVEN_K:
-                    w_next = _load_w_masked(w_ptrs + BLOCK_K, more, W_EVICT)
-                else:
-                    nk_mask = ((kb + 1) * BLOCK_K + offs_k) < K
-                    w_next = _load_w_masked(w_ptrs + BLOCK_K, more & nk_mask[None, :], W_EVICT)
+                w_next = w_next2
+                w_next2 = _next_w(w_ptrs + 2 * BLOCK_K, kb + 2, kb_end, offs_k, K, W_EVICT, BLOCK_N, BLOCK_K, EVEN_K)
+            elif PREFETCH:
+                w = w_next.to(tl.float32)
+                w_next = _next_w(w_ptrs + BLOCK_K, kb + 1, kb_end, offs_k, K, W_EVICT, BLOCK_N, BLOCK_K, EVEN_K)
             elif EVEN_K:
                 w = _load_w(w_ptrs, W_EVICT).to(tl.float32)
             else:
@@ -334,6 +347,15 @@ def _skinny_linear_kernel(
                          HAS_BIAS, X_SCALE_MODE, W_SCALE_MODE, BLOCK_M, BLOCK_N, ACCUMULATE)
 
 
+def prefetch_depth(config: dict) -> int:
+    """A config's ``PREFETCH`` as the FMA path's number of weight tiles in flight ahead of the one being multiplied:
+    0 (absent / False), 1 (True: a register double buffer) or 2 (a triple buffer)."""
+    p = config.get("PREFETCH", False)
+    if p not in (0, 1, 2) or isinstance(p, float):
+        raise ValueError(f"config PREFETCH must be False / True / 0 / 1 / 2, got {p!r}")
+    return int(p)
+
+
 def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
     """(number of BLOCK_K blocks, effective SPLIT_K): never more splits than blocks, no empty split."""
     kb_total = cdiv(K, config["BLOCK_K"])
@@ -353,7 +375,8 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     (one per output tile), both needed only when the effective SPLIT_K > 1.
     ``config``: dict(kind="fma"|"dot", BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages,
     DOT_FP8 (fp8 operands straight into tl.dot), PDL (programmatic dependent launch, sm_90+),
-    PREFETCH (FMA path: register double buffer of the weight tile), EVICT (weights ``evict_first``)).
+    PREFETCH (FMA path: register double buffer of the weight tile; 2: a triple buffer, the tiles of the next two
+    steps in flight), EVICT (weights ``evict_first``)).
     ``pdl``: programmatic dependent launch (``kernels.pdl``) whatever the config says.
     ``glu``: x is (M, 2K) ``[gate | up]`` and the input is ``silu(gate) * up`` (SiLU-and-mul fused in).
     ``norm_weight`` (K,): the input is ``rms_norm(x) * norm_weight`` with ``eps`` (FMA config, one split only);
@@ -382,7 +405,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), M * N, split,
         HAS_BIAS=bias is not None, X_SCALE_MODE=x_scale_mode, W_SCALE_MODE=w_scale_mode,
         USE_DOT=config["kind"] == "dot", DOT_FP8=bool(config.get("DOT_FP8", False)),
-        EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=bool(config.get("PREFETCH", False)),
+        EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=prefetch_depth(config),
         W_EVICT=bool(config.get("EVICT", False)), X_GLU=glu, X_NORM=x_norm,
         NORM_VEC=norm_vec, NORM_AFFINE=norm_weight is not None, ACCUMULATE=accumulate,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, L2_SLAB=l2_slab,
