@@ -70,9 +70,9 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               8B shapes and head, M = 1, 2, 4, with a config sweep of the GEMV; the best configs into a copy of
               the int4 table (``configs/``) and the 8B int4 step (dense and int4 head) on it.
 * ``w8a16``  ``benchmarks/sweep_w8a16.py``: ``fp8_a16``'s W8A16 GEMV configs (8B wo, w2 with SiLU-and-mul, qkv,
-              gate_up; M = 1, FMA and dot tiles, the best FMA ones again with PREFETCH 1 and 2) beside the W8A8 kernels
-              they replace; the best into a copy of the table
-              (``configs/``, section ``w8a16``) and the 8B FP8 step on it.
+              gate_up; M = 1, FMA and dot tiles, the best FMA ones again with X_LAYOUT and PREFETCH 1 / 2) beside the
+              W8A8 kernels they replace; the best into a copy of the table (``configs/``, section ``w8a16``) and the
+              8B FP8 step on it.
 * ``int4-packed`` ``benchmarks/sweep_int4_packed.py``: PACKED (``kernels.int4_packed``, the fma kind in packed 16-bit
               pairs) against the table's choice on the 8B shapes, the 8B head and 70B-TP2 gate_up, M = 1 and 2, with
               cuBLAS BF16 and tinygemm; the tiles that win into a copy of the int4 table (``configs/``) and the 8B int4

@@ -46,7 +46,9 @@ SHAPES = {"8b_o": (4096, 4096, False), "8b_down": (4096, 14336, True),
           "70b_tp2_o": (8192, 4096, False), "70b_tp2_down": (8192, 14336, True)}
 
 
-PREFETCH_TOP = 6  # the best FMA tiles timed again with PREFETCH 1 and 2
+REFINE_TOP = 4  # the best FMA tiles timed again with each of
+REFINEMENTS = ({"X_LAYOUT": True}, {"PREFETCH": True}, {"PREFETCH": 2}, {"X_LAYOUT": True, "PREFETCH": True},
+               {"X_LAYOUT": True, "PREFETCH": 2})
 
 
 def candidates(M: int, N: int, K: int, num_sms: int) -> list[dict]:
@@ -141,11 +143,12 @@ def main() -> None:
             for cfg in candidates(M, N, K, sms):
                 attempt(cfg)
             results.sort(key=lambda r: r[0])
-            # the best FMA tiles again with their weight tiles loaded one and two steps ahead (kernels.gemm PREFETCH;
-            # session 40: on FP8 weights it costs ~2.4 instructions a weight in the sm_90 loop, so time decides)
-            for _, cfg in [r for r in results if r[1]["kind"] == "fma"][:PREFETCH_TOP]:
-                for depth in (True, 2):
-                    attempt({**cfg, "PREFETCH": depth})
+            # the best FMA tiles again (session 40, neither ever timed here): with the weights in x's register layout
+            # (X_LAYOUT: no shared-memory round trip of x a step) and / or their tiles loaded one and two steps ahead
+            # (PREFETCH: ~2.4 instructions a weight more in the sm_90 loop on FP8 weights): time decides
+            for _, cfg in [r for r in results if r[1]["kind"] == "fma"][:REFINE_TOP]:
+                for extra in REFINEMENTS:
+                    attempt({**cfg, **extra})
             results.sort(key=lambda r: r[0])
             if results:
                 best[(M, N, K, glu)] = results[0]

@@ -312,21 +312,27 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "bias_ptr": "*bf16", "xs_ptr": "*f
        "split_k": "i32"}
 consts = a["consts"]
 sig.update({k: "constexpr" for k in consts})
-cc = triton.compile(ASTSource(_skinny_linear_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in a.get("aligned", ())}
+cc = triton.compile(ASTSource(_skinny_linear_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                     options={"num_warps": a["num_warps"], "num_stages": a["num_stages"]})
 sys.stdout.write(cc.asm["ptx"])
 """
 
 
-def w8a16_ptx(num_warps: int = 4, num_stages: int = 1, **consts) -> str:
+_ALIGNED = ("x_ptr", "w_ptr", "bias_ptr", "xs_ptr", "ws_ptr", "out_ptr", "part_ptr", "lock_ptr", "nw_ptr", "N", "K",
+            "stride_xm", "stride_wn", "stride_om")
+
+
+def w8a16_ptx(num_warps: int = 4, num_stages: int = 1, aligned: bool = False, **consts) -> str:
     """sm_90 PTX (``sm90_ptx``) of the skinny GEMM with FP8 weights and a bf16 x (``ops.w8a16``): the FMA kind,
     one row, 4 weight rows a program, PDL and the weight prefetch, split-K allowed, unless ``consts`` says
-    otherwise (the kernel's constexpr names)."""
+    otherwise (the kernel's constexpr names). ``aligned``: the pointers, sizes and strides 16-divisible, as the
+    launcher specialises them for real shapes (16-byte vector loads); else byte loads."""
     base = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=2, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
                 USE_PDL=True, PREFETCH=True, W_EVICT=False, X_GLU=False, X_NORM=False, NORM_VEC=8, NORM_AFFINE=False,
-                ACCUMULATE=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT=True, L2_SLAB=False, PF_LANES=128)
+                ACCUMULATE=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT=True, L2_SLAB=False, PF_LANES=128, W_VEC=0)
     return sm90_ptx(_W8A16_PTX, json.dumps({"consts": {**base, **consts}, "num_warps": num_warps,
-                                            "num_stages": num_stages}))
+                                            "num_stages": num_stages, "aligned": _ALIGNED if aligned else ()}))
 
 
 def bulk_prefetches(ptx: str) -> tuple[int, int]:

@@ -400,7 +400,7 @@ sig = {"x_ptr": pt, "w_ptr": pt, "bias_ptr": "*bf16", "xs_ptr": "*fp32", "ws_ptr
        "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_part": "i32", "split_k": "i32"}
 consts = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=0, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
               USE_PDL=cfg.get("USE_PDL", False), PREFETCH=cfg.get("PREFETCH", False), W_EVICT=cfg.get("EVICT", False),
-              X_GLU=False, L2_SLAB=cfg.get("L2_SLAB", 0), PF_LANES=32 * cfg["num_warps"],
+              X_GLU=False, L2_SLAB=cfg.get("L2_SLAB", 0), PF_LANES=32 * cfg["num_warps"], W_VEC=0,
               X_NORM=cfg.get("X_NORM", False), NORM_VEC=16 // (1 if "fp8" in elem_ty else 2),
               NORM_AFFINE=cfg.get("NORM_AFFINE", True),
               ACCUMULATE=cfg.get("ACCUMULATE", False),

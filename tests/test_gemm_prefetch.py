@@ -84,3 +84,53 @@ def test_prefetch_depth_takes_only_zero_to_two():
     for bad in (3, -1, 1.5, "2"):
         with pytest.raises(ValueError, match="PREFETCH"):
             prefetch_depth({"PREFETCH": bad})
+
+
+# ----------------------------------------------------------------------------- X_LAYOUT (W8A16's weights in x's layout)
+
+
+@pytest.mark.parametrize("M,N,K,bn,bk,split,glu", [(1, 19, 512, 8, 64, 1, False), (3, 13, 300, 4, 32, 3, False),
+                                                     (2, 21, 256, 4, 64, 2, True)])
+def test_weights_in_xs_layout_give_the_same_bits(M, N, K, bn, bk, split, glu):
+    """``X_LAYOUT`` only narrows the FP8 weight loads to x's 8 elements a thread: the products and their order are
+    the same, with and without PREFETCH."""
+    scale = torch.rand(N, device=DEV) * 0.02 + 0.01
+    w = (torch.randn(N, K, device=DEV) / K**0.5 / scale[:, None] / 64).to(FP8)
+    x = strided_rows(M, 2 * K if glu else K, torch.bfloat16, DEV)
+    base = _run(x, w, _cfg(M, bn, bk, split, False), scale, glu=glu)
+    assert torch.isfinite(base.float()).all()
+    for p in (False, True, 2):
+        assert torch.equal(_run(x, w, {**_cfg(M, bn, bk, split, p), "X_LAYOUT": True}, scale, glu=glu), base), p
+
+
+def test_x_layout_applies_only_to_fma_weights_narrower_than_x():
+    from fastdecode.kernels.gemm import x_layout_vec
+
+    x16, x8 = torch.empty(1, 8, dtype=torch.bfloat16), torch.empty(1, 8, dtype=FP8)
+    w8, w16 = torch.empty(4, 8, dtype=FP8), torch.empty(4, 8, dtype=torch.bfloat16)
+    fma = {"kind": "fma", "X_LAYOUT": True}
+    assert x_layout_vec(fma, x16, w8) == 8  # W8A16: bf16 x's 16-byte load
+    assert x_layout_vec({**fma, "X_LAYOUT": False}, x16, w8) == 0
+    assert x_layout_vec({"kind": "fma"}, x16, w8) == 0
+    assert x_layout_vec({**fma, "kind": "dot"}, x16, w8) == 0
+    assert x_layout_vec(fma, x8, w8) == 0 and x_layout_vec(fma, x16, w16) == 0  # same widths: the layouts agree
+
+
+@pytest.mark.parametrize("bn,bk,warps,glu", [(8, 1024, 4, False), (4, 2048, 4, False), (8, 1024, 4, True)])
+def test_sm90_w8a16_loop_with_x_layout_has_no_shared_memory_round_trip(bn, bk, warps, glu):
+    """No GPU needed: with real shapes' alignment the W8A16 K loop loads 16 FP8 weights a thread against x's 8 bf16
+    and converts x through shared memory every step (bar.sync); ``X_LAYOUT`` (W_VEC 8) loads the weights 8 bytes at a
+    time in x's layout: no barrier, no shared memory in the loop, x still one 16-byte load."""
+    import re
+
+    from helpers import k_loop, w8a16_ptx
+
+    kw = dict(num_warps=warps, aligned=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=False, PF_LANES=32 * warps,
+              X_GLU=glu)
+    plain = k_loop(w8a16_ptx(**kw))
+    assert "bar.sync" in plain  # the defect X_LAYOUT is for (if Triton stops shuffling, the key is moot)
+    body = k_loop(w8a16_ptx(**kw, W_VEC=8))
+    assert "bar.sync" not in body and "shared" not in body
+    loads = re.findall(r"ld\.global(?:\.[\w:]+)*\.(v[24])\.b32", body)
+    assert loads.count("v2") == bn * bk // (8 * 32 * warps), loads  # one 8-byte load a row a chunk of 8 weights
+    assert loads.count("v4") == (2 if glu else 1) * bk // (8 * 32 * warps), loads  # x (gate and up with glu)

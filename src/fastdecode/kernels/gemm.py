@@ -161,7 +161,7 @@ def _skinny_linear_kernel(
     PREFETCH: tl.constexpr, W_EVICT: tl.constexpr, X_GLU: tl.constexpr, X_NORM: tl.constexpr,
     NORM_VEC: tl.constexpr, NORM_AFFINE: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr,
+    L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr, W_VEC: tl.constexpr,
 ):
     """Grid (m tiles, split_k, n tiles): the M tiles sharing a weight tile launch side by side (L2).
 
@@ -219,7 +219,10 @@ def _skinny_linear_kernel(
     if USE_PDL and (USE_DOT or not PREFETCH):
         pdl_wait()
 
-    w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_k)[None, :]
+    if W_VEC and not USE_DOT:  # weights narrower than x (W8A16): W_VEC elements a thread a load, x's own layout
+        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + tl.max_contiguous(offs_k, W_VEC))[None, :]
+    else:
+        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_k)[None, :]
     if USE_DOT:
         x_ptrs = x_ptr + rm[:, None] * stride_xm + (k0 + offs_k)[None, :]
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -356,6 +359,16 @@ def prefetch_depth(config: dict) -> int:
     return int(p)
 
 
+def x_layout_vec(config: dict, x, weight) -> int:
+    """``X_LAYOUT`` (FMA configs whose weights are narrower than x, W8A16): the weight's elements a thread loads at a
+    time, set to x's 16-byte load (8 for bf16 x), so the weight tile takes x's register layout; 0 otherwise.
+    Without it the FP8 tile's 16-byte loads hold 16 weights a thread against x's 8, and the sm_90 K loop converts
+    x through shared memory every step (2 STS, 4 LDS, 4 BAR; benchmarks/NOTES.md, session 40)."""
+    if not config.get("X_LAYOUT", False) or config["kind"] != "fma" or weight.element_size() >= x.element_size():
+        return 0
+    return 16 // x.element_size()
+
+
 def split_k_blocks(K: int, config: dict) -> tuple[int, int]:
     """(number of BLOCK_K blocks, effective SPLIT_K): never more splits than blocks, no empty split."""
     kb_total = cdiv(K, config["BLOCK_K"])
@@ -376,7 +389,8 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
     ``config``: dict(kind="fma"|"dot", BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages,
     DOT_FP8 (fp8 operands straight into tl.dot), PDL (programmatic dependent launch, sm_90+),
     PREFETCH (FMA path: register double buffer of the weight tile; 2: a triple buffer, the tiles of the next two
-    steps in flight), EVICT (weights ``evict_first``)).
+    steps in flight), EVICT (weights ``evict_first``), X_LAYOUT (FMA path, weights narrower than x: loaded in x's
+    register layout, ``x_layout_vec``)).
     ``pdl``: programmatic dependent launch (``kernels.pdl``) whatever the config says.
     ``glu``: x is (M, 2K) ``[gate | up]`` and the input is ``silu(gate) * up`` (SiLU-and-mul fused in).
     ``norm_weight`` (K,): the input is ``rms_norm(x) * norm_weight`` with ``eps`` (FMA config, one split only);
@@ -405,7 +419,7 @@ def launch_skinny_linear(x, weight, bias, x_scale, x_scale_mode, w_scale, w_scal
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), M * N, split,
         HAS_BIAS=bias is not None, X_SCALE_MODE=x_scale_mode, W_SCALE_MODE=w_scale_mode,
         USE_DOT=config["kind"] == "dot", DOT_FP8=bool(config.get("DOT_FP8", False)),
-        EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=prefetch_depth(config),
+        EVEN_K=(K % bk == 0), USE_PDL=pdl, PREFETCH=prefetch_depth(config), W_VEC=x_layout_vec(config, x, weight),
         W_EVICT=bool(config.get("EVICT", False)), X_GLU=glu, X_NORM=x_norm,
         NORM_VEC=norm_vec, NORM_AFFINE=norm_weight is not None, ACCUMULATE=accumulate,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1, L2_SLAB=l2_slab,
