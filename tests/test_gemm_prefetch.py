@@ -67,15 +67,25 @@ def test_silu_and_mul_in_the_loads_with_two_tiles_in_flight(M, K, split):
     assert torch.equal(outs[2], outs[1]) and torch.equal(outs[1], outs[0])
 
 
-def test_the_norm_inside_with_two_tiles_in_flight():
-    """X_NORM (one split): the squares of h summed beside the products, the same with the weights loaded early."""
+@pytest.mark.parametrize("wdtype", ["bf16", "fp8"])
+def test_the_norm_inside_with_two_tiles_in_flight(wdtype):
+    """X_NORM (one split): the squares of h summed beside the products, the same with the weights loaded early; with
+    FP8 weights (W8A16's ``rms_norm_linear_w8a16``, wqkv in the FP8 step) also with them in x's layout."""
     M, N, K = 3, 17, 330
     h = (torch.randn(M, K, device=DEV) * 3).bfloat16()
     g = (torch.rand(K, device=DEV) + 0.5).bfloat16()
-    w = (torch.randn(N, K, device=DEV) / K**0.5).bfloat16()
-    outs = [_run(h, w, _cfg(M, 8, 64, 1, p), norm_weight=g) for p in (False, True, 2)]
+    w = torch.randn(N, K, device=DEV) / K**0.5
+    scale = None
+    if wdtype == "fp8":
+        scale = torch.rand(N, device=DEV) * 0.02 + 0.01
+        w = (w / scale[:, None] / 64).to(FP8)
+    else:
+        w = w.bfloat16()
+    layouts = ({}, {"X_LAYOUT": True}) if wdtype == "fp8" else ({},)
+    outs = [_run(h, w, {**_cfg(M, 8, 64, 1, p), **lay}, scale, norm_weight=g) for p in (False, True, 2)
+            for lay in layouts]
     assert torch.isfinite(outs[0].float()).all()
-    assert torch.equal(outs[2], outs[1]) and torch.equal(outs[1], outs[0])
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
 def test_prefetch_depth_takes_only_zero_to_two():
@@ -116,8 +126,9 @@ def test_x_layout_applies_only_to_fma_weights_narrower_than_x():
     assert x_layout_vec(fma, x8, w8) == 0 and x_layout_vec(fma, x16, w16) == 0  # same widths: the layouts agree
 
 
-@pytest.mark.parametrize("bn,bk,warps,glu", [(8, 1024, 4, False), (4, 2048, 4, False), (8, 1024, 4, True)])
-def test_sm90_w8a16_loop_with_x_layout_has_no_shared_memory_round_trip(bn, bk, warps, glu):
+@pytest.mark.parametrize("bn,bk,warps,glu,norm", [(8, 1024, 4, False, False), (4, 2048, 4, False, False),
+                                                  (8, 1024, 4, True, False), (8, 1024, 4, False, True)])
+def test_sm90_w8a16_loop_with_x_layout_has_no_shared_memory_round_trip(bn, bk, warps, glu, norm):
     """No GPU needed: with real shapes' alignment the W8A16 K loop loads 16 FP8 weights a thread against x's 8 bf16
     and converts x through shared memory every step (bar.sync); ``X_LAYOUT`` (W_VEC 8) loads the weights 8 bytes at a
     time in x's layout: no barrier, no shared memory in the loop, x still one 16-byte load."""
@@ -126,11 +137,12 @@ def test_sm90_w8a16_loop_with_x_layout_has_no_shared_memory_round_trip(bn, bk, w
     from helpers import k_loop, w8a16_ptx
 
     kw = dict(num_warps=warps, aligned=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=False, PF_LANES=32 * warps,
-              X_GLU=glu)
+              X_GLU=glu, X_NORM=norm, NORM_AFFINE=norm, SPLIT=not norm)  # norm: wqkv's rms_norm_linear_w8a16
     plain = k_loop(w8a16_ptx(**kw))
     assert "bar.sync" in plain  # the defect X_LAYOUT is for (if Triton stops shuffling, the key is moot)
     body = k_loop(w8a16_ptx(**kw, W_VEC=8))
     assert "bar.sync" not in body and "shared" not in body
     loads = re.findall(r"ld\.global(?:\.[\w:]+)*\.(v[24])\.b32", body)
     assert loads.count("v2") == bn * bk // (8 * 32 * warps), loads  # one 8-byte load a row a chunk of 8 weights
-    assert loads.count("v4") == (2 if glu else 1) * bk // (8 * 32 * warps), loads  # x (gate and up with glu)
+    # x (gate and up with glu; h and the norm weight with the norm inside)
+    assert loads.count("v4") == (2 if glu or norm else 1) * bk // (8 * 32 * warps), loads
