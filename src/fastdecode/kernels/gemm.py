@@ -191,6 +191,7 @@ def _skinny_linear_kernel(
     resident early stream during the previous kernel's tail.
     """
     tl.static_assert(not (X_NORM and (USE_DOT or SPLIT or X_GLU)), "X_NORM: FMA path, one split, no X_GLU")
+    tl.static_assert(not (W_VEC and USE_DOT), "W_VEC (X_LAYOUT): FMA path only")
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -219,10 +220,10 @@ def _skinny_linear_kernel(
     if USE_PDL and (USE_DOT or not PREFETCH):
         pdl_wait()
 
-    if W_VEC and not USE_DOT:  # weights narrower than x (W8A16): W_VEC elements a thread a load, x's own layout
-        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + tl.max_contiguous(offs_k, W_VEC))[None, :]
-    else:
-        w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_k)[None, :]
+    offs_kw = offs_k
+    if W_VEC:  # weights narrower than x (W8A16): W_VEC elements a thread a load, x's own layout
+        offs_kw = tl.max_contiguous(offs_k, W_VEC)
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + (k0 + offs_kw)[None, :]
     if USE_DOT:
         x_ptrs = x_ptr + rm[:, None] * stride_xm + (k0 + offs_k)[None, :]
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)

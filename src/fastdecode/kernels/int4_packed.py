@@ -170,20 +170,15 @@ def _x_shift(x_row, kc, OFF: tl.constexpr, col0, row_ok, K, nw_ptr, EVEN_K: tl.c
     mask) in W_DTYPE (SiLU-and-mul inside with X_GLU; times the norm weight with NORM_AFFINE), and h itself as fp32
     (for the rows' squares of the norm in the loop)."""
     if row_ok is None:  # no predicate, no zero fill of the registers (CS2R) a step
-        h = _load_x(x_row + kc + OFF, None, K, X_GLU)
-        x = h
-        if NORM_AFFINE:
-            x = (h.to(tl.float32) * tl.load(nw_ptr + kc + OFF).to(tl.float32)).to(W_DTYPE)
+        mask = None
+    elif EVEN_K:
+        mask = (col0 < BLOCK_K) & row_ok
     else:
-        if EVEN_K:
-            mask = (col0 < BLOCK_K) & row_ok
-        else:
-            mask = (kc + OFF < K) & row_ok
-        h = _load_x(x_row + kc + OFF, mask, K, X_GLU)
-        x = h
-        if NORM_AFFINE:
-            g = tl.load(nw_ptr + kc + OFF, mask=mask, other=0.0).to(tl.float32)
-            x = (h.to(tl.float32) * g).to(W_DTYPE)
+        mask = (kc + OFF < K) & row_ok
+    h = _load_x(x_row + kc + OFF, mask, K, X_GLU)
+    x = h
+    if NORM_AFFINE:  # the norm weight's columns, masked as x's
+        x = (h.to(tl.float32) * _load_x(nw_ptr + kc + OFF, mask, K, False).to(tl.float32)).to(W_DTYPE)
     return x, h.to(tl.float32)
 
 
@@ -243,15 +238,6 @@ def _half_params(s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.con
     if PAIRS:
         pair = k0 // (2 * GROUP)
         s_lo, s_hi = _pair(tl.load(s_row.to(tl.pointer_type(tl.int32)) + pair), s_ptr.dtype.element_ty)
-        if ZERO_MODE == 0:
-            z_lo = s_lo * 0.0 + 8.0
-            z_hi = z_lo
-        elif ZERO_MODE == 1:  # uint8 zeros
-            zp = tl.load(z_row.to(tl.pointer_type(tl.uint16)) + pair).to(tl.int32)
-            z_lo = (zp & 0xFF).to(tl.float32)
-            z_hi = (zp >> 8).to(tl.float32)
-        else:
-            z_lo, z_hi = _pair(tl.load(z_row.to(tl.pointer_type(tl.int32)) + pair), z_ptr.dtype.element_ty)
     else:
         gi = k0 // GROUP
         if GROUP < 256:
@@ -263,12 +249,18 @@ def _half_params(s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.con
             gj = tl.minimum(gj, G - 1)
         s_lo = tl.load(s_row + gi).to(tl.float32)
         s_hi = tl.load(s_row + gj).to(tl.float32)
-        if ZERO_MODE == 0:
-            z_lo = s_lo * 0.0 + 8.0
-            z_hi = z_lo
-        else:
-            z_lo = tl.load(z_row + gi).to(tl.float32)
-            z_hi = tl.load(z_row + gj).to(tl.float32)
+    if ZERO_MODE == 0:
+        z_lo = s_lo * 0.0 + 8.0
+        z_hi = z_lo
+    elif not PAIRS:
+        z_lo = tl.load(z_row + gi).to(tl.float32)
+        z_hi = tl.load(z_row + gj).to(tl.float32)
+    elif ZERO_MODE == 1:  # uint8 zeros
+        zp = tl.load(z_row.to(tl.pointer_type(tl.uint16)) + pair).to(tl.int32)
+        z_lo = (zp & 0xFF).to(tl.float32)
+        z_hi = (zp >> 8).to(tl.float32)
+    else:
+        z_lo, z_hi = _pair(tl.load(z_row.to(tl.pointer_type(tl.int32)) + pair), z_ptr.dtype.element_ty)
     return s_lo, z_lo, s_hi, z_hi
 
 
