@@ -8,7 +8,8 @@ weights as the engine quantises them (group 128, bf16):
 
 * ``w4a16 dispatch``: ``int4_linear`` as the engine calls it (the tuned table);
 * ``a8 quant``: the activation's quantisation kernel alone; ``a8 gemv <config>``: the dp4a GEMV alone, a sweep of
-  BLOCK_N, warps and splits (each checked against the reference first); ``a8 gemv best`` / ``a8 gemv heuristic``;
+  BLOCK_N, warps and splits (each checked against the reference first), the best four again with PREFETCH 2
+  (``pf2``); ``a8 gemv best`` / ``a8 gemv heuristic``;
   ``a8 op``: ``int4_linear_a8`` as the engine calls it (quantisation + GEMV, the config of ``get_a8_config``: the
   package table's ``int4_linear_a8`` section, else the heuristic);
   ``a8 quant+best``: the two kernels with the sweep's best config;
@@ -99,6 +100,24 @@ class _A8:
         return self.ops.int4_bytes + self.M * (Kp + Kp // 128 * 8) + self.M * self.ops.N * 2
 
 
+REFINE = 4  # the sweep's best tiles timed again with PREFETCH 2
+
+
+def _time_config(a8: _A8, c: dict, shape: dict, ab: int, rows: list[dict]) -> list[dict]:
+    """Check and time one GEMV config; its row into ``rows``; [the row] when it is correct and ran, else []."""
+    try:
+        err = a8.check(c)
+        t = time_cuda(a8.gemv_calls(c), graph=True)
+    except Exception as e:  # noqa: BLE001  (out of resources: the row says so)
+        rows.append(make_row("int4_a8", "a8 gemv", shape, None, config=c, error=e))
+        return []
+    pf = f" pf{c['PREFETCH']}" if c.get("PREFETCH", 1) != 1 else ""
+    r = make_row("int4_a8", f"a8 gemv bn{c['BLOCK_N']} w{c['num_warps']} sk{c['SPLIT_K']}{pf}", shape, t,
+                 bytes_moved=ab, config=c, **({"error": err} if err else {}))
+    rows.append(r)
+    return [] if err else [r]
+
+
 def sweep(out_path: Path | None, shapes, ms, quick: bool = False) -> list[dict]:
     from diag_int4_gemv import probe_calls
 
@@ -125,19 +144,16 @@ def sweep(out_path: Path | None, shapes, ms, quick: bool = False) -> list[dict]:
             w0, out0 = ops.packed[0], ops.out_all[0][:M]
             precompile(lambda c, w0=w0, out0=out0: A.a8_with_config(a8.q, a8.s, a8.sums, w0, None, out0, c,
                                                                     warmup=True), cands)
-            best = None
+            timed = []
             for c in cands:
-                try:
-                    err = a8.check(c)
-                    t = time_cuda(a8.gemv_calls(c), graph=True)
-                except Exception as e:  # noqa: BLE001  (out of resources: the row says so)
-                    rows.append(make_row("int4_a8", "a8 gemv", shape, None, config=c, error=e))
-                    continue
-                r = make_row("int4_a8", f"a8 gemv bn{c['BLOCK_N']} w{c['num_warps']} sk{c['SPLIT_K']}", shape, t,
-                             bytes_moved=ab, config=c, **({"error": err} if err else {}))
-                rows.append(r)
-                if not err and (best is None or t.median_us < best["median_us"]):
-                    best = r
+                timed += _time_config(a8, c, shape, ab, rows)
+            # the best REFINE tiles again with PREFETCH 2 (the next two steps' words in flight)
+            refine = [dict(r["config"], PREFETCH=2) for r in sorted(timed, key=lambda r: r["median_us"])[:REFINE]]
+            precompile(lambda c, w0=w0, out0=out0: A.a8_with_config(a8.q, a8.s, a8.sums, w0, None, out0, c,
+                                                                    warmup=True), refine)
+            for c in refine:
+                timed += _time_config(a8, c, shape, ab, rows)
+            best = min(timed, key=lambda r: r["median_us"], default=None)
             heur = A.heuristic_config(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count)
             err = a8.check(heur)
             th = time_cuda(a8.gemv_calls(heur), graph=True)

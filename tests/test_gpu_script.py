@@ -207,6 +207,40 @@ def test_profile_switches_profiles_each_opt_in_switch_beside_the_default_step(gp
     assert gpu.suite_commands("profile-switches", tmp_path, 1, formats=("bf16",)) == []
 
 
+def test_a8_sweep_times_a_config_and_names_its_prefetch(monkeypatch):
+    """``sweep_int4_a8._time_config``: a correct config's row (named with ``pf2`` under PREFETCH 2) is returned for
+    the ranking; a config off the reference or one that fails to run gets its row but is not ranked."""
+    import sys
+    from types import SimpleNamespace
+
+    saved = list(sys.path)
+    S = load_script(ROOT / "benchmarks" / "sweep_int4_a8.py", "sweep_int4_a8")
+    sys.path[:] = saved
+    us = {1: 5.0, 2: 4.5}
+    monkeypatch.setattr(S, "time_cuda", lambda calls, graph: SimpleNamespace(
+        median_us=us[calls["PREFETCH"]], p10_us=1.0, p90_us=1.0, samples=30))
+
+    class A8:
+        def check(self, c):
+            if c.get("BLOCK_N") == 0:
+                raise RuntimeError("out of resources")
+            return "max err 1.0" if c["SPLIT_K"] == 3 else None
+
+        def gemv_calls(self, c):
+            return c
+
+    shape = {"name": "8b.o", "M": 1, "N": 4096, "K": 4096, "group": 128}
+    rows = []
+    cfg = {"BLOCK_M": 1, "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4}
+    (r1,) = S._time_config(A8(), dict(cfg, PREFETCH=1), shape, 1000, rows)
+    (r2,) = S._time_config(A8(), dict(cfg, PREFETCH=2), shape, 1000, rows)
+    assert (r1["impl"], r2["impl"]) == ("a8 gemv bn64 w4 sk2", "a8 gemv bn64 w4 sk2 pf2")
+    assert r2["median_us"] == 4.5 and r2["config"]["PREFETCH"] == 2
+    assert S._time_config(A8(), dict(cfg, SPLIT_K=3, PREFETCH=1), shape, 1000, rows) == []
+    assert S._time_config(A8(), dict(cfg, BLOCK_N=0, PREFETCH=1), shape, 1000, rows) == []
+    assert len(rows) == 4 and "error" in rows[2] and "error" in rows[3]
+
+
 def test_a8_sweep_table_section_is_what_the_dispatcher_reads(tmp_path, monkeypatch):
     """``sweep_int4_a8.py --table``: each (shape, M)'s best config into the int4 table's ``int4_linear_a8`` section,
     the rest of the table kept; ``ops.int4_a8.get_a8_config`` then returns it on that GPU, and the heuristic above

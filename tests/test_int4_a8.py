@@ -277,6 +277,30 @@ def test_heuristic_config_fills_the_gpu():
     assert A.heuristic_config(1, 28672, 4096)["SPLIT_K"] == 2  # 448 tiles
 
 
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_prefetch_two_is_bit_equal_to_the_double_buffer(split):
+    """PREFETCH 2 (the next two steps' words in flight) changes only when the words are loaded: the same sums in the
+    same order, so the same bits, with splits of 1 to 3 steps (K = 768: three 256-column steps) and odd rows."""
+    w = _weight(70, 640, 128, "zero")
+    x = torch.randn(1, 640, device=DEV).half()
+    q, s, sums = A.quantize_act_int8(x, backend="triton")
+    outs = []
+    for pf in (1, 2):
+        out = poison_(torch.empty(1, 70, device=DEV, dtype=torch.float16))
+        A.a8_with_config(q, s, sums, w, None, out, dict(BLOCK_M=1, BLOCK_N=32, SPLIT_K=split, PREFETCH=pf))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    helpers.assert_close(outs[1], A.int4_linear_a8_ref((q, s, sums), w, out_dtype=torch.float16), ulps=2)
+
+
+def test_prefetch_other_than_one_or_two_is_refused():
+    w = _weight(32, 256, 128, "zero")
+    q, s, sums = A.quantize_act_int8(torch.randn(1, 256, device=DEV).half(), backend="triton")
+    out = torch.empty(1, 32, device=DEV, dtype=torch.float16)
+    with pytest.raises(ValueError, match="PREFETCH is 1 .* or 2"):
+        A.a8_with_config(q, s, sums, w, None, out, dict(BLOCK_M=1, BLOCK_N=32, SPLIT_K=1, PREFETCH=3))
+
+
 _COMPILE = r"""
 import json, sys
 import triton
@@ -290,7 +314,8 @@ sig = {"xw_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "qw_ptr": "*i32"
        "G": "i32", "KW": "i32", "stride_xw": "i32", "stride_xs": "i32", "stride_om": "i32", "stride_part": "i32",
        "split_k": "i32"}
 consts = dict(GROUP=128, ZERO_MODE=1, HAS_BIAS=False, ASM=True, USE_PDL=True, ACCUMULATE=False,
-              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=True, L2_SLAB=cfg.get("SLAB", 0), PF_LANES=128)
+              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SPLIT=True, L2_SLAB=cfg.get("SLAB", 0), PF_LANES=128,
+              PREFETCH=cfg.get("PREFETCH", 1))
 sig.update({k: "constexpr" for k in consts})
 aligned = {"xw_ptr", "xs_ptr", "xsum_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "part_ptr", "lock_ptr",
            "N", "G", "KW", "stride_xw", "stride_xs", "stride_om"}
@@ -312,16 +337,25 @@ def test_sm90_l2_slab_prefetch_comes_before_the_pdl_wait():
         assert before == total == (1 if slab else 0), (before, total)
 
 
-@pytest.mark.parametrize("bm,bn", [(1, 64), (4, 32)])
-def test_sm90_loop_is_dp4a_with_no_shared_memory(bm, bn):
+@pytest.mark.parametrize("bm,bn,pf", [(1, 64, 1), (4, 32, 1), (1, 64, 2)])
+def test_sm90_loop_is_dp4a_with_no_shared_memory(bm, bn, pf):
     """Speed guard, compiled ahead of time for sm_90 (no GPU needed): the K loop converts each word with one shift,
     two ANDs and two PRMTs, multiplies with two dp4a per token row, and never goes through shared memory (a layout
-    conversion there put bar.sync into an earlier draft's loop)."""
-    body = k_loop(sm90_ptx(_COMPILE, json.dumps({"BLOCK_M": bm, "BLOCK_N": bn})))
+    conversion there put bar.sync into an earlier draft's loop). PREFETCH 2 loads one step's words a step too."""
+    body = k_loop(sm90_ptx(_COMPILE, json.dumps({"BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": pf})))
     words = bn * 32 // 128  # words a thread per step (4 warps)
     assert body.count("dp4a.u32.s32") == 2 * words * bm
     assert body.count("prmt.b32") == 2 * words
     assert "bar.sync" not in body and "st.shared" not in body and "ld.shared" not in body
+
+
+def test_sm90_prefetch_two_loads_one_steps_words_a_step():
+    """PREFETCH 2 moves the loads two steps ahead: the loop still issues the same global loads a step (the step's
+    16-byte weight vectors and the activation's), no more, and no local memory (spilled buffers)."""
+    bodies = [k_loop(sm90_ptx(_COMPILE, json.dumps({"BLOCK_M": 1, "BLOCK_N": 64, "PREFETCH": pf}))) for pf in (1, 2)]
+    counts = [b.count("ld.global") for b in bodies]
+    assert counts[0] == counts[1] and bodies[1].count("ld.global.v4") >= 4, counts
+    assert "ld.local" not in bodies[1] and "st.local" not in bodies[1]
 
 
 _COMPILE_PRODUCERS = r"""

@@ -181,6 +181,7 @@ def _int4_a8_kernel(
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
     USE_PDL: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, L2_SLAB: tl.constexpr, PF_LANES: tl.constexpr,
+    PREFETCH: tl.constexpr = 1,
 ):
     """Grid (m tiles, split_k, n tiles). A loop step is one layout tile of BLOCK_N rows (``[BLOCK_N, 32]`` words,
     16-byte loads; register double buffer: the next step's words are in flight during this step's maths); splits
@@ -193,7 +194,9 @@ def _int4_a8_kernel(
     its scales and sums after it. xw_ptr: the int32 view of the quantised activation ((M, Kp // 4), row stride
     stride_xw); xs / xsum: (M, NG) fp32 / int32, row stride stride_xs. ACCUMULATE: out += the result. L2_SLAB (with
     USE_PDL; bytes, 0: off; PF_LANES: the program's threads): up to that much of the rest of the program's weight
-    words into L2 before the wait (``kernels.prefetch.l2_prefetch_rows``)."""
+    words into L2 before the wait (``kernels.prefetch.l2_prefetch_rows``). PREFETCH 2: a register triple buffer, the
+    words of the next two steps in flight (the int4 PACKED kind's PREFETCH 2 won every M = 1 shape on the H200,
+    benchmarks/NOTES.md session 40); the last steps load the split's last words again, as with 1."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -212,6 +215,8 @@ def _int4_a8_kernel(
     offs_w = tl.arange(0, 32)
     w_ptrs = qw_ptr + rn[:, None] * KW + offs_w[None, :]
     w_next = tl.load(w_ptrs + st0 * 32)  # every split has >= 1 step
+    if PREFETCH == 2:
+        w_next2 = tl.load(w_ptrs + tl.minimum(st0 + 1, st1 - 1) * 32)
     if L2_SLAB:
         l2_prefetch_rows(qw_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, KW * 4, (st0 + 1) * 32 * 4,
                          st1 * 32 * 4, BLOCK_N, PF_LANES, L2_SLAB)
@@ -231,7 +236,11 @@ def _int4_a8_kernel(
     for st in range(st0, st1):
         w = w_next
         # the last step loads its own words again (L1 / L2 hits): no mask, no zeroed registers in the loop
-        w_next = tl.load(w_ptrs + tl.minimum(st + 1, st1 - 1) * 32)
+        if PREFETCH == 2:
+            w_next = w_next2
+            w_next2 = tl.load(w_ptrs + tl.minimum(st + 2, st1 - 1) * 32)
+        else:
+            w_next = tl.load(w_ptrs + tl.minimum(st + 1, st1 - 1) * 32)
         a, b = _split(w, ASM)
         s_a, s_b, c_a, c_b = _params(s_rows, z_rows, G, st, GROUP, ZERO_MODE)
         acc0, zt0 = _token(acc0, zt0, a, b, s_a, s_b, c_a, c_b, xw_ptr, xs_ptr, xsum_ptr, r0, M, st, offs_w,
@@ -279,11 +288,15 @@ def launch_int4_a8(q, scales_x, sums_x, qweight, scales, zm, group_size: int, ze
     """Launch on 2-D views: q int8 (M, Kp) contiguous rows (``launch_act_quant``'s), scales_x / sums_x (M, Kp // 128),
     qweight (N, Kp // 8) int32, scales / zm (N, G) contiguous (zm: zeros uint8, mins, or None), out (M, N).
     ``part`` (fp32, SPLIT_K * M * N) and ``locks`` (zeroed int32, one per output tile) only when the effective
-    SPLIT_K > 1 (``split_k_of``). ``config``: dict(BLOCK_M (<= 4), BLOCK_N, SPLIT_K, num_warps). ``asm``: the
-    inline PTX (compiled CUDA only; else the portable integer maths). ``warmup``: compile only. ``l2_slab`` (with
+    SPLIT_K > 1 (``split_k_of``). ``config``: dict(BLOCK_M (<= 4), BLOCK_N, SPLIT_K, num_warps; optional PREFETCH 1
+    or 2, default 1). ``asm``: the inline PTX (compiled CUDA only; else the portable integer maths). ``warmup``:
+    compile only. ``l2_slab`` (with
     ``pdl``, sm_90+; bytes, 0: off): each program prefetches up to that much of its weight words into L2 before
     its PDL wait."""
     check_params(scales, zm, "the W4A8 kernel")
+    prefetch = int(config.get("PREFETCH", 1))
+    if prefetch not in (1, 2):
+        raise ValueError(f"the W4A8 kernel's PREFETCH is 1 (double buffer) or 2 (triple), got {prefetch}")
     M = q.shape[0]
     N, KW = qweight.shape
     split = split_k_of(KW, config)
@@ -298,6 +311,6 @@ def launch_int4_a8(q, scales_x, sums_x, qweight, scales, zm, group_size: int, ze
         M, N, scales.shape[1], KW, xw.stride(0), scales_x.stride(0), out.stride(0), M * N, split,
         GROUP=group_size, ZERO_MODE=ZERO_MODES[zero_mode], HAS_BIAS=bias is not None, ASM=asm, USE_PDL=pdl,
         ACCUMULATE=bool(accumulate), BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
-        L2_SLAB=slab_bytes(l2_slab, pdl, qweight), PF_LANES=32 * config.get("num_warps", 4),
+        L2_SLAB=slab_bytes(l2_slab, pdl, qweight), PF_LANES=32 * config.get("num_warps", 4), PREFETCH=prefetch,
         num_warps=config.get("num_warps", 4), num_stages=1, **launch_kwargs(pdl), **extra,
     )
