@@ -290,9 +290,8 @@ def launch_int4_a8(q, scales_x, sums_x, qweight, scales, zm, group_size: int, ze
     ``part`` (fp32, SPLIT_K * M * N) and ``locks`` (zeroed int32, one per output tile) only when the effective
     SPLIT_K > 1 (``split_k_of``). ``config``: dict(BLOCK_M (<= 4), BLOCK_N, SPLIT_K, num_warps; optional PREFETCH 1
     or 2, default 1). ``asm``: the inline PTX (compiled CUDA only; else the portable integer maths). ``warmup``:
-    compile only. ``l2_slab`` (with
-    ``pdl``, sm_90+; bytes, 0: off): each program prefetches up to that much of its weight words into L2 before
-    its PDL wait."""
+    compile only. ``l2_slab`` (with ``pdl``, sm_90+; bytes, 0: off): each program prefetches up to that much of its
+    weight words into L2 before its PDL wait."""
     check_params(scales, zm, "the W4A8 kernel")
     prefetch = int(config.get("PREFETCH", 1))
     if prefetch not in (1, 2):
