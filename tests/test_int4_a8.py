@@ -6,6 +6,7 @@ GPU (``gpu`` marks): the PTX path on real Llama sizes, CUDA-graph capture and to
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -277,12 +278,13 @@ def test_heuristic_config_fills_the_gpu():
     assert A.heuristic_config(1, 28672, 4096)["SPLIT_K"] == 2  # 448 tiles
 
 
-@pytest.mark.parametrize("split", [1, 2, 3])
-def test_prefetch_two_is_bit_equal_to_the_double_buffer(split):
-    """PREFETCH 2 (the next two steps' words in flight) changes only when the words are loaded: the same sums in the
-    same order, so the same bits, with splits of 1 to 3 steps (K = 768: three 256-column steps) and odd rows."""
-    w = _weight(70, 640, 128, "zero")
-    x = torch.randn(1, 640, device=DEV).half()
+@pytest.mark.parametrize("K,split", [(640, 1), (640, 2), (640, 3), (1024, 1)])
+def test_prefetch_two_is_bit_equal_to_the_double_buffer(K, split):
+    """PREFETCH 2 (the next two steps' words in flight, the loop unrolled by two) changes only when the words are
+    loaded: the same sums in the same order, so the same bits, with splits of 1 to 4 steps (K = 640 pads to three
+    256-column steps, 1024 is four: odd and even counts) and odd rows."""
+    w = _weight(70, K, 128, "zero")
+    x = torch.randn(1, K, device=DEV).half()
     q, s, sums = A.quantize_act_int8(x, backend="triton")
     outs = []
     for pf in (1, 2):
@@ -341,20 +343,24 @@ def test_sm90_l2_slab_prefetch_comes_before_the_pdl_wait():
 def test_sm90_loop_is_dp4a_with_no_shared_memory(bm, bn, pf):
     """Speed guard, compiled ahead of time for sm_90 (no GPU needed): the K loop converts each word with one shift,
     two ANDs and two PRMTs, multiplies with two dp4a per token row, and never goes through shared memory (a layout
-    conversion there put bar.sync into an earlier draft's loop). PREFETCH 2 loads one step's words a step too."""
+    conversion there put bar.sync into an earlier draft's loop). With PREFETCH 2 the loop body is two steps."""
     body = k_loop(sm90_ptx(_COMPILE, json.dumps({"BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": pf})))
-    words = bn * 32 // 128  # words a thread per step (4 warps)
+    words = bn * 32 // 128 * pf  # words a thread per loop iteration (4 warps)
     assert body.count("dp4a.u32.s32") == 2 * words * bm
     assert body.count("prmt.b32") == 2 * words
     assert "bar.sync" not in body and "st.shared" not in body and "ld.shared" not in body
 
 
 def test_sm90_prefetch_two_loads_one_steps_words_a_step():
-    """PREFETCH 2 moves the loads two steps ahead: the loop still issues the same global loads a step (the step's
-    16-byte weight vectors and the activation's), no more, and no local memory (spilled buffers)."""
+    """PREFETCH 2 keeps two buffers and unrolls the loop by two: an iteration issues exactly two steps' global loads
+    (each step's 16-byte weight vectors and the activation's), no more, no register copies of the buffers (the
+    rotated triple buffer it replaces moved 44 registers a step, benchmarks/NOTES.md session 41) and no local memory
+    (spilled buffers)."""
     bodies = [k_loop(sm90_ptx(_COMPILE, json.dumps({"BLOCK_M": 1, "BLOCK_N": 64, "PREFETCH": pf}))) for pf in (1, 2)]
     counts = [b.count("ld.global") for b in bodies]
-    assert counts[0] == counts[1] and bodies[1].count("ld.global.v4") >= 4, counts
+    assert counts[1] == 2 * counts[0] and bodies[1].count("ld.global.v4") >= 8, counts
+    moves = [len(re.findall(r"\bmov\.b32\s+%r\d+, %r\d+;", b)) for b in bodies]
+    assert moves[1] <= 2 * moves[0], moves
     assert "ld.local" not in bodies[1] and "st.local" not in bodies[1]
 
 

@@ -173,6 +173,26 @@ def _params(s_rows, z_rows, G, tile, GROUP: tl.constexpr, ZERO_MODE: tl.constexp
     return ws_a, ws_b, c_a, c_b
 
 
+@triton.jit
+def _step(acc0, acc1, acc2, acc3, zt0, zt1, zt2, zt3, w, st, s_rows, z_rows, G, xw_ptr, xs_ptr, xsum_ptr, r0, M,
+          offs_w, stride_xw, stride_xs, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, ASM: tl.constexpr,
+          BLOCK_M: tl.constexpr):
+    """One K step (layout tile ``st``, its words ``w``) for the program's BLOCK_M token rows."""
+    a, b = _split(w, ASM)
+    s_a, s_b, c_a, c_b = _params(s_rows, z_rows, G, st, GROUP, ZERO_MODE)
+    acc0, zt0 = _token(acc0, zt0, a, b, s_a, s_b, c_a, c_b, xw_ptr, xs_ptr, xsum_ptr, r0, M, st, offs_w,
+                       stride_xw, stride_xs, ASM)
+    if BLOCK_M > 1:
+        acc1, zt1 = _token(acc1, zt1, a, b, s_a, s_b, c_a, c_b, xw_ptr, xs_ptr, xsum_ptr, r0 + 1, M, st,
+                           offs_w, stride_xw, stride_xs, ASM)
+    if BLOCK_M > 2:
+        acc2, zt2 = _token(acc2, zt2, a, b, s_a, s_b, c_a, c_b, xw_ptr, xs_ptr, xsum_ptr, r0 + 2, M, st,
+                           offs_w, stride_xw, stride_xs, ASM)
+        acc3, zt3 = _token(acc3, zt3, a, b, s_a, s_b, c_a, c_b, xw_ptr, xs_ptr, xsum_ptr, r0 + 3, M, st,
+                           offs_w, stride_xw, stride_xs, ASM)
+    return acc0, acc1, acc2, acc3, zt0, zt1, zt2, zt3
+
+
 # M and the split count change per call: not specialising them keeps one compiled kernel per config
 @triton.jit(do_not_specialize=["M", "split_k", "stride_part"])
 def _int4_a8_kernel(
@@ -194,9 +214,10 @@ def _int4_a8_kernel(
     its scales and sums after it. xw_ptr: the int32 view of the quantised activation ((M, Kp // 4), row stride
     stride_xw); xs / xsum: (M, NG) fp32 / int32, row stride stride_xs. ACCUMULATE: out += the result. L2_SLAB (with
     USE_PDL; bytes, 0: off; PF_LANES: the program's threads): up to that much of the rest of the program's weight
-    words into L2 before the wait (``kernels.prefetch.l2_prefetch_rows``). PREFETCH 2: a register triple buffer, the
-    words of the next two steps in flight (the int4 PACKED kind's PREFETCH 2 won every M = 1 shape on the H200,
-    benchmarks/NOTES.md session 40); the last steps load the split's last words again, as with 1."""
+    words into L2 before the wait (``kernels.prefetch.l2_prefetch_rows``). PREFETCH 2: two register buffers and the
+    loop unrolled by two, so the words of the next two steps are in flight (the int4 PACKED kind's PREFETCH 2 won
+    every M = 1 shape on the H200, benchmarks/NOTES.md session 40); the last steps load the split's last words
+    again, as with 1."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -215,8 +236,6 @@ def _int4_a8_kernel(
     offs_w = tl.arange(0, 32)
     w_ptrs = qw_ptr + rn[:, None] * KW + offs_w[None, :]
     w_next = tl.load(w_ptrs + st0 * 32)  # every split has >= 1 step
-    if PREFETCH == 2:
-        w_next2 = tl.load(w_ptrs + tl.minimum(st0 + 1, st1 - 1) * 32)
     if L2_SLAB:
         l2_prefetch_rows(qw_ptr.to(tl.pointer_type(tl.uint8)), pid_n * BLOCK_N, N, KW * 4, (st0 + 1) * 32 * 4,
                          st1 * 32 * 4, BLOCK_N, PF_LANES, L2_SLAB)
@@ -233,26 +252,33 @@ def _int4_a8_kernel(
     zt3 = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
     s_rows = s_ptr + rn[:, None] * G
     z_rows = z_ptr + rn[:, None] * G
-    for st in range(st0, st1):
-        w = w_next
-        # the last step loads its own words again (L1 / L2 hits): no mask, no zeroed registers in the loop
-        if PREFETCH == 2:
-            w_next = w_next2
-            w_next2 = tl.load(w_ptrs + tl.minimum(st + 2, st1 - 1) * 32)
-        else:
+    if PREFETCH == 2:  # two buffers, the loop unrolled by two: no register copies (a rotated triple buffer cost 44
+        # moves a step at BLOCK_N 64, benchmarks/NOTES.md session 41); each buffer takes its next words (two steps
+        # on) right after its step, so two steps' words are in flight
+        w_b = tl.load(w_ptrs + tl.minimum(st0 + 1, st1 - 1) * 32)
+        for st in range(st0, st1 - 1, 2):
+            w = w_next
+            w_next = tl.load(w_ptrs + tl.minimum(st + 2, st1 - 1) * 32)
+            acc0, acc1, acc2, acc3, zt0, zt1, zt2, zt3 = _step(
+                acc0, acc1, acc2, acc3, zt0, zt1, zt2, zt3, w, st, s_rows, z_rows, G, xw_ptr, xs_ptr, xsum_ptr, r0,
+                M, offs_w, stride_xw, stride_xs, GROUP, ZERO_MODE, ASM, BLOCK_M)
+            w = w_b
+            w_b = tl.load(w_ptrs + tl.minimum(st + 3, st1 - 1) * 32)
+            acc0, acc1, acc2, acc3, zt0, zt1, zt2, zt3 = _step(
+                acc0, acc1, acc2, acc3, zt0, zt1, zt2, zt3, w, st + 1, s_rows, z_rows, G, xw_ptr, xs_ptr, xsum_ptr,
+                r0, M, offs_w, stride_xw, stride_xs, GROUP, ZERO_MODE, ASM, BLOCK_M)
+        if (st1 - st0) % 2 == 1:  # an odd split: its last step is in the first buffer
+            acc0, acc1, acc2, acc3, zt0, zt1, zt2, zt3 = _step(
+                acc0, acc1, acc2, acc3, zt0, zt1, zt2, zt3, w_next, st1 - 1, s_rows, z_rows, G, xw_ptr, xs_ptr,
+                xsum_ptr, r0, M, offs_w, stride_xw, stride_xs, GROUP, ZERO_MODE, ASM, BLOCK_M)
+    else:
+        for st in range(st0, st1):
+            w = w_next
+            # the last step loads its own words again (L1 / L2 hits): no mask, no zeroed registers in the loop
             w_next = tl.load(w_ptrs + tl.minimum(st + 1, st1 - 1) * 32)
-        a, b = _split(w, ASM)
-        s_a, s_b, c_a, c_b = _params(s_rows, z_rows, G, st, GROUP, ZERO_MODE)
-        acc0, zt0 = _token(acc0, zt0, a, b, s_a, s_b, c_a, c_b, xw_ptr, xs_ptr, xsum_ptr, r0, M, st, offs_w,
-                           stride_xw, stride_xs, ASM)
-        if BLOCK_M > 1:
-            acc1, zt1 = _token(acc1, zt1, a, b, s_a, s_b, c_a, c_b, xw_ptr, xs_ptr, xsum_ptr, r0 + 1, M, st,
-                               offs_w, stride_xw, stride_xs, ASM)
-        if BLOCK_M > 2:
-            acc2, zt2 = _token(acc2, zt2, a, b, s_a, s_b, c_a, c_b, xw_ptr, xs_ptr, xsum_ptr, r0 + 2, M, st,
-                               offs_w, stride_xw, stride_xs, ASM)
-            acc3, zt3 = _token(acc3, zt3, a, b, s_a, s_b, c_a, c_b, xw_ptr, xs_ptr, xsum_ptr, r0 + 3, M, st,
-                               offs_w, stride_xw, stride_xs, ASM)
+            acc0, acc1, acc2, acc3, zt0, zt1, zt2, zt3 = _step(
+                acc0, acc1, acc2, acc3, zt0, zt1, zt2, zt3, w, st, s_rows, z_rows, G, xw_ptr, xs_ptr, xsum_ptr, r0,
+                M, offs_w, stride_xw, stride_xs, GROUP, ZERO_MODE, ASM, BLOCK_M)
     y = _fma_rows(acc0 - zt0 / 8.0, acc1 - zt1 / 8.0, acc2 - zt2 / 8.0, acc3 - zt3 / 8.0, BLOCK_M)
     if not SPLIT:
         _epilogue(y, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, bias_ptr, bias_ptr, HAS_BIAS, 0, 0,
