@@ -140,17 +140,19 @@ def sweep(out_path: Path | None, shapes, ms, quick: bool = False) -> list[dict]:
             tq = time_cuda(a8.quant_calls(), graph=True)
             rows.append(make_row("int4_a8", "a8 quant", shape, tq, bytes_moved=M * K * 2 + ab - ops.int4_bytes
                                  - M * N * 2))
-            cands = configs(M, quick)
             w0, out0 = ops.packed[0], ops.out_all[0][:M]
-            precompile(lambda c, w0=w0, out0=out0: A.a8_with_config(a8.q, a8.s, a8.sums, w0, None, out0, c,
-                                                                    warmup=True), cands)
+
+            def warm(c, w0=w0, out0=out0, a8=a8):
+                A.a8_with_config(a8.q, a8.s, a8.sums, w0, None, out0, c, warmup=True)
+
+            cands = configs(M, quick)
+            precompile(warm, cands)
             timed = []
             for c in cands:
                 timed += _time_config(a8, c, shape, ab, rows)
             # the best REFINE tiles again with PREFETCH 2 (the next two steps' words in flight)
             refine = [dict(r["config"], PREFETCH=2) for r in sorted(timed, key=lambda r: r["median_us"])[:REFINE]]
-            precompile(lambda c, w0=w0, out0=out0: A.a8_with_config(a8.q, a8.s, a8.sums, w0, None, out0, c,
-                                                                    warmup=True), refine)
+            precompile(warm, refine)
             for c in refine:
                 timed += _time_config(a8, c, shape, ab, rows)
             best = min(timed, key=lambda r: r["median_us"], default=None)
