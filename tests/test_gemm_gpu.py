@@ -404,9 +404,10 @@ def _cancelling_fp8(M, N, K, scales, device, bias_dtype, big=3.0):
     wq, ws = _integer_fp8(N, K, device, w_gran)
     xq = x0.expand(M, K).contiguous()
     xs = xs.expand(M, 1).contiguous() if x_gran == "token" else xs
-    # scale the product to |.| ~ big: the integer acc has std ~ 24 * sqrt(K)
-    k = big / (24.0 * K**0.5)
-    xs = xs * k
+    # scale the product so that its largest |.| is ``big``: measured from this draw, not from the integer
+    # acc's expected spread (std ~ 24 * sqrt(K)), which a draw of a few dozen columns can miss by a third
+    acc = L.linear_fp8_ref(xq, xs, wq, ws, out_dtype=torch.float32)[0]
+    xs = xs * (big / acc.abs().max().clamp_min(1e-6))
     pre = L.linear_fp8_ref(xq, xs, wq, ws, out_dtype=torch.float32)[0]
     u = (torch.rand(N, device=device) * 0.3 + 0.1) * torch.where(torch.rand(N, device=device) < 0.5, -1.0, 1.0)
     bias = (u - pre).to(bias_dtype)
