@@ -36,11 +36,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_seed():
-    """Fresh random inputs in every test, but reproducible from the printed seed on failure."""
-    seed = int.from_bytes(os.urandom(4), "little")
+def _fresh_seed(request):
+    """Fresh random inputs in every test, reproducible from the seed a failure's report prints
+    (``FASTDECODE_TEST_SEED=<seed> pytest <the test>`` draws the same inputs again)."""
+    fixed = os.environ.get("FASTDECODE_TEST_SEED")
+    seed = int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
+    request.node.fastdecode_seed = seed
     yield seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report names the seed its inputs came from (a section of the failure's output)."""
+    report = (yield).get_result()
+    seed = getattr(item, "fastdecode_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("fastdecode seed", f"rerun with FASTDECODE_TEST_SEED={seed}"))
 
 
 # Per-test timings, one JSON line per finished phase, written as the run goes when
