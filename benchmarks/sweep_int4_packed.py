@@ -15,6 +15,10 @@ head with ``--quant-head int4``):
   registers),
   each checked against the fp32 reference before it is timed (``err_rel``: the max error over the reference's
   largest value; an ``error`` key where it misses);
+* ``... unroll`` (session 42): the fastest ``REFINE`` PREFETCH 2 tiles of the grid, and the table's tile where it is
+  one (``table + unroll``), again with PF_UNROLL (two buffers, the loop unrolled by two, instead of the rotated
+  triple buffer: fewer register copies a step in the sm_90 SASS); an ``int4_packed_unroll`` row per pair gives both
+  times and the speed-up;
 * baselines: ``cublas_bf16`` (``torch.mm`` on the dequantised weight) and ``tinygemm`` (``_weight_int4pack_mm``).
 
 The summary rows (``op: int4_packed_summary``): the table's time, the best PACKED tile's, the speed-up.
@@ -45,6 +49,7 @@ SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 40
           "70b_tp2.gate_up": (28672, 8192), "8b.head": (128256, 4096)}  # the head: --quant-head int4
 SPLITS = (1, 2, 4, 8)
 MIN_GAIN = 0.02  # --table: a PACKED tile replaces the table's entry only when it is this much faster
+REFINE = 4  # the fastest PREFETCH 2 tiles timed again with PF_UNROLL
 
 
 PREFETCHES = (True, 2)  # the next step's words in flight, or the next two (more bytes in flight a thread)
@@ -65,7 +70,23 @@ def with_packed(cfg: dict) -> dict | None:
 
 
 def _name(c: dict) -> str:
-    return f"packed bn{c['BLOCK_N']} w{c['num_warps']} sk{c['SPLIT_K']}" + (" pf2" if c["PREFETCH"] == 2 else "")
+    return (f"packed bn{c['BLOCK_N']} w{c['num_warps']} sk{c['SPLIT_K']}" + (" pf2" if c["PREFETCH"] == 2 else "")
+            + (" unroll" if c.get("PF_UNROLL") else ""))
+
+
+def _is_pf2(c: dict) -> bool:
+    return bool(c.get("PACKED")) and c.get("kind") == "fma" and c.get("PREFETCH") == 2 and not c.get("PF_UNROLL")
+
+
+def unrolled(rows: list[dict], table: dict) -> list[tuple[str, dict, dict]]:
+    """(name, config, the row it unrolls): PF_UNROLL forms of the fastest ``REFINE`` correct PREFETCH 2 rows of
+    ``rows`` (one shape and M) and of the table's row where its tile is one."""
+    pf2 = sorted((r for r in rows if "error" not in r and r.get("median_us") and r["impl"].startswith("packed bn")
+                  and _is_pf2(r["config"])), key=lambda r: r["median_us"])[:REFINE]
+    out = [(r["impl"] + " unroll", dict(r["config"], PF_UNROLL=True), r) for r in pf2]
+    if "error" not in table and _is_pf2(table["config"]):
+        out.append(("table + unroll", dict(table["config"], PF_UNROLL=True), table))
+    return out
 
 
 def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
@@ -83,6 +104,17 @@ def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
             x, w0, out0 = ops.x_all[:M], ops.packed[0], ops.out_all[0][:M]
             precompile(lambda c: int4_linear_with_config(x, w0, None, out0, c, warmup=True), [c for _, c in cands])
             best = timed_configs("int4_packed", ops, M, shape, cands, rows)
+            pairs = unrolled([r for r in rows if r["shape"] == shape], table)
+            precompile(lambda c: int4_linear_with_config(x, w0, None, out0, c, warmup=True), [c for _, c, _ in pairs])
+            for name, c, base in pairs:
+                r = timed_configs("int4_packed", ops, M, shape, [(name, c)], rows)
+                if r is None:
+                    continue
+                rows.append(make_row("int4_packed_unroll", name, shape, None, rotated_us=base["median_us"],
+                                     unrolled_us=r["median_us"], speedup=round(base["median_us"] / r["median_us"], 3),
+                                     config=c))
+                if best is None or r["median_us"] < best["median_us"]:
+                    best = r
             if best is not None:
                 rows.append(dict(best, impl="packed best", variant=best["impl"]))
                 rows.append(make_row("int4_packed_summary", "packed vs table", shape, None,
@@ -117,6 +149,8 @@ def main(argv=None) -> int:
         write_table(a.table, rows)
     print_table([r for r in rows if r["op"] == "int4_packed_summary"],
                 ("shape", "table_us", "packed_us", "speedup", "table_err_rel", "packed_err_rel"))
+    print_table([r for r in rows if r["op"] == "int4_packed_unroll"], ("shape", "impl", "rotated_us", "unrolled_us",
+                                                                       "speedup"))
     return 0
 
 

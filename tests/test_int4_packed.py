@@ -136,6 +136,43 @@ def test_packed_with_two_steps_of_words_in_flight_gives_the_same_bits():
         assert torch.equal(_check(w, x, None, _cfg(1, 8, split, PREFETCH=2)), one)
 
 
+@pytest.mark.parametrize("block_m", [1, 2])
+def test_the_unrolled_two_buffers_give_the_bits_of_the_rotated_three(block_m):
+    """PF_UNROLL (PREFETCH 2 as two buffers with the loop unrolled by two, ``int4_packed.packed_pairs``) changes only
+    which registers hold the words: its result equals PREFETCH 2's bit for bit for splits of one to five steps, odd
+    and even (the odd one's last step from the first buffer), K padded or not, and with the norm summed in the loop,
+    SiLU-and-mul in the loads and the residual add."""
+    dev = "cuda" if GPU else "cpu"
+    for K, split in ((512, 2), (1024, 1), (1280, 1), (1280, 3), (1152, 2)):  # steps a split: 1 | 4 | 5 | 2,2,1 | 3,2
+        w = _weight("zero", 24, K, 128, torch.bfloat16, dev)
+        x = torch.randn(block_m, K, device=dev).bfloat16()
+        rotated = _check(w, x, None, _cfg(block_m, 8, split, PREFETCH=2))
+        assert torch.equal(_check(w, x, None, _cfg(block_m, 8, split, PREFETCH=2, PF_UNROLL=True)), rotated), (K, split)
+    K = 1280
+    w = _weight("min", 24, K, 128, torch.bfloat16, dev)
+    h, gu = torch.randn(block_m, K, device=dev).bfloat16(), torch.randn(block_m, 2 * K, device=dev).bfloat16()
+    nw, r = (torch.rand(K, device=dev) + 0.5).bfloat16(), torch.randn(block_m, 24, device=dev).bfloat16()
+    for kw, x, out0 in ((dict(norm_weight=nw, eps=1e-5, x_norm=True), h, None), (dict(glu=True), gu, None),
+                        (dict(accumulate=True), h, r)):
+        outs = []
+        for unroll in (False, True):
+            out = poison_(torch.empty(block_m, 24, dtype=torch.bfloat16, device=dev)) if out0 is None else out0.clone()
+            I.int4_linear_with_config(x, w, None, out, _cfg(block_m, 8, 1, PREFETCH=2, PF_UNROLL=unroll,
+                                                            NORM_LOOP="x_norm" in kw), **kw)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), kw
+        assert torch.isfinite(outs[0]).all()
+
+
+@pytest.mark.parametrize("change", [dict(PREFETCH=True), dict(PREFETCH=False), dict(PACKED=False, PREFETCH=2)])
+def test_pf_unroll_refuses_all_but_packed_with_prefetch_2(change):
+    w = _weight("zero", 16, 512, 128, torch.bfloat16)
+    x = torch.randn(1, 512).bfloat16()
+    out = torch.empty(1, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="PF_UNROLL key needs PACKED with PREFETCH 2"):
+        I.int4_linear_with_config(x, w, None, out, {**_cfg(1), "PF_UNROLL": True, **change})
+
+
 def _shifted(t):
     """A contiguous copy of ``t`` one element past an aligned address (2 bytes for 16-bit scales and mins, 1 for
     uint8 zeros): too little alignment for the paired loads."""
@@ -206,6 +243,23 @@ def test_sm90_packed_loop_issues_fewer_instructions_a_value():
     assert ops.get("FFMA", 0) + ops.get("FMUL", 0) + ops.get("FADD", 0) <= values // 4, ops  # two folds a word
     assert plain["opcodes"].get("HFMA2", 0) == 0 and plain["opcodes"]["FFMA"] >= values, plain
     assert packed["instructions"] <= 0.7 * plain["instructions"], (packed["instructions"], plain["instructions"])
+
+
+def test_sm90_unrolled_prefetch_2_issues_no_more_than_prefetch_1_a_step():
+    """Speed guard (sm_90 SASS compiled on the CPU, 64 rows on 4 warps, the paired loads): PREFETCH 2 as a rotated
+    triple buffer copies registers every step (IMAD.MOV / MOV: 435 instructions a step against PREFETCH 1's 405 when
+    this was written, triton 3.9); PF_UNROLL's two buffers do not (404.5). An iteration is two steps: twice a step's
+    weight loads (LDG.E.128) and its packed maths, no local memory."""
+    one, rotated = _loop_count("--packed", "--prefetch", "1"), _loop_count("--packed", "--prefetch", "2")
+    unrolled = _loop_count("--packed", "--prefetch", "2", "--pf-unroll")
+    assert unrolled["steps"] == 2 and one["steps"] == 1
+    assert unrolled["instructions"] <= one["instructions"] * 1.01, (unrolled["instructions"], one["instructions"])
+    assert unrolled["instructions"] < rotated["instructions"], (unrolled["instructions"], rotated["instructions"])
+    ops, ops1 = unrolled["opcodes"], one["opcodes"]
+    pairs = sum(ops.get(k, 0) for k in ("HFMA2", "HADD2", "HMUL2"))
+    assert pairs == 2 * unrolled["values"], ops
+    assert ops["LDG"] == 2 * ops1["LDG"], (ops, ops1)
+    assert not {"LDL", "STL"} & set(ops), ops
 
 
 @gpu_only
@@ -308,6 +362,32 @@ def test_the_sweep_writes_only_the_tiles_that_win_and_gpu_py_times_the_step_on_t
     assert argv2[argv2.index("--quant") + 1] == "int4"
     assert argv2[argv2.index("--impl") + 1:] == ["peer-compile", "fastdecode-graph"]
     assert argv3[:2] == argv2[:2] and argv3[argv3.index("--quant-head") + 1] == "int4"  # the int4 head on that copy
+
+
+def test_the_sweep_times_the_fastest_prefetch_2_tiles_and_the_tables_again_unrolled():
+    """Session 42: ``sweep_int4_packed.unrolled`` picks the ``REFINE`` fastest correct PREFETCH 2 grid rows (not
+    PREFETCH 1, not a row with an error, not one already unrolled) and the table's tile where it is PACKED with
+    PREFETCH 2, each with PF_UNROLL, a config every kernel check accepts."""
+    from fastdecode.kernels.int4_packed import check_packed
+    from helpers import load_script
+
+    sweep = load_script(ROOT / "benchmarks" / "sweep_int4_packed.py", "sweep_int4_packed")
+    grid = sweep.grid(1)
+    pf2 = [c for c in grid if c["PREFETCH"] == 2]
+    rows = [{"impl": sweep._name(c), "config": c, "median_us": 10.0 - i} for i, c in enumerate(pf2[:6])]
+    rows += [{"impl": sweep._name(c), "config": c, "median_us": 0.5} for c in grid if c["PREFETCH"] is True][:3]
+    rows += [{"impl": sweep._name(pf2[6]), "config": pf2[6], "median_us": 0.1, "error": "max error nan"}]
+    table = {"impl": "dispatch", "config": dict(pf2[7]), "median_us": 9.0}
+    got = sweep.unrolled(rows, table)
+    want = [r for r in rows[:6]][::-1][:sweep.REFINE]  # the fastest four PREFETCH 2 rows
+    assert [base for _, _, base in got] == want + [table]
+    for name, c, base in got:
+        assert c == {**base["config"], "PF_UNROLL": True}
+        assert name == ("table + unroll" if base is table else base["impl"] + " unroll")
+        assert name == "table + unroll" or sweep._name(c) == name
+        check_packed(c, 128, 4096, torch.bfloat16)
+    assert sweep.unrolled(rows, {**table, "config": dict(pf2[7], PREFETCH=True)})[-1][0] != "table + unroll"
+    assert sweep.unrolled([{**r, "config": dict(r["config"], PF_UNROLL=True)} for r in rows[:6]], table)[:-1] == []
 
 
 def test_the_tuner_proposes_packed_tiles_where_they_apply():

@@ -38,20 +38,9 @@ from fastdecode.kernels.int4_dequant import (
     _slice_params, _uniform, check_params, slices_per_group,
 )
 from fastdecode.kernels.int4_mma import launch_int4_mma
-from fastdecode.kernels.int4_packed import check_packed, packed_mode, packed_step
+from fastdecode.kernels.int4_packed import _next_words, check_packed, packed_mode, packed_pairs, packed_step
 from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
-
-
-@triton.jit
-def _next_words(qw_row, kb, kb_end, offs_w, KW, BLOCK_N: tl.constexpr, BK8: tl.constexpr, EVEN_K: tl.constexpr):
-    """PREFETCH: the packed words of K step ``kb`` ([BLOCK_N, BK8]), zeros for a step past the split's end."""
-    kw = kb * BK8 + offs_w
-    more = (kb + tl.zeros((BLOCK_N, BK8), dtype=tl.int32)) < kb_end  # past the last step: nothing loaded
-    if EVEN_K:
-        return tl.load(qw_row + kw[None, :], mask=more, other=0)
-    else:
-        return tl.load(qw_row + kw[None, :], mask=more & (kw < KW)[None, :], other=0)
 
 
 @triton.jit
@@ -86,7 +75,7 @@ def _int4_linear_kernel(
     GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
     UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
     FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, SCALE_PF: tl.constexpr, NORM_LOOP: tl.constexpr,
-    LOP3_ASM: tl.constexpr, USE_PDL: tl.constexpr, PACKED: tl.constexpr,
+    LOP3_ASM: tl.constexpr, USE_PDL: tl.constexpr, PACKED: tl.constexpr, PF_UNROLL: tl.constexpr,
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
     ACCUMULATE: tl.constexpr, X_GLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
@@ -145,6 +134,7 @@ def _int4_linear_kernel(
     tl.static_assert(not (X_GLU and (USE_DOT or X_NORM or X_FP8)), "X_GLU: the FMA path, 16-bit x, no X_NORM")
     tl.static_assert(not PACKED or (not USE_DOT and not X_FP8 and SPG % 4 == 0 and SPG > 0 and not SCALE_PF),
                      "PACKED: the FMA kind, 16-bit x, groups of a multiple of 128 columns, no SCALE_PF")
+    tl.static_assert(not PF_UNROLL or (PACKED and PREFETCH == 2), "PF_UNROLL: PACKED with PREFETCH 2")
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -214,144 +204,150 @@ def _int4_linear_kernel(
             pdl_wait()
     if X_NORM and not NORM_IN_LOOP:  # after the wait (h is the previous kernel's output), the first words in flight
         rstd = _rows_rstd(x_ptr, offs_m, M, stride_xm, K, eps, BLOCK_M, NORM_NB, NORM_RM)
-    for kb in range(kb_start, kb_end):
-        k0 = kb * BLOCK_K
-        if PREFETCH == 2:  # two steps ahead: ptxas sinks the load late into the body (benchmarks/sass_int4_loop.py)
-            qw = qw_next
-            qw_next = qw_next2
-            qw_next2 = _next_words(qw_row, kb + 2, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
-        elif PREFETCH:
-            qw = qw_next
-            qw_next = _next_words(qw_row, kb + 1, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
-        else:
-            kw = kb * BK8 + offs_w
-            if EVEN_K:  # K % BLOCK_K == 0: no masks, so loads stay 16-byte vectors
-                qw = tl.load(qw_row + kw[None, :])
+    if PF_UNROLL:  # PACKED, PREFETCH 2: two buffers, the loop unrolled by two (kernels.int4_packed.packed_pairs)
+        acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_pairs(
+            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw_next, qw_next2, qw_row, kb_start, kb_end, offs_w, KW, x0_ptr,
+            stride_xm, r0, M, col0, K, s_ptr, z_ptr, rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, LOP3_ASM, EVEN_K,
+            BLOCK_K, BLOCK_M, BLOCK_N, X_GLU, NORM_AFFINE, NORM_IN_LOOP, PACKED)
+    else:
+        for kb in range(kb_start, kb_end):
+            k0 = kb * BLOCK_K
+            if PREFETCH == 2:  # two steps ahead: ptxas sinks the load late into the body (benchmarks/sass_int4_loop.py)
+                qw = qw_next
+                qw_next = qw_next2
+                qw_next2 = _next_words(qw_row, kb + 2, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
+            elif PREFETCH:
+                qw = qw_next
+                qw_next = _next_words(qw_row, kb + 1, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
             else:
-                qw = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
-        if SCALES_NEXT:  # this step's from the last, the next step's now (clamped to the last group past the end)
-            gs0, gs1, gs2, gs3, gs4, gs5, gs6, gs7 = gs0n, gs1n, gs2n, gs3n, gs4n, gs5n, gs6n, gs7n
-            gz0, gz1, gz2, gz3, gz4, gz5, gz6, gz7 = gz0n, gz1n, gz2n, gz3n, gz4n, gz5n, gz6n, gz7n
-            gs0n, gs1n, gs2n, gs3n, gs4n, gs5n, gs6n, gs7n, gz0n, gz1n, gz2n, gz3n, gz4n, gz5n, gz6n, gz7n = \
-                _group_params8(s_ptr, z_ptr, rn, G, k0 + BLOCK_K, GROUP, ZERO_MODE)
-        if USE_DOT and FAST_CVT:
-            ws = _dequant8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, W_DTYPE)
-            for p in tl.static_range(8):
-                kcol = k0 + col0 + 32 * p
-                if EVEN_K:
-                    k_mask = col0 < BLOCK_K
+                kw = kb * BK8 + offs_w
+                if EVEN_K:  # K % BLOCK_K == 0: no masks, so loads stay 16-byte vectors
+                    qw = tl.load(qw_row + kw[None, :])
                 else:
-                    k_mask = kcol < K
-                x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
-                            mask=m_valid[:, None] & k_mask[None, :], other=0.0)
-                if NORM_AFFINE:
-                    x = _affine(x, nw_ptr, kcol[None, :], k_mask[None, :], W_DTYPE)
-                acc = tl.dot(x, tl.trans(ws[p]), acc)
-        elif PACKED:  # the FMA kind in packed 16-bit pairs (kernels.int4_packed; LOP3_ASM: its inline PTX)
-            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
-                acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, k0, col0, K, s_ptr, z_ptr,
-                rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, LOP3_ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU, NORM_AFFINE,
-                NORM_IN_LOOP, PACKED)
-        else:
-            qw_hi = qw >> 16
-            for p in tl.static_range(8):
-                kcol = k0 + col0 + 32 * p  # the columns of shift p: runs of 32 consecutive columns
-                if EVEN_K:
-                    k_mask = col0 < BLOCK_K  # all true, constant along K (vectorisable)
-                else:
-                    k_mask = kcol < K
-                if USE_DOT and X_FP8:
-                    s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE, UNIFORM)
-                    x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
-                                mask=m_valid[:, None] & k_mask[None, :], other=0.0)
-                    nib = (qw >> (4 * p)) & 0xF
-                    qf = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                    if ZERO_MODE == 0:
-                        qf = qf - 8.0
-                    elif ZERO_MODE == 1:
-                        qf = qf - z
-                    part = tl.dot(x, tl.trans(qf.to(tl.float8e4nv)))  # [BLOCK_M, BLOCK_N], exact integers
-                    acc += part * tl.reshape(s, (1, BLOCK_N))
-                    if ZERO_MODE == 2:
-                        xsum = tl.sum(x.to(tl.float32), axis=1)
-                        acc += xsum[:, None] * tl.reshape(z, (1, BLOCK_N))
-                elif USE_DOT:
-                    s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE, UNIFORM)
-                    w = _dequant(qw, p, s, z, ZERO_MODE, W_DTYPE)  # [BLOCK_N, BK8]
+                    qw = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
+            if SCALES_NEXT:  # this step's from the last, the next step's now (clamped to the last group past the end)
+                gs0, gs1, gs2, gs3, gs4, gs5, gs6, gs7 = gs0n, gs1n, gs2n, gs3n, gs4n, gs5n, gs6n, gs7n
+                gz0, gz1, gz2, gz3, gz4, gz5, gz6, gz7 = gz0n, gz1n, gz2n, gz3n, gz4n, gz5n, gz6n, gz7n
+                gs0n, gs1n, gs2n, gs3n, gs4n, gs5n, gs6n, gs7n, gz0n, gz1n, gz2n, gz3n, gz4n, gz5n, gz6n, gz7n = \
+                    _group_params8(s_ptr, z_ptr, rn, G, k0 + BLOCK_K, GROUP, ZERO_MODE)
+            if USE_DOT and FAST_CVT:
+                ws = _dequant8_asm(qw, s_ptr, z_ptr, rn, G, k0, GROUP, ZERO_MODE, W_DTYPE)
+                for p in tl.static_range(8):
+                    kcol = k0 + col0 + 32 * p
+                    if EVEN_K:
+                        k_mask = col0 < BLOCK_K
+                    else:
+                        k_mask = kcol < K
                     x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
                                 mask=m_valid[:, None] & k_mask[None, :], other=0.0)
                     if NORM_AFFINE:
                         x = _affine(x, nw_ptr, kcol[None, :], k_mask[None, :], W_DTYPE)
-                    acc = tl.dot(x, tl.trans(w), acc)
-                else:
-                    # fp32 2**23 + q * 16**j (j = p % 4), then d = f * 16**-j - (2**(23 - 4j) + zero) in one
-                    # FFMA: both terms are exact, so d = q - zero exactly (q for "min")
-                    if LOP3_ASM:
-                        f = _nibble_f32_asm(qw, qw_hi, p)
+                    acc = tl.dot(x, tl.trans(ws[p]), acc)
+            elif PACKED:  # the FMA kind in packed 16-bit pairs (kernels.int4_packed; LOP3_ASM: its inline PTX)
+                acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
+                    acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, k0, col0, K, s_ptr, z_ptr,
+                    rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, LOP3_ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU, NORM_AFFINE,
+                    NORM_IN_LOOP, PACKED)
+            else:
+                qw_hi = qw >> 16
+                for p in tl.static_range(8):
+                    kcol = k0 + col0 + 32 * p  # the columns of shift p: runs of 32 consecutive columns
+                    if EVEN_K:
+                        k_mask = col0 < BLOCK_K  # all true, constant along K (vectorisable)
                     else:
-                        f = _nibble_f32(qw, qw_hi, p)
-                    INV = 1.0 / (16.0 ** (p % 4))
-                    BIAS = 8388608.0 * INV
-                    x0 = _load_x(x0_ptr + kcol, k_mask & (r0 < M), K, X_GLU)
-                    if BLOCK_M > 1:
-                        x1 = _load_x(x0_ptr + stride_xm + kcol, k_mask & (r0 + 1 < M), K, X_GLU)
-                    if BLOCK_M > 2:
-                        x2 = _load_x(x0_ptr + 2 * stride_xm + kcol, k_mask & (r0 + 2 < M), K, X_GLU)
-                        x3 = _load_x(x0_ptr + 3 * stride_xm + kcol, k_mask & (r0 + 3 < M), K, X_GLU)
-                    if NORM_IN_LOOP:  # h itself, before the norm weight (masked columns and rows load 0)
-                        ss0 += x0.to(tl.float32) * x0.to(tl.float32)
-                        if BLOCK_M > 1:
-                            ss1 += x1.to(tl.float32) * x1.to(tl.float32)
-                        if BLOCK_M > 2:
-                            ss2 += x2.to(tl.float32) * x2.to(tl.float32)
-                            ss3 += x3.to(tl.float32) * x3.to(tl.float32)
-                    if NORM_AFFINE:  # one load of the norm weight for the BLOCK_M rows
-                        g = tl.load(nw_ptr + kcol, mask=k_mask, other=0.0).to(tl.float32)
-                        x0 = (x0.to(tl.float32) * g).to(W_DTYPE)
-                        if BLOCK_M > 1:
-                            x1 = (x1.to(tl.float32) * g).to(W_DTYPE)
-                        if BLOCK_M > 2:
-                            x2 = (x2.to(tl.float32) * g).to(W_DTYPE)
-                            x3 = (x3.to(tl.float32) * g).to(W_DTYPE)
-                    x0 = x0.to(tl.float32)
-                    if BLOCK_M > 1:
-                        x1 = x1.to(tl.float32)
-                    if BLOCK_M > 2:
-                        x2 = x2.to(tl.float32)
-                        x3 = x3.to(tl.float32)
-                    if SPG > 0:
-                        first = p % SPG == 0
-                        last = p % SPG == SPG - 1
-                        if SCALES_NEXT:
-                            s = _pick8(p, gs0, gs1, gs2, gs3, gs4, gs5, gs6, gs7)
-                            z = _pick8(p, gz0, gz1, gz2, gz3, gz4, gz5, gz6, gz7)
-                        else:
-                            s, z = _group_params(s_ptr, z_ptr, rn, G, k0, p, GROUP, ZERO_MODE)
+                        k_mask = kcol < K
+                    if USE_DOT and X_FP8:
+                        s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE, UNIFORM)
+                        x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
+                                    mask=m_valid[:, None] & k_mask[None, :], other=0.0)
+                        nib = (qw >> (4 * p)) & 0xF
+                        qf = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
                         if ZERO_MODE == 0:
-                            d = f * INV - (BIAS + 8.0)  # constants: one FFMA
+                            qf = qf - 8.0
                         elif ZERO_MODE == 1:
-                            d = f * INV - (BIAS + z)
-                        else:
-                            d = f * INV - BIAS
-                        acc0, t0, xs0 = _fold_row(acc0, t0, xs0, d, x0, s, z, first, last, ZERO_MODE)
-                        if BLOCK_M > 1:
-                            acc1, t1, xs1 = _fold_row(acc1, t1, xs1, d, x1, s, z, first, last, ZERO_MODE)
-                        if BLOCK_M > 2:
-                            acc2, t2, xs2 = _fold_row(acc2, t2, xs2, d, x2, s, z, first, last, ZERO_MODE)
-                            acc3, t3, xs3 = _fold_row(acc3, t3, xs3, d, x3, s, z, first, last, ZERO_MODE)
-                    else:  # a slice spans groups: per-value scale and zero (a gather; L1 hits)
-                        s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE,
-                                             UNIFORM)
+                            qf = qf - z
+                        part = tl.dot(x, tl.trans(qf.to(tl.float8e4nv)))  # [BLOCK_M, BLOCK_N], exact integers
+                        acc += part * tl.reshape(s, (1, BLOCK_N))
                         if ZERO_MODE == 2:
-                            w = (f * INV - BIAS) * s + z
+                            xsum = tl.sum(x.to(tl.float32), axis=1)
+                            acc += xsum[:, None] * tl.reshape(z, (1, BLOCK_N))
+                    elif USE_DOT:
+                        s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE, UNIFORM)
+                        w = _dequant(qw, p, s, z, ZERO_MODE, W_DTYPE)  # [BLOCK_N, BK8]
+                        x = tl.load(x_ptr + rm[:, None] * stride_xm + kcol[None, :],
+                                    mask=m_valid[:, None] & k_mask[None, :], other=0.0)
+                        if NORM_AFFINE:
+                            x = _affine(x, nw_ptr, kcol[None, :], k_mask[None, :], W_DTYPE)
+                        acc = tl.dot(x, tl.trans(w), acc)
+                    else:
+                        # fp32 2**23 + q * 16**j (j = p % 4), then d = f * 16**-j - (2**(23 - 4j) + zero) in one
+                        # FFMA: both terms are exact, so d = q - zero exactly (q for "min")
+                        if LOP3_ASM:
+                            f = _nibble_f32_asm(qw, qw_hi, p)
                         else:
-                            w = (f * INV - (BIAS + z)) * s
-                        acc0 += w * x0[None, :]
+                            f = _nibble_f32(qw, qw_hi, p)
+                        INV = 1.0 / (16.0 ** (p % 4))
+                        BIAS = 8388608.0 * INV
+                        x0 = _load_x(x0_ptr + kcol, k_mask & (r0 < M), K, X_GLU)
                         if BLOCK_M > 1:
-                            acc1 += w * x1[None, :]
+                            x1 = _load_x(x0_ptr + stride_xm + kcol, k_mask & (r0 + 1 < M), K, X_GLU)
                         if BLOCK_M > 2:
-                            acc2 += w * x2[None, :]
-                            acc3 += w * x3[None, :]
+                            x2 = _load_x(x0_ptr + 2 * stride_xm + kcol, k_mask & (r0 + 2 < M), K, X_GLU)
+                            x3 = _load_x(x0_ptr + 3 * stride_xm + kcol, k_mask & (r0 + 3 < M), K, X_GLU)
+                        if NORM_IN_LOOP:  # h itself, before the norm weight (masked columns and rows load 0)
+                            ss0 += x0.to(tl.float32) * x0.to(tl.float32)
+                            if BLOCK_M > 1:
+                                ss1 += x1.to(tl.float32) * x1.to(tl.float32)
+                            if BLOCK_M > 2:
+                                ss2 += x2.to(tl.float32) * x2.to(tl.float32)
+                                ss3 += x3.to(tl.float32) * x3.to(tl.float32)
+                        if NORM_AFFINE:  # one load of the norm weight for the BLOCK_M rows
+                            g = tl.load(nw_ptr + kcol, mask=k_mask, other=0.0).to(tl.float32)
+                            x0 = (x0.to(tl.float32) * g).to(W_DTYPE)
+                            if BLOCK_M > 1:
+                                x1 = (x1.to(tl.float32) * g).to(W_DTYPE)
+                            if BLOCK_M > 2:
+                                x2 = (x2.to(tl.float32) * g).to(W_DTYPE)
+                                x3 = (x3.to(tl.float32) * g).to(W_DTYPE)
+                        x0 = x0.to(tl.float32)
+                        if BLOCK_M > 1:
+                            x1 = x1.to(tl.float32)
+                        if BLOCK_M > 2:
+                            x2 = x2.to(tl.float32)
+                            x3 = x3.to(tl.float32)
+                        if SPG > 0:
+                            first = p % SPG == 0
+                            last = p % SPG == SPG - 1
+                            if SCALES_NEXT:
+                                s = _pick8(p, gs0, gs1, gs2, gs3, gs4, gs5, gs6, gs7)
+                                z = _pick8(p, gz0, gz1, gz2, gz3, gz4, gz5, gz6, gz7)
+                            else:
+                                s, z = _group_params(s_ptr, z_ptr, rn, G, k0, p, GROUP, ZERO_MODE)
+                            if ZERO_MODE == 0:
+                                d = f * INV - (BIAS + 8.0)  # constants: one FFMA
+                            elif ZERO_MODE == 1:
+                                d = f * INV - (BIAS + z)
+                            else:
+                                d = f * INV - BIAS
+                            acc0, t0, xs0 = _fold_row(acc0, t0, xs0, d, x0, s, z, first, last, ZERO_MODE)
+                            if BLOCK_M > 1:
+                                acc1, t1, xs1 = _fold_row(acc1, t1, xs1, d, x1, s, z, first, last, ZERO_MODE)
+                            if BLOCK_M > 2:
+                                acc2, t2, xs2 = _fold_row(acc2, t2, xs2, d, x2, s, z, first, last, ZERO_MODE)
+                                acc3, t3, xs3 = _fold_row(acc3, t3, xs3, d, x3, s, z, first, last, ZERO_MODE)
+                        else:  # a slice spans groups: per-value scale and zero (a gather; L1 hits)
+                            s, z = _slice_params(s_ptr, z_ptr, rn, kcol, k_mask, G, p, k0, GROUP, ZERO_MODE,
+                                                 UNIFORM)
+                            if ZERO_MODE == 2:
+                                w = (f * INV - BIAS) * s + z
+                            else:
+                                w = (f * INV - (BIAS + z)) * s
+                            acc0 += w * x0[None, :]
+                            if BLOCK_M > 1:
+                                acc1 += w * x1[None, :]
+                            if BLOCK_M > 2:
+                                acc2 += w * x2[None, :]
+                                acc3 += w * x3[None, :]
     if not USE_DOT:
         acc = _fma_rows(acc0, acc1, acc2, acc3, BLOCK_M)
     if NORM_IN_LOOP:
@@ -428,7 +424,9 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     fma kind with one split: the loop sums the rows' squares instead of a pass before it),
     fast_cvt (default True: the packed-pair PTX conversion where it applies), PACKED (off unless the config sets it, as
     the H100 SXM's table does at one and two tokens: the fma kind's step in packed 16-bit pairs,
-    ``kernels.int4_packed``; ``check_packed`` says where it applies, ``packed_mode`` picks its paired loads).
+    ``kernels.int4_packed``; ``check_packed`` says where it applies, ``packed_mode`` picks its paired loads),
+    PF_UNROLL (opt-in, PACKED with PREFETCH 2 only: two buffers and the loop unrolled by two instead of the rotated
+    triple buffer, ``int4_packed.packed_pairs``).
     ``warmup``: compile (or, under ``kernels.precompile``, queue the compile of) the kernel, launch nothing.
     ``pdl``: programmatic dependent launch (``kernels.pdl``).
     ``x_norm``: x is the residual stream h and the input ``rms_norm(h, norm_weight, eps)`` (norm_weight (K,) in
@@ -447,6 +445,9 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     packed = packed_mode(config, group_size, K, scales, zm)
     if packed:
         check_packed(config, group_size, K, x.dtype, x_scale_mode)
+    pf_unroll = bool(config.get("PF_UNROLL", False))
+    if pf_unroll and not (packed and int(config.get("PREFETCH", False)) == 2):
+        raise ValueError(f"the int4 PF_UNROLL key needs PACKED with PREFETCH 2, got {config}")
     if config["kind"] == "mma":
         return launch_int4_mma(x, qweight, scales, zm, group_size, zero_mode, bias, out, part, locks, config, split,
                                asm=bool(config.get("asm", True)) and lop3_asm_ok(x), warmup=warmup, pdl=pdl,
@@ -474,7 +475,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         USE_DOT=config["kind"] == "dot", UNIFORM=uniform, SPG=spg, EVEN_K=K % bk == 0,
         X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=int(config.get("PREFETCH", False)),
         SCALE_PF=bool(config.get("SCALE_PF", False)), NORM_LOOP=bool(config.get("NORM_LOOP", False)),
-        LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl, PACKED=packed,
+        LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl, PACKED=packed, PF_UNROLL=pf_unroll,
         X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
         NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), X_GLU=bool(x_glu), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,

@@ -301,6 +301,52 @@ def packed_step(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_x
     return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
 
 
+@triton.jit
+def _next_words(qw_row, kb, kb_end, offs_w, KW, BLOCK_N: tl.constexpr, BK8: tl.constexpr, EVEN_K: tl.constexpr):
+    """PREFETCH (``kernels.int4``): the packed words of K step ``kb`` ([BLOCK_N, BK8]), zeros for a step past the
+    split's end."""
+    kw = kb * BK8 + offs_w
+    more = (kb + tl.zeros((BLOCK_N, BK8), dtype=tl.int32)) < kb_end  # past the last step: nothing loaded
+    if EVEN_K:
+        return tl.load(qw_row + kw[None, :], mask=more, other=0)
+    else:
+        return tl.load(qw_row + kw[None, :], mask=more & (kw < KW)[None, :], other=0)
+
+
+@triton.jit
+def packed_pairs(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw_a, qw_b, qw_row, kb_start, kb_end, offs_w, KW,
+                 x0_ptr, stride_xm, r0, M, col0, K, s_ptr, z_ptr, rn, G, nw_ptr, GROUP: tl.constexpr,
+                 ZERO_MODE: tl.constexpr, W_DTYPE: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, X_GLU: tl.constexpr,
+                 NORM_AFFINE: tl.constexpr, NORM_IN_LOOP: tl.constexpr, PACKED: tl.constexpr):
+    """PF_UNROLL (PACKED with PREFETCH 2): the split's K loop with two buffers of words and the loop unrolled by two,
+    ``qw_a`` / ``qw_b`` holding the words of its first two steps (``_next_words``: zeros past its end). Each buffer
+    takes the words of two steps on right after its own step, so two steps' words are in flight as with the rotated
+    triple buffer of the plain loop, without its register copies (sm_90, 64 rows on 4 warps: 435 -> ~405 instructions
+    a step, ``benchmarks/sass_int4_loop.py --count``; W4A8's same change, ``kernels.int4_a8``: +15 % -> +2.5 % over
+    PREFETCH 1). Returns the updated accumulators and squares, bit-equal to the plain loop's."""
+    BK8: tl.constexpr = BLOCK_K // 8
+    for kb in range(kb_start, kb_end - 1, 2):
+        qw = qw_a
+        qw_a = _next_words(qw_row, kb + 2, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
+        acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
+            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, kb * BLOCK_K, col0, K, s_ptr,
+            z_ptr, rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU, NORM_AFFINE,
+            NORM_IN_LOOP, PACKED)
+        qw = qw_b
+        qw_b = _next_words(qw_row, kb + 3, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
+        acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
+            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, (kb + 1) * BLOCK_K, col0, K,
+            s_ptr, z_ptr, rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU,
+            NORM_AFFINE, NORM_IN_LOOP, PACKED)
+    if (kb_end - kb_start) % 2 == 1:  # an odd split: its last step's words are in the first buffer
+        acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
+            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw_a, x0_ptr, stride_xm, r0, M, (kb_end - 1) * BLOCK_K, col0,
+            K, s_ptr, z_ptr, rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU,
+            NORM_AFFINE, NORM_IN_LOOP, PACKED)
+    return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
+
+
 def groups_fit(group_size: int, K: int, block_k: int = 256) -> bool:
     """Whether each half of a K step's layout tile lies in one group: BLOCK_K 256 and groups of a multiple of 128
     columns, or one group a row (the rule ``check_packed`` and the int4 tuner's PACKED candidates share)."""
