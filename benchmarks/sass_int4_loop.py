@@ -39,7 +39,8 @@ _ALIGNED = {"x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "xs_ptr", "out_ptr"
 
 
 def sass(block_n: int, warps: int, norm: bool, prefetch: int = 1, scale_pf: bool = False, even_k: bool = False,
-         norm_loop: bool = False, fmt: str = "q4_1", packed: int = 0, pf_unroll: bool = False) -> str:
+         norm_loop: bool = False, fmt: str = "q4_1", packed: int = 0, pf_unroll: bool = False,
+         sum16: bool = False) -> str:
     """The kernel's sm_90 SASS at one token (BLOCK_M 1, BLOCK_K 256, one split, PDL on): with ``norm`` the RMSNorm
     inside (qkv / gate_up of the norm_gemm step), else the residual add (o / down); ``prefetch``: the kernel's
     PREFETCH (0 none, 1 the next step's words, 2 two steps ahead); ``scale_pf``: SCALE_PF (the next step's scales
@@ -47,12 +48,13 @@ def sass(block_n: int, warps: int, norm: bool, prefetch: int = 1, scale_pf: bool
     weight format, "q4_1" (the embedded model's) or "g128" (the 8B int4 model's: group 128, uint8 zeros, bf16
     scales); ``packed``: the kernel's PACKED (``kernels.int4_packed``; g128 only): 1, or 2 with the groups' scales and
     zeros loaded in pairs (what ``packed_mode`` picks for the 8B's aligned weights); ``pf_unroll``: PF_UNROLL (with
-    ``packed`` and ``prefetch`` 2: two buffers, the loop unrolled by two, so one iteration is two K steps)."""
+    ``packed`` and ``prefetch`` 2: two buffers, the loop unrolled by two, so one iteration is two K steps); ``sum16``:
+    SUM16 (with ``packed``: a thread's four words summed in 16-bit pairs before the fp32 fold)."""
     group, zero_mode, spg = (32, 2, 1) if fmt == "q4_1" else (128, 1, 4)
     consts = dict(GROUP=group, ZERO_MODE=zero_mode, HAS_BIAS=False, USE_DOT=False, UNIFORM=True, SPG=spg,
                   EVEN_K=even_k,
                   X_SCALE_MODE=0, FAST_CVT=False, PREFETCH=prefetch, SCALE_PF=scale_pf, NORM_LOOP=norm_loop,
-                  LOP3_ASM=True, USE_PDL=True, PACKED=int(packed), PF_UNROLL=pf_unroll,
+                  LOP3_ASM=True, USE_PDL=True, PACKED=int(packed), PF_UNROLL=pf_unroll, SUM16=sum16,
                   L2_SLAB=0, PF_LANES=32 * warps, X_NORM=norm, NORM_AFFINE=norm, NORM_NB=2048, NORM_RM=1,
                   ACCUMULATE=not norm, X_GLU=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=256, SPLIT=False)
     sig = {**_SIG, **({} if fmt == "q4_1" else {"s_ptr": "*bf16", "z_ptr": "*u8"}), **{k: "constexpr" for k in consts}}
@@ -123,12 +125,15 @@ def main() -> None:
                         "loaded in pairs, 1 without")
     p.add_argument("--pf-unroll", action="store_true",
                    help="PF_UNROLL (with --packed and --prefetch 2): the loop unrolled by two, counted a K step")
+    p.add_argument("--sum16", action="store_true",
+                   help="SUM16 (with --packed): a thread's four words summed in 16-bit pairs before the fp32 fold")
     p.add_argument("--count", action="store_true", help="the loop's instructions per weight value, by opcode")
     p.add_argument("--even-k", action="store_true", help="EVEN_K (K a multiple of 256: no column masks)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     text = sass(a.block_n, a.warps, a.norm, prefetch=a.prefetch, scale_pf=a.scale_pf, norm_loop=a.norm_loop,
-                even_k=a.even_k, fmt=a.format, packed=a.packed, pf_unroll=a.pf_unroll)
+                even_k=a.even_k, fmt=a.format, packed=a.packed, pf_unroll=a.pf_unroll,
+                sum16=a.sum16)
     if a.count:
         ops = loop_opcodes(text)
         steps = 2 if a.pf_unroll else 1  # K steps an iteration of the loop

@@ -17,8 +17,9 @@ head with ``--quant-head int4``):
   largest value; an ``error`` key where it misses);
 * ``... unroll`` (session 42): the fastest ``REFINE`` PREFETCH 2 tiles of the grid, and the table's tile where it is
   one (``table + unroll``), again with PF_UNROLL (two buffers, the loop unrolled by two, instead of the rotated
-  triple buffer: fewer register copies a step in the sm_90 SASS); an ``int4_packed_unroll`` row per pair gives both
-  times and the speed-up;
+  triple buffer: fewer register copies a step in the sm_90 SASS), and ``... unroll sum16`` with SUM16 too (a
+  thread's four words summed in 16-bit pairs before the fp32 fold: fewer instructions, more rounding, its
+  ``err_rel`` in the row); an ``int4_packed_unroll`` row per pair gives both times and the speed-up;
 * baselines: ``cublas_bf16`` (``torch.mm`` on the dequantised weight) and ``tinygemm`` (``_weight_int4pack_mm``).
 
 The summary rows (``op: int4_packed_summary``): the table's time, the best PACKED tile's, the speed-up.
@@ -71,7 +72,7 @@ def with_packed(cfg: dict) -> dict | None:
 
 def _name(c: dict) -> str:
     return (f"packed bn{c['BLOCK_N']} w{c['num_warps']} sk{c['SPLIT_K']}" + (" pf2" if c["PREFETCH"] == 2 else "")
-            + (" unroll" if c.get("PF_UNROLL") else ""))
+            + (" unroll" if c.get("PF_UNROLL") else "") + (" sum16" if c.get("SUM16") else ""))
 
 
 def _is_pf2(c: dict) -> bool:
@@ -79,14 +80,15 @@ def _is_pf2(c: dict) -> bool:
 
 
 def unrolled(rows: list[dict], table: dict) -> list[tuple[str, dict, dict]]:
-    """(name, config, the row it unrolls): PF_UNROLL forms of the fastest ``REFINE`` correct PREFETCH 2 rows of
-    ``rows`` (one shape and M) and of the table's row where its tile is one."""
+    """(name, config, the row it unrolls): PF_UNROLL forms, without and with SUM16, of the fastest ``REFINE`` correct
+    PREFETCH 2 rows of ``rows`` (one shape and M) and of the table's row where its tile is one."""
     pf2 = sorted((r for r in rows if "error" not in r and r.get("median_us") and r["impl"].startswith("packed bn")
                   and _is_pf2(r["config"])), key=lambda r: r["median_us"])[:REFINE]
-    out = [(r["impl"] + " unroll", dict(r["config"], PF_UNROLL=True), r) for r in pf2]
+    bases = [(r["impl"], r) for r in pf2]
     if "error" not in table and _is_pf2(table["config"]):
-        out.append(("table + unroll", dict(table["config"], PF_UNROLL=True), table))
-    return out
+        bases.append(("table +", table))
+    return [(f"{name} {tag}", dict(r["config"], PF_UNROLL=True, **extra), r) for name, r in bases
+            for tag, extra in (("unroll", {}), ("unroll sum16", {"SUM16": True}))]
 
 
 def sweep(out_path: Path | None, shapes, ms) -> list[dict]:

@@ -607,7 +607,7 @@ consts = dict(GROUP=128, ZERO_MODE=cfg["ZM"], HAS_BIAS=False, USE_DOT=cfg["kind"
               EVEN_K=True, X_SCALE_MODE=0, FAST_CVT=cfg["kind"] == "dot", PREFETCH=cfg.get("PF", False),
               SCALE_PF=cfg.get("SPF", False), NORM_LOOP=cfg.get("NL", False),
               LOP3_ASM=cfg["kind"] == "fma", USE_PDL=cfg.get("PDL", False), L2_SLAB=cfg.get("SLAB", 0),
-              PACKED=cfg.get("PK", False), PF_UNROLL=cfg.get("PFU", False),
+              PACKED=cfg.get("PK", False), PF_UNROLL=cfg.get("PFU", False), SUM16=False,
               PF_LANES=128,
               X_NORM=cfg.get("XN", False), NORM_AFFINE=cfg.get("XN", False), NORM_NB=2048 // cfg["BLOCK_M"],
               NORM_RM=cfg["BLOCK_M"],

@@ -24,6 +24,9 @@ GPU = torch.cuda.is_available()
 cpu_only = pytest.mark.skipif(GPU, reason="the Triton interpreter (CPU); the GPU runs the PTX in the tests below")
 gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (the inline PTX)")
 ROUNDINGS = 6  # the product, three partial sums and the reference's weight rounding, with room
+# SUM16: a 16-product partial sum (three more sums of four words); under the interpreter, 60 seeds of a (2, 1024) x
+# (64, 1024) product needed 7.9 where the plain PACKED step needed 2.1 (session 42)
+ROUNDINGS_SUM16 = 16
 
 
 def _weight(fmt, N, K, g, scale_dtype, device="cpu"):
@@ -173,6 +176,61 @@ def test_pf_unroll_refuses_all_but_packed_with_prefetch_2(change):
         I.int4_linear_with_config(x, w, None, out, {**_cfg(1), "PF_UNROLL": True, **change})
 
 
+@cpu_only
+@pytest.mark.parametrize("fmt", ["sym", "zero"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,block_m,split,K,g", [
+    (1, 1, 1, 512, 128), (3, 4, 2, 640, 128), (2, 2, 1, 768, 256), (1, 1, 3, 1024, 1024),
+], ids=["m1", "m3_pad_split2", "m2_g256", "m1_one_group_split3"])
+def test_sum16_matches_the_exact_product(fmt, dtype, M, block_m, split, K, g):
+    """SUM16 (session 42): a thread's four words' packed sums added in the pairs' precision before one fp32 fold, so
+    each partial sum holds 16 products: within the product bound with more roundings than the plain step, and with
+    PF_UNROLL bit-equal to its rotated PREFETCH 2."""
+    torch.manual_seed(0)
+    N = 37
+    w = _weight(fmt, N, K, g, dtype)
+    x = (torch.randn(M, K) * 0.5).to(dtype)
+    wf = Q.dequantize_int4(w, torch.float32)
+    bias = torch.randn(N).to(dtype)
+    exact = (x.float() @ wf.t() + bias.float()).to(dtype)
+    outs = []
+    for extra in (dict(PREFETCH=True), dict(PREFETCH=2), dict(PREFETCH=2, PF_UNROLL=True)):
+        out = poison_(torch.empty(M, N, dtype=dtype))
+        I.int4_linear_with_config(x, w, bias, out, _cfg(block_m, split=split, SUM16=True, **extra))
+        assert_product_close(out, exact, x, wf, roundings=ROUNDINGS_SUM16)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+
+
+@cpu_only
+def test_sum16_with_the_norm_silu_and_the_residual_add_inside():
+    torch.manual_seed(6)
+    N, K, dtype = 24, 512, torch.bfloat16
+    w = _weight("zero", N, K, 128, dtype)
+    wf = Q.dequantize_int4(w, torch.float32)
+    h, nw = torch.randn(2, K).to(dtype), (torch.rand(K) + 0.5).to(dtype)
+    xn = (h.float() * nw.float()).to(dtype).float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    out = poison_(torch.empty(2, N, dtype=dtype))
+    I.int4_linear_with_config(h, w, None, out, _cfg(2, NORM_LOOP=True, SUM16=True), norm_weight=nw, eps=1e-5,
+                              x_norm=True)
+    assert_product_close(out, (xn @ wf.t()).to(dtype), xn, wf, roundings=ROUNDINGS_SUM16)
+    gu = torch.randn(2, 2 * K).to(dtype)
+    act = (torch.nn.functional.silu(gu[:, :K].float()) * gu[:, K:].float()).to(dtype)
+    r = torch.randn(2, N).to(dtype)
+    out = r.clone()
+    I.int4_linear_with_config(gu, w, None, out, _cfg(2, SUM16=True), glu=True, accumulate=True)
+    assert_product_close(out, (act.float() @ wf.t() + r.float()).to(dtype), act, wf, roundings=ROUNDINGS_SUM16)
+
+
+@pytest.mark.parametrize("fmt,change", [("min", {}), ("zero", dict(PACKED=False))])
+def test_sum16_refuses_mins_and_the_unpacked_step(fmt, change):
+    w = _weight(fmt, 16, 512, 128, torch.bfloat16)
+    x = torch.randn(1, 512).bfloat16()
+    out = torch.empty(1, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="SUM16 key needs PACKED"):
+        I.int4_linear_with_config(x, w, None, out, {**_cfg(1), "SUM16": True, **change})
+
+
 def _shifted(t):
     """A contiguous copy of ``t`` one element past an aligned address (2 bytes for 16-bit scales and mins, 1 for
     uint8 zeros): too little alignment for the paired loads."""
@@ -262,6 +320,21 @@ def test_sm90_unrolled_prefetch_2_issues_no_more_than_prefetch_1_a_step():
     assert not {"LDL", "STL"} & set(ops), ops
 
 
+def test_sm90_sum16_folds_once_a_thread_four_words_and_keeps_the_sum_in_the_thread():
+    """Speed guard (sm_90 SASS compiled on the CPU, 64 rows on 4 warps, one token): SUM16 leaves one extraction and
+    FFMA pair per four words (FFMA: a quarter of the plain step's), adds the words' packed sums with HADD2 inside
+    the thread (no shuffle, shared memory or barrier in the loop) and issues at most 0.93x PREFETCH 1's
+    instructions (369 against 405 when written, triton 3.9; with PREFETCH 2 and PF_UNROLL 361)."""
+    one, s16 = _loop_count("--packed", "--prefetch", "1"), _loop_count("--packed", "--prefetch", "1", "--sum16")
+    assert s16["instructions"] <= 0.93 * one["instructions"], (s16["instructions"], one["instructions"])
+    ops = s16["opcodes"]
+    assert ops["FFMA"] * 4 == one["opcodes"]["FFMA"], (ops, one["opcodes"])
+    assert not {"SHFL", "BAR", "STS", "LDS", "LDL", "STL"} & set(ops), ops
+    assert ops["LDG"] == one["opcodes"]["LDG"], ops
+    both = _loop_count("--packed", "--prefetch", "2", "--pf-unroll", "--sum16")
+    assert both["instructions"] <= s16["instructions"], (both["instructions"], s16["instructions"])
+
+
 @gpu_only
 @pytest.mark.parametrize("fmt", ["sym", "zero", "min"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -271,7 +344,18 @@ def test_int4_packed_gpu_matches_the_exact_product(fmt, dtype):
                                                   ((75, 640, 128), 3, 4, 16, 2), ((96, 1024, 256), 2, 2, 32, 1)]:
         w = _weight(fmt, N, K, g, dtype, "cuda")
         x = (torch.randn(M, K, device="cuda") * 0.5).to(dtype)
-        _check(w, x, torch.randn(N, device="cuda").to(dtype), _cfg(block_m, block_n, split, PREFETCH=True))
+        bias = torch.randn(N, device="cuda").to(dtype)
+        _check(w, x, bias, _cfg(block_m, block_n, split, PREFETCH=True))
+        # PF_UNROLL (bit-equal to its rotated PREFETCH 2) and SUM16 (its own bound), session 42: the inline PTX and
+        # the words' sums in registers run only here
+        rotated = _check(w, x, bias, _cfg(block_m, block_n, split, PREFETCH=2))
+        assert torch.equal(_check(w, x, bias, _cfg(block_m, block_n, split, PREFETCH=2, PF_UNROLL=True)), rotated)
+        if fmt != "min":
+            out = poison_(torch.empty(M, N, dtype=dtype, device="cuda"))
+            I.int4_linear_with_config(x, w, bias, out, _cfg(block_m, block_n, split, PREFETCH=2, PF_UNROLL=True,
+                                                            SUM16=True))
+            wf = Q.dequantize_int4(w, torch.float32)
+            assert_product_close(out, (x.float() @ wf.t() + bias.float()).to(dtype), x, wf, roundings=ROUNDINGS_SUM16)
 
 
 @gpu_only
@@ -367,7 +451,7 @@ def test_the_sweep_writes_only_the_tiles_that_win_and_gpu_py_times_the_step_on_t
 def test_the_sweep_times_the_fastest_prefetch_2_tiles_and_the_tables_again_unrolled():
     """Session 42: ``sweep_int4_packed.unrolled`` picks the ``REFINE`` fastest correct PREFETCH 2 grid rows (not
     PREFETCH 1, not a row with an error, not one already unrolled) and the table's tile where it is PACKED with
-    PREFETCH 2, each with PF_UNROLL, a config every kernel check accepts."""
+    PREFETCH 2, each with PF_UNROLL and with PF_UNROLL and SUM16, configs every kernel check accepts."""
     from fastdecode.kernels.int4_packed import check_packed
     from helpers import load_script
 
@@ -380,14 +464,17 @@ def test_the_sweep_times_the_fastest_prefetch_2_tiles_and_the_tables_again_unrol
     table = {"impl": "dispatch", "config": dict(pf2[7]), "median_us": 9.0}
     got = sweep.unrolled(rows, table)
     want = [r for r in rows[:6]][::-1][:sweep.REFINE]  # the fastest four PREFETCH 2 rows
-    assert [base for _, _, base in got] == want + [table]
-    for name, c, base in got:
-        assert c == {**base["config"], "PF_UNROLL": True}
-        assert name == ("table + unroll" if base is table else base["impl"] + " unroll")
-        assert name == "table + unroll" or sweep._name(c) == name
+    assert [base for _, _, base in got] == [b for b in want + [table] for _ in range(2)]
+    for i, (name, c, base) in enumerate(got):
+        sum16 = i % 2 == 1
+        assert c == {**base["config"], "PF_UNROLL": True, **({"SUM16": True} if sum16 else {})}
+        tag = "unroll sum16" if sum16 else "unroll"
+        assert name == (f"table + {tag}" if base is table else f"{base['impl']} {tag}")
+        assert base is table or sweep._name(c) == name
         check_packed(c, 128, 4096, torch.bfloat16)
-    assert sweep.unrolled(rows, {**table, "config": dict(pf2[7], PREFETCH=True)})[-1][0] != "table + unroll"
-    assert sweep.unrolled([{**r, "config": dict(r["config"], PF_UNROLL=True)} for r in rows[:6]], table)[:-1] == []
+    assert not sweep.unrolled(rows, {**table, "config": dict(pf2[7], PREFETCH=True)})[-1][0].startswith("table")
+    assert [b for _, _, b in sweep.unrolled([{**r, "config": dict(r["config"], PF_UNROLL=True)} for r in rows[:6]],
+                                            table)] == [table, table]
 
 
 def test_the_tuner_proposes_packed_tiles_where_they_apply():

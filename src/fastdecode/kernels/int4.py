@@ -76,6 +76,7 @@ def _int4_linear_kernel(
     UNIFORM: tl.constexpr, SPG: tl.constexpr, EVEN_K: tl.constexpr, X_SCALE_MODE: tl.constexpr,
     FAST_CVT: tl.constexpr, PREFETCH: tl.constexpr, SCALE_PF: tl.constexpr, NORM_LOOP: tl.constexpr,
     LOP3_ASM: tl.constexpr, USE_PDL: tl.constexpr, PACKED: tl.constexpr, PF_UNROLL: tl.constexpr,
+    SUM16: tl.constexpr,
     X_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_NB: tl.constexpr, NORM_RM: tl.constexpr,
     ACCUMULATE: tl.constexpr, X_GLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
@@ -135,6 +136,7 @@ def _int4_linear_kernel(
     tl.static_assert(not PACKED or (not USE_DOT and not X_FP8 and SPG % 4 == 0 and SPG > 0 and not SCALE_PF),
                      "PACKED: the FMA kind, 16-bit x, groups of a multiple of 128 columns, no SCALE_PF")
     tl.static_assert(not PF_UNROLL or (PACKED and PREFETCH == 2), "PF_UNROLL: PACKED with PREFETCH 2")
+    tl.static_assert(not SUM16 or (PACKED and ZERO_MODE != 2), "SUM16: PACKED, not min")
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -170,10 +172,14 @@ def _int4_linear_kernel(
         rm = (offs_m % M).to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
-        acc0 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
-        acc1 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
+        if SUM16:  # a thread's four words of a step summed before the fold (kernels.int4_packed._sum16)
+            ACC_W: tl.constexpr = BK8 // 4
+        else:
+            ACC_W: tl.constexpr = BK8
+        acc0 = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
         t0 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
         t1 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
         t2 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)
@@ -208,7 +214,7 @@ def _int4_linear_kernel(
         acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_pairs(
             acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw_next, qw_next2, qw_row, kb_start, kb_end, offs_w, KW, x0_ptr,
             stride_xm, r0, M, col0, K, s_ptr, z_ptr, rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, LOP3_ASM, EVEN_K,
-            BLOCK_K, BLOCK_M, BLOCK_N, X_GLU, NORM_AFFINE, NORM_IN_LOOP, PACKED)
+            BLOCK_K, BLOCK_M, BLOCK_N, X_GLU, NORM_AFFINE, NORM_IN_LOOP, PACKED, SUM16)
     else:
         for kb in range(kb_start, kb_end):
             k0 = kb * BLOCK_K
@@ -247,7 +253,7 @@ def _int4_linear_kernel(
                 acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
                     acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, k0, col0, K, s_ptr, z_ptr,
                     rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, LOP3_ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU, NORM_AFFINE,
-                    NORM_IN_LOOP, PACKED)
+                    NORM_IN_LOOP, PACKED, SUM16)
             else:
                 qw_hi = qw >> 16
                 for p in tl.static_range(8):
@@ -426,7 +432,8 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     the H100 SXM's table does at one and two tokens: the fma kind's step in packed 16-bit pairs,
     ``kernels.int4_packed``; ``check_packed`` says where it applies, ``packed_mode`` picks its paired loads),
     PF_UNROLL (opt-in, PACKED with PREFETCH 2 only: two buffers and the loop unrolled by two instead of the rotated
-    triple buffer, ``int4_packed.packed_pairs``).
+    triple buffer, ``int4_packed.packed_pairs``), SUM16 (opt-in, PACKED without mins: a thread's four words' packed
+    sums added in 16-bit pairs before one fp32 fold, ``int4_packed._sum16``; more rounding, fewer instructions).
     ``warmup``: compile (or, under ``kernels.precompile``, queue the compile of) the kernel, launch nothing.
     ``pdl``: programmatic dependent launch (``kernels.pdl``).
     ``x_norm``: x is the residual stream h and the input ``rms_norm(h, norm_weight, eps)`` (norm_weight (K,) in
@@ -448,6 +455,10 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     pf_unroll = bool(config.get("PF_UNROLL", False))
     if pf_unroll and not (packed and int(config.get("PREFETCH", False)) == 2):
         raise ValueError(f"the int4 PF_UNROLL key needs PACKED with PREFETCH 2, got {config}")
+    sum16 = bool(config.get("SUM16", False))
+    if sum16 and not (packed and zero_mode != "min"):
+        raise ValueError(f"the int4 SUM16 key needs PACKED and zeros or a symmetric weight (not mins), got "
+                         f"{config} with zero mode {zero_mode!r}")
     if config["kind"] == "mma":
         return launch_int4_mma(x, qweight, scales, zm, group_size, zero_mode, bias, out, part, locks, config, split,
                                asm=bool(config.get("asm", True)) and lop3_asm_ok(x), warmup=warmup, pdl=pdl,
@@ -476,6 +487,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
         X_SCALE_MODE=x_scale_mode, FAST_CVT=fast_cvt, PREFETCH=int(config.get("PREFETCH", False)),
         SCALE_PF=bool(config.get("SCALE_PF", False)), NORM_LOOP=bool(config.get("NORM_LOOP", False)),
         LOP3_ASM=config["kind"] == "fma" and lop3_asm_ok(x), USE_PDL=pdl, PACKED=packed, PF_UNROLL=pf_unroll,
+        SUM16=sum16,
         X_NORM=bool(x_norm), NORM_AFFINE=bool(x_norm) and norm_weight is not None,
         NORM_RM=norm_rm, NORM_NB=norm_nb,
         ACCUMULATE=bool(accumulate), X_GLU=bool(x_glu), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split > 1,

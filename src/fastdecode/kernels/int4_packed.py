@@ -92,11 +92,23 @@ def _dot_asm(fma: str, lo: str, hi: str) -> str:
     return "\n".join(body)
 
 
+def _dotp_asm(fma: str) -> str:
+    """SUM16: as ``_dot_asm``, the two words' packed sums themselves ($0, $1; inputs from $2), left in the pairs'
+    precision for ``_sum16`` to add a thread's four words before one fp32 fold."""
+    body = ["{", ".reg .b32 xp;", "mov.b32 $0, 0x80008000;", "mov.b32 $1, 0x80008000;"]
+    for p in range(4):
+        body += [f"prmt.b32 xp, ${10 + p}, ${14 + p}, 0x5410;", f"{fma} $0, ${2 + 2 * p}, xp, $0;",
+                 f"prmt.b32 xp, ${10 + p}, ${14 + p}, 0x7632;", f"{fma} $1, ${3 + 2 * p}, xp, $1;"]
+    return "\n".join(body + ["}"])
+
+
 # bf16 is the top half of an fp32; f16 converts
 _DOT_BF16: tl.constexpr = tl.constexpr(_dot_asm("fma.rn.bf16x2", "shl.b32 {out}, {acc}, 16;",
                                                 "and.b32 {out}, {acc}, 0xFFFF0000;"))
 _DOT_F16: tl.constexpr = tl.constexpr(_dot_asm("fma.rn.f16x2", "mov.b32 {{l, h}}, {acc};\ncvt.f32.f16 {out}, l;",
                                                "mov.b32 {{l, h}}, {acc};\ncvt.f32.f16 {out}, h;"))
+_DOTP_BF16: tl.constexpr = tl.constexpr(_dotp_asm("fma.rn.bf16x2"))
+_DOTP_F16: tl.constexpr = tl.constexpr(_dotp_asm("fma.rn.f16x2"))
 
 
 @triton.jit
@@ -137,6 +149,56 @@ def _pair_dot_asm(d0, d1, d2, d3, xl0, xl1, xl2, xl3, xh0, xh1, xh2, xh3, F16: t
     return tl.inline_asm_elementwise(asm, "=r,=r,=r,=r" + ",r" * 16, [d0, d1, d2, d3, xl0, xl1, xl2, xl3,
                                                                    xh0, xh1, xh2, xh3],
                                      dtype=(tl.float32, tl.float32), is_pure=True, pack=2)
+
+
+@triton.jit
+def _pair_dotp_asm(d0, d1, d2, d3, xl0, xl1, xl2, xl3, xh0, xh1, xh2, xh3, F16: tl.constexpr):
+    """SUM16: ``_pair_dot_asm``'s sums as packed pairs (int32: low half the shifts 0-3, high half 4-7)."""
+    if F16:
+        asm: tl.constexpr = _DOTP_F16
+    else:
+        asm: tl.constexpr = _DOTP_BF16
+    return tl.inline_asm_elementwise(asm, "=r,=r" + ",r" * 16, [d0, d1, d2, d3, xl0, xl1, xl2, xl3, xh0, xh1, xh2,
+                                                                 xh3], dtype=tl.int32, is_pure=True, pack=2)
+
+
+@triton.jit
+def _add_bf16x2(a, b):
+    return tl.inline_asm_elementwise("add.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _add_f16x2(a, b):
+    return tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _add_bf16_ref(a, b):
+    return (a + b).to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _add_f16_ref(a, b):
+    return (a + b).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _sum16(v, F16: tl.constexpr, REF: tl.constexpr):
+    """SUM16: ``v [BLOCK_N, BK8]`` summed over each run of four words (one row, one group's 32-column slice in each
+    half) -> ``[BLOCK_N, BK8 // 4]``: packed pairs (int32) added by ``add.rn`` in their precision, or (REF, the
+    interpreter) fp32 values rounded to it after each add. In the words' register layout (four words a thread, one
+    16-byte load) the sum stays in the thread (``tl.reduce``: correct whatever the layout)."""
+    v = tl.reshape(v, (v.shape[0], v.shape[1] // 4, 4))
+    if REF and F16:
+        return tl.reduce(v, 2, _add_f16_ref)
+    elif REF:
+        return tl.reduce(v, 2, _add_bf16_ref)
+    elif F16:
+        return tl.reduce(v, 2, _add_f16x2)
+    else:
+        return tl.reduce(v, 2, _add_bf16x2)
 
 
 @triton.jit
@@ -186,9 +248,11 @@ def _x_shift(x_row, kc, OFF: tl.constexpr, col0, row_ok, K, nw_ptr, EVEN_K: tl.c
 def _row_step(acc, ss, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x_row, row_ok, k0, col0, K, nw_ptr,
               ZERO_MODE: tl.constexpr, W_DTYPE: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
               EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr,
-              NORM_IN_LOOP: tl.constexpr):
+              NORM_IN_LOOP: tl.constexpr, SUM16: tl.constexpr):
     """One token row of a K step: ``acc += s_lo * sum_lo + s_hi * sum_hi`` (+ the mins' terms); ``ss``: h's squares
-    (NORM_IN_LOOP); ``row_ok``: whether the row exists (None: it does, and every column, ``_x_shift``)."""
+    (NORM_IN_LOOP); ``row_ok``: whether the row exists (None: it does, and every column, ``_x_shift``). SUM16 (not
+    "min"): each word's packed sums stay 16-bit pairs and a thread's four words are added in them before the fp32
+    fold (``acc`` is ``[BLOCK_N, BK8 // 4]``): a 16-product partial sum, one fold pair per four words."""
     kc = k0 + col0
     xl0, hl0 = _x_shift(x_row, kc, 0, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
     xl1, hl1 = _x_shift(x_row, kc, 32, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
@@ -200,14 +264,21 @@ def _row_step(acc, ss, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x_row, row_ok
     xh3, hh3 = _x_shift(x_row, kc, 224, col0, row_ok, K, nw_ptr, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, W_DTYPE)
     if NORM_IN_LOOP:
         ss += hl0 * hl0 + hl1 * hl1 + hl2 * hl2 + hl3 * hl3 + hh0 * hh0 + hh1 * hh1 + hh2 * hh2 + hh3 * hh3
-    if ASM:
+    if SUM16 and ASM:
+        lo, hi = _pair(_sum16(_pair_dotp_asm(d0, d1, d2, d3, xl0[None, :], xl1[None, :], xl2[None, :], xl3[None, :],
+                                             xh0[None, :], xh1[None, :], xh2[None, :], xh3[None, :], F16), F16, False),
+                       W_DTYPE)
+    elif ASM:
         lo, hi = _pair_dot_asm(d0, d1, d2, d3, xl0[None, :], xl1[None, :], xl2[None, :], xl3[None, :], xh0[None, :],
                                xh1[None, :], xh2[None, :], xh3[None, :], F16)
     else:
         lo, hi = _dot_ref(qw, z_lo, z_hi, xl0, xl1, xl2, xl3, xh0, xh1, xh2, xh3, ZERO_MODE, W_DTYPE)
+        if SUM16:
+            lo = _sum16(lo, F16, True)
+            hi = _sum16(hi, F16, True)
     acc += lo * s_lo  # two FFMAs
     acc += hi * s_hi
-    if ZERO_MODE == 2:  # q * scale + min: the mins times the halves' sums of x
+    if ZERO_MODE == 2:  # q * scale + min: the mins times the halves' sums of x (not with SUM16)
         xs_lo = xl0.to(tl.float32) + xl1.to(tl.float32) + xl2.to(tl.float32) + xl3.to(tl.float32)
         xs_hi = xh0.to(tl.float32) + xh1.to(tl.float32) + xh2.to(tl.float32) + xh3.to(tl.float32)
         acc += xs_lo[None, :] * z_lo + xs_hi[None, :] * z_hi
@@ -268,7 +339,8 @@ def _half_params(s_ptr, z_ptr, rn, G, k0, GROUP: tl.constexpr, ZERO_MODE: tl.con
 def packed_step(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, k0, col0, K,
                 s_ptr, z_ptr, rn, G, nw_ptr, GROUP: tl.constexpr, ZERO_MODE: tl.constexpr, W_DTYPE: tl.constexpr,
                 ASM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_IN_LOOP: tl.constexpr, PACKED: tl.constexpr):
+                X_GLU: tl.constexpr, NORM_AFFINE: tl.constexpr, NORM_IN_LOOP: tl.constexpr, PACKED: tl.constexpr,
+                SUM16: tl.constexpr):
     """One K step (one 256-column layout tile, ``qw [BLOCK_N, 32]``) of the FMA kind for up to 4 token rows, the
     words' conversion shared by the rows. Returns the updated accumulators and squares."""
     tl.static_assert(BLOCK_K == 256, "PACKED: one 256-column layout tile a K step")
@@ -286,18 +358,18 @@ def packed_step(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_x
     else:
         ok0 = r0 < M
     acc0, ss0 = _row_step(acc0, ss0, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr, ok0, k0, col0, K, nw_ptr,
-                          ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, NORM_IN_LOOP)
+                          ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE, NORM_IN_LOOP, SUM16)
     if BLOCK_M > 1:
         acc1, ss1 = _row_step(acc1, ss1, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr + stride_xm, r0 + 1 < M,
                               k0, col0, K, nw_ptr, ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU, NORM_AFFINE,
-                              NORM_IN_LOOP)
+                              NORM_IN_LOOP, SUM16)
     if BLOCK_M > 2:
         acc2, ss2 = _row_step(acc2, ss2, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr + 2 * stride_xm,
                               r0 + 2 < M, k0, col0, K, nw_ptr, ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU,
-                              NORM_AFFINE, NORM_IN_LOOP)
+                              NORM_AFFINE, NORM_IN_LOOP, SUM16)
         acc3, ss3 = _row_step(acc3, ss3, qw, d0, d1, d2, d3, z_lo, z_hi, s_lo, s_hi, x0_ptr + 3 * stride_xm,
                               r0 + 3 < M, k0, col0, K, nw_ptr, ZERO_MODE, W_DTYPE, F16, ASM, EVEN_K, BLOCK_K, X_GLU,
-                              NORM_AFFINE, NORM_IN_LOOP)
+                              NORM_AFFINE, NORM_IN_LOOP, SUM16)
     return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
 
 
@@ -318,7 +390,8 @@ def packed_pairs(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw_a, qw_b, qw_row,
                  x0_ptr, stride_xm, r0, M, col0, K, s_ptr, z_ptr, rn, G, nw_ptr, GROUP: tl.constexpr,
                  ZERO_MODE: tl.constexpr, W_DTYPE: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, X_GLU: tl.constexpr,
-                 NORM_AFFINE: tl.constexpr, NORM_IN_LOOP: tl.constexpr, PACKED: tl.constexpr):
+                 NORM_AFFINE: tl.constexpr, NORM_IN_LOOP: tl.constexpr, PACKED: tl.constexpr,
+                 SUM16: tl.constexpr):
     """PF_UNROLL (PACKED with PREFETCH 2): the split's K loop with two buffers of words and the loop unrolled by two,
     ``qw_a`` / ``qw_b`` holding the words of its first two steps (``_next_words``: zeros past its end). Each buffer
     takes the words of two steps on right after its own step, so two steps' words are in flight as with the rotated
@@ -332,18 +405,18 @@ def packed_pairs(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw_a, qw_b, qw_row,
         acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
             acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, kb * BLOCK_K, col0, K, s_ptr,
             z_ptr, rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU, NORM_AFFINE,
-            NORM_IN_LOOP, PACKED)
+            NORM_IN_LOOP, PACKED, SUM16)
         qw = qw_b
         qw_b = _next_words(qw_row, kb + 3, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
         acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
             acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, (kb + 1) * BLOCK_K, col0, K,
             s_ptr, z_ptr, rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU,
-            NORM_AFFINE, NORM_IN_LOOP, PACKED)
+            NORM_AFFINE, NORM_IN_LOOP, PACKED, SUM16)
     if (kb_end - kb_start) % 2 == 1:  # an odd split: its last step's words are in the first buffer
         acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
             acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw_a, x0_ptr, stride_xm, r0, M, (kb_end - 1) * BLOCK_K, col0,
             K, s_ptr, z_ptr, rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU,
-            NORM_AFFINE, NORM_IN_LOOP, PACKED)
+            NORM_AFFINE, NORM_IN_LOOP, PACKED, SUM16)
     return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
 
 
