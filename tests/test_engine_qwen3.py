@@ -165,7 +165,7 @@ def test_qwen3_export_round_trip(qwen3, tmp_path):
 
 
 def _tp_equals_tp1(rank, world, path, prompts):
-    from engine_helpers import greedy
+    from engine_helpers import assert_greedy_equal_but_at_a_near_tie, greedy
     from fastdecode.engine.tp import load_tp
 
     full = load(path, dtype=torch.float32, progress=False, max_seq_len=64).model
@@ -174,7 +174,7 @@ def _tp_equals_tp1(rank, world, path, prompts):
     want, ref_logits = greedy(full, prompts, 6)
     got, logits = greedy(tp, prompts, 6)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)  # (the row-parallel sums' order only)
-    assert got == want, (rank, got, want)
+    assert_greedy_equal_but_at_a_near_tie(full, prompts, got, want, 2e-4)
 
 
 def test_qwen3_tensor_parallel_equals_tp1(qwen3):

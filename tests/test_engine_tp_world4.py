@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastdecode.engine.sharding import vocab_range
-from engine_helpers import greedy, save_hf_llama
+from engine_helpers import assert_greedy_equal_but_at_a_near_tie, greedy, save_hf_llama
 from helpers import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -47,7 +47,7 @@ def _tp4_equals_tp1(rank, world, path, prompt):
         want, ref_logits = greedy(full, prompt, 8, max_seq_len=48)
         got, logits = greedy(tp, prompt, 8, max_seq_len=48)
         torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0, msg=f"quant={quant}")
-        assert got == want, (rank, quant, got, want)
+        assert_greedy_equal_but_at_a_near_tie(full, prompt, got, want, 2 * ATOL, max_seq_len=48)
 
 
 def test_tp4_greedy_tokens_equal_tp1(tmp_path):
