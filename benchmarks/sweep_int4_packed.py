@@ -104,10 +104,14 @@ def sweep(out_path: Path | None, shapes, ms) -> list[dict]:
             table_cfg = table["config"]
             cands = [("table + PACKED", c) for c in [with_packed(table_cfg)] if c] + [(_name(c), c) for c in grid(M)]
             x, w0, out0 = ops.x_all[:M], ops.packed[0], ops.out_all[0][:M]
-            precompile(lambda c: int4_linear_with_config(x, w0, None, out0, c, warmup=True), [c for _, c in cands])
+
+            def warm(c, x=x, w0=w0, out0=out0):
+                int4_linear_with_config(x, w0, None, out0, c, warmup=True)
+
+            precompile(warm, [c for _, c in cands])
             best = timed_configs("int4_packed", ops, M, shape, cands, rows)
             pairs = unrolled([r for r in rows if r["shape"] == shape], table)
-            precompile(lambda c: int4_linear_with_config(x, w0, None, out0, c, warmup=True), [c for _, c, _ in pairs])
+            precompile(warm, [c for _, c, _ in pairs])
             for name, c, base in pairs:
                 r = timed_configs("int4_packed", ops, M, shape, [(name, c)], rows)
                 if r is None:

@@ -145,24 +145,18 @@ def greedy(model, prompt, n, max_seq_len=64):
 
 
 def assert_greedy_equal_but_at_a_near_tie(model, prompts, got, want, gap, max_seq_len=64):
-    """Two greedy runs of ``prompts`` (``want`` from ``model``, ``got`` from a path whose logits differ from it by
-    summation order only) agree token for token, or part at a step where ``model``'s top two logits lie within
-    ``gap`` and ``got`` took the runner-up; their tokens after that are not compared. On random weights such a
-    near tie turns up now and then, and either token is right."""
+    """``helpers.assert_parts_only_at_a_near_tie`` for each prompt of two greedy engine runs (``want`` from
+    ``model``)."""
     from fastdecode.engine.generate import Engine
+    from helpers import assert_parts_only_at_a_near_tie
 
     assert len(got) == len(want), (got, want)
     for prompt, g, w in zip(prompts, got, want):
-        assert len(g) == len(w), (g, w)
-        i = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
-        if i is None:
-            continue
-        eng = Engine(model, None, max_batch=1, max_seq_len=max_seq_len)
-        top = eng.prefill([list(prompt) + list(w[:i])])[0].float().topk(2)
-        margin = float(top.values[0] - top.values[1])
-        assert margin <= gap and g[i] == int(top.indices[1]), (
-            f"greedy tokens part at step {i} where the reference's top two logits are {margin:.3g} apart (a near tie "
-            f"is <= {gap}): got {g}, want {w}")
+        def top2_at(i, prompt=prompt, w=w):
+            eng = Engine(model, None, max_batch=1, max_seq_len=max_seq_len)
+            return eng.prefill([list(prompt) + list(w[:i])])[0].float().topk(2)
+
+        assert_parts_only_at_a_near_tie(g, w, top2_at, gap)
 
 
 def to_hf(model, device=None, dtype=torch.float32):

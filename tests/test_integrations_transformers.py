@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from fastdecode import cli  # noqa: E402
 from fastdecode.integrations.transformers import HFFp8Linear, HFInt4Linear, apply  # noqa: E402
-from helpers import TOLERANCES, interpreter_on  # noqa: E402
+from helpers import TOLERANCES, assert_parts_only_at_a_near_tie, interpreter_on  # noqa: E402
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -47,21 +47,13 @@ def greedy(model, ids, n=8, **kw):
 
 
 def assert_greedy_equal_but_at_a_near_tie(ref, ids, got, want, gap=1e-4):
-    """``greedy`` tokens of two models whose logits differ by summation order only: equal, or parting at a step
-    where ``ref``'s top two logits lie within ``gap`` and ``got`` took the runner-up (a near tie on random weights,
-    where either token is right); the steps after it are not compared."""
+    """``helpers.assert_parts_only_at_a_near_tie`` for each row of two ``greedy`` runs (``want`` from ``ref``)."""
     for b in range(ids.shape[0]):
-        g, w = got[b].tolist(), want[b].tolist()
-        i = next((j for j, (x, y) in enumerate(zip(g, w)) if x != y), None)
-        if i is None:
-            continue
-        with torch.no_grad():
-            logits = ref(torch.cat([ids[b], want[b, :i]])[None]).logits[0, -1]
-        top = logits.float().topk(2)
-        margin = float(top.values[0] - top.values[1])
-        assert margin <= gap and g[i] == int(top.indices[1]), (
-            f"row {b}: greedy tokens part at step {i} where the reference's top two logits are {margin:.3g} apart "
-            f"(a near tie is <= {gap}): got {g}, want {w}")
+        def top2_at(i, b=b):
+            with torch.no_grad():
+                return ref(torch.cat([ids[b], want[b, :i]])[None]).logits[0, -1].float().topk(2)
+
+        assert_parts_only_at_a_near_tie(got[b].tolist(), want[b].tolist(), top2_at, gap, label=f"row {b}: ")
 
 
 def cos_rows(a, b):

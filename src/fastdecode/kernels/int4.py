@@ -38,8 +38,8 @@ from fastdecode.kernels.int4_dequant import (
     _slice_params, _uniform, check_params, slices_per_group,
 )
 from fastdecode.kernels.int4_mma import launch_int4_mma
-from fastdecode.kernels.int4_packed import _next_words, check_packed, packed_mode, packed_pairs, packed_step
-from fastdecode.kernels.prefetch import l2_prefetch_rows, slab_bytes
+from fastdecode.kernels.int4_packed import check_packed, packed_mode, packed_options, packed_pairs, packed_step
+from fastdecode.kernels.prefetch import l2_prefetch_rows, next_words, slab_bytes
 from fastdecode.kernels.pdl import launch_kwargs, pdl_wait
 
 
@@ -202,7 +202,7 @@ def _int4_linear_kernel(
         else:
             qw_next = tl.load(qw_row + kw[None, :], mask=(kw < KW)[None, :], other=0)
         if PREFETCH == 2:  # and the step after it (a split has at least one step; this one may be past its end)
-            qw_next2 = _next_words(qw_row, kb_start + 1, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
+            qw_next2 = next_words(qw_row, kb_start + 1, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
         if SCALES_NEXT:  # the scales (and zeros / mins) of the first step too: weights, never written by a kernel
             gs0n, gs1n, gs2n, gs3n, gs4n, gs5n, gs6n, gs7n, gz0n, gz1n, gz2n, gz3n, gz4n, gz5n, gz6n, gz7n = \
                 _group_params8(s_ptr, z_ptr, rn, G, kb_start * BLOCK_K, GROUP, ZERO_MODE)
@@ -221,10 +221,10 @@ def _int4_linear_kernel(
             if PREFETCH == 2:  # two steps ahead: ptxas sinks the load late into the body (benchmarks/sass_int4_loop.py)
                 qw = qw_next
                 qw_next = qw_next2
-                qw_next2 = _next_words(qw_row, kb + 2, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
+                qw_next2 = next_words(qw_row, kb + 2, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
             elif PREFETCH:
                 qw = qw_next
-                qw_next = _next_words(qw_row, kb + 1, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
+                qw_next = next_words(qw_row, kb + 1, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
             else:
                 kw = kb * BK8 + offs_w
                 if EVEN_K:  # K % BLOCK_K == 0: no masks, so loads stay 16-byte vectors
@@ -452,13 +452,7 @@ def launch_int4_linear(x, qweight, scales, zm, group_size: int, zero_mode: str, 
     packed = packed_mode(config, group_size, K, scales, zm)
     if packed:
         check_packed(config, group_size, K, x.dtype, x_scale_mode)
-    pf_unroll = bool(config.get("PF_UNROLL", False))
-    if pf_unroll and not (packed and int(config.get("PREFETCH", False)) == 2):
-        raise ValueError(f"the int4 PF_UNROLL key needs PACKED with PREFETCH 2, got {config}")
-    sum16 = bool(config.get("SUM16", False))
-    if sum16 and not (packed and zero_mode != "min"):
-        raise ValueError(f"the int4 SUM16 key needs PACKED and zeros or a symmetric weight (not mins), got "
-                         f"{config} with zero mode {zero_mode!r}")
+    pf_unroll, sum16 = packed_options(config, packed, zero_mode)
     if config["kind"] == "mma":
         return launch_int4_mma(x, qweight, scales, zm, group_size, zero_mode, bias, out, part, locks, config, split,
                                asm=bool(config.get("asm", True)) and lop3_asm_ok(x), warmup=warmup, pdl=pdl,

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from fastdecode.kernels.gemm import _load_x
 from fastdecode.kernels.int4_dequant import slices_per_group
+from fastdecode.kernels.prefetch import next_words
 
 
 def _i32(u: int) -> int:
@@ -78,28 +79,32 @@ _DIFFS_F16: tl.constexpr = tl.constexpr(
     "lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA;\n"
     "fma.rn.f16x2 $3, t, one, $5;\n}"
 )
-def _dot_asm(fma: str, lo: str, hi: str) -> str:
-    """Two words a block (pack 2: $4..$11 the two words' d0..d3, $12..$19 x's shifts 0-3 and 4-7, each register the
-    two words' columns j, j + 1): PRMT makes each word's pairs (x[32p + j], x[32(p + 4) + j]); the products summed in
-    the pairs' precision (the first FMA adds -0: the product rounded once); the halves as fp32 ($0, $1: the low
-    halves of the two words; $2, $3: the high)."""
-    body = ["{", ".reg .b32 a, b, xp;", ".reg .b16 l, h;", "mov.b32 a, 0x80008000;", "mov.b32 b, 0x80008000;"]
+def _pair_fmas(fma: str, a: str, b: str, d: int) -> list[str]:
+    """The packed FMAs of two words a block (pack 2: ``$d..$d+7`` the two words' d0..d3, then x's shifts 0-3 and
+    4-7, each register the two words' columns j, j + 1): PRMT makes each word's pairs (x[32p + j], x[32(p + 4) + j]);
+    the products summed into ``a`` (the first word) and ``b`` (the second) in the pairs' precision."""
+    out = []
     for p in range(4):
-        body += [f"prmt.b32 xp, ${12 + p}, ${16 + p}, 0x5410;", f"{fma} a, ${4 + 2 * p}, xp, a;",
-                 f"prmt.b32 xp, ${12 + p}, ${16 + p}, 0x7632;", f"{fma} b, ${5 + 2 * p}, xp, b;"]
+        out += [f"prmt.b32 xp, ${d + 8 + p}, ${d + 12 + p}, 0x5410;", f"{fma} {a}, ${d + 2 * p}, xp, {a};",
+                f"prmt.b32 xp, ${d + 8 + p}, ${d + 12 + p}, 0x7632;", f"{fma} {b}, ${d + 1 + 2 * p}, xp, {b};"]
+    return out
+
+
+def _dot_asm(fma: str, lo: str, hi: str) -> str:
+    """``_pair_fmas`` from $4 (the first FMA adds -0: the product rounded once), then the halves as fp32 ($0, $1: the
+    low halves of the two words; $2, $3: the high)."""
+    body = ["{", ".reg .b32 a, b, xp;", ".reg .b16 l, h;", "mov.b32 a, 0x80008000;", "mov.b32 b, 0x80008000;"]
+    body += _pair_fmas(fma, "a", "b", 4)
     body += [lo.format(out="$0", acc="a"), hi.format(out="$2", acc="a"), lo.format(out="$1", acc="b"),
              hi.format(out="$3", acc="b"), "}"]
     return "\n".join(body)
 
 
 def _dotp_asm(fma: str) -> str:
-    """SUM16: as ``_dot_asm``, the two words' packed sums themselves ($0, $1; inputs from $2), left in the pairs'
-    precision for ``_sum16`` to add a thread's four words before one fp32 fold."""
+    """SUM16: ``_pair_fmas`` from $2 into the outputs: the two words' packed sums themselves ($0, $1), left in the
+    pairs' precision for ``_sum16`` to add a thread's four words before one fp32 fold."""
     body = ["{", ".reg .b32 xp;", "mov.b32 $0, 0x80008000;", "mov.b32 $1, 0x80008000;"]
-    for p in range(4):
-        body += [f"prmt.b32 xp, ${10 + p}, ${14 + p}, 0x5410;", f"{fma} $0, ${2 + 2 * p}, xp, $0;",
-                 f"prmt.b32 xp, ${10 + p}, ${14 + p}, 0x7632;", f"{fma} $1, ${3 + 2 * p}, xp, $1;"]
-    return "\n".join(body + ["}"])
+    return "\n".join(body + _pair_fmas(fma, "$0", "$1", 2) + ["}"])
 
 
 # bf16 is the top half of an fp32; f16 converts
@@ -374,18 +379,6 @@ def packed_step(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_x
 
 
 @triton.jit
-def _next_words(qw_row, kb, kb_end, offs_w, KW, BLOCK_N: tl.constexpr, BK8: tl.constexpr, EVEN_K: tl.constexpr):
-    """PREFETCH (``kernels.int4``): the packed words of K step ``kb`` ([BLOCK_N, BK8]), zeros for a step past the
-    split's end."""
-    kw = kb * BK8 + offs_w
-    more = (kb + tl.zeros((BLOCK_N, BK8), dtype=tl.int32)) < kb_end  # past the last step: nothing loaded
-    if EVEN_K:
-        return tl.load(qw_row + kw[None, :], mask=more, other=0)
-    else:
-        return tl.load(qw_row + kw[None, :], mask=more & (kw < KW)[None, :], other=0)
-
-
-@triton.jit
 def packed_pairs(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw_a, qw_b, qw_row, kb_start, kb_end, offs_w, KW,
                  x0_ptr, stride_xm, r0, M, col0, K, s_ptr, z_ptr, rn, G, nw_ptr, GROUP: tl.constexpr,
                  ZERO_MODE: tl.constexpr, W_DTYPE: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
@@ -393,7 +386,7 @@ def packed_pairs(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw_a, qw_b, qw_row,
                  NORM_AFFINE: tl.constexpr, NORM_IN_LOOP: tl.constexpr, PACKED: tl.constexpr,
                  SUM16: tl.constexpr):
     """PF_UNROLL (PACKED with PREFETCH 2): the split's K loop with two buffers of words and the loop unrolled by two,
-    ``qw_a`` / ``qw_b`` holding the words of its first two steps (``_next_words``: zeros past its end). Each buffer
+    ``qw_a`` / ``qw_b`` holding the words of its first two steps (``next_words``: zeros past its end). Each buffer
     takes the words of two steps on right after its own step, so two steps' words are in flight as with the rotated
     triple buffer of the plain loop, without its register copies (sm_90, 64 rows on 4 warps: 435 -> ~405 instructions
     a step, ``benchmarks/sass_int4_loop.py --count``; W4A8's same change, ``kernels.int4_a8``: +15 % -> +2.5 % over
@@ -401,13 +394,13 @@ def packed_pairs(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw_a, qw_b, qw_row,
     BK8: tl.constexpr = BLOCK_K // 8
     for kb in range(kb_start, kb_end - 1, 2):
         qw = qw_a
-        qw_a = _next_words(qw_row, kb + 2, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
+        qw_a = next_words(qw_row, kb + 2, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
         acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
             acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, kb * BLOCK_K, col0, K, s_ptr,
             z_ptr, rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU, NORM_AFFINE,
             NORM_IN_LOOP, PACKED, SUM16)
         qw = qw_b
-        qw_b = _next_words(qw_row, kb + 3, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
+        qw_b = next_words(qw_row, kb + 3, kb_end, offs_w, KW, BLOCK_N, BK8, EVEN_K)
         acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = packed_step(
             acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw, x0_ptr, stride_xm, r0, M, (kb + 1) * BLOCK_K, col0, K,
             s_ptr, z_ptr, rn, G, nw_ptr, GROUP, ZERO_MODE, W_DTYPE, ASM, EVEN_K, BLOCK_K, BLOCK_M, X_GLU,
@@ -437,6 +430,19 @@ def packed_mode(config: dict, group_size: int, K: int, scales, zm) -> int:
     pairs = (group_size == 128 and K % 256 == 0 and scales.shape[1] % 2 == 0 and scales.element_size() == 2
              and scales.data_ptr() % 4 == 0 and zm_ok)
     return 2 if pairs else 1
+
+
+def packed_options(config: dict, packed: int, zero_mode: str) -> tuple[bool, bool]:
+    """The PACKED step's opt-in keys (PF_UNROLL, SUM16) of ``config`` for a launch whose ``packed_mode`` is
+    ``packed``; ValueError where one is set and does not apply: PF_UNROLL needs PACKED with PREFETCH 2, SUM16 needs
+    PACKED and zeros or a symmetric weight (not mins)."""
+    pf_unroll, sum16 = bool(config.get("PF_UNROLL", False)), bool(config.get("SUM16", False))
+    if pf_unroll and not (packed and int(config.get("PREFETCH", False)) == 2):
+        raise ValueError(f"the int4 PF_UNROLL key needs PACKED with PREFETCH 2, got {config}")
+    if sum16 and not (packed and zero_mode != "min"):
+        raise ValueError(f"the int4 SUM16 key needs PACKED and zeros or a symmetric weight (not mins), got "
+                         f"{config} with zero mode {zero_mode!r}")
+    return pf_unroll, sum16
 
 
 def check_packed(config: dict, group_size: int, K: int, x_dtype, x_scale_mode: int = 0) -> None:

@@ -16,6 +16,9 @@ wait. Under PDL a GEMV's programs become resident as the previous kernel's retir
 the attention), so their slabs stream into L2 during the previous kernel's tail instead of after it; each program
 then reads its slab from L2 (``ops._common.weight_prefetch_enabled``: a launch policy like PDL; by default only
 small bf16 / fp16 weights at one token).
+
+``next_words``: the other prefetch, into registers: the int4 kernels' words of a later K step, loaded while this
+step computes.
 """
 
 import triton
@@ -80,3 +83,15 @@ def l2_prefetch_rows(base_ptr, row0, n_rows, row_stride, col_start, col_end, ROW
     size = tl.where(row < n_rows, tl.maximum(size, 0), 0).to(tl.int32)
     ptr = base_ptr + row.to(tl.int64) * row_stride + start
     tl.inline_asm_elementwise(_BULK_PREFETCH, "=r,l,r", [ptr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def next_words(qw_row, kb, kb_end, offs_w, KW, BLOCK_N: tl.constexpr, BK8: tl.constexpr, EVEN_K: tl.constexpr):
+    """The int4 kernels' register prefetch (PREFETCH, ``kernels.int4``; PF_UNROLL, ``kernels.int4_packed``): the
+    packed words of K step ``kb`` ([BLOCK_N, BK8] of the rows at ``qw_row``), zeros for a step past the split's end."""
+    kw = kb * BK8 + offs_w
+    more = (kb + tl.zeros((BLOCK_N, BK8), dtype=tl.int32)) < kb_end  # past the last step: nothing loaded
+    if EVEN_K:
+        return tl.load(qw_row + kw[None, :], mask=more, other=0)
+    else:
+        return tl.load(qw_row + kw[None, :], mask=more & (kw < KW)[None, :], other=0)
