@@ -391,7 +391,7 @@ def packed_pairs(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, qw_a, qw_b, qw_row,
     triple buffer of the plain loop, without its register copies (sm_90, 64 rows on 4 warps: 435 -> ~405 instructions
     a step, ``benchmarks/sass_int4_loop.py --count``; W4A8's same change, ``kernels.int4_a8``: +15 % -> +2.5 % over
     PREFETCH 1). Returns the updated accumulators and squares: bit-equal to the plain loop's under the interpreter;
-    on an H100 one fp16 ulp off in some outputs with mins (session 43, cause not found)."""
+    on an H100 not so in fp16 with mins, within the product bound (session 43; by how much and why not found)."""
     BK8: tl.constexpr = BLOCK_K // 8
     for kb in range(kb_start, kb_end - 1, 2):
         qw = qw_a
