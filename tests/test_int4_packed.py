@@ -52,9 +52,13 @@ def _check(w, x, bias, cfg):
 
 
 def _assert_within_one_ulp(actual, expected):
-    """Each element within one ulp of ``expected``'s dtype at its value; the message counts those that differ."""
-    d = (actual.float() - expected.float()).abs()
-    assert bool((d <= ulp(expected, expected.dtype)).all()), (
+    """Each element within one ulp of ``expected``'s dtype at its value, or at 1/64 of the largest value where that is
+    larger: two fp32 sums of the same terms in another order differ at the terms' scale, not at a near-zero output's.
+    The message counts the elements that differ."""
+    e = expected.float()
+    d = (actual.float() - e).abs()
+    at = torch.maximum(e.abs(), e.abs().max() / 64)
+    assert bool((d <= ulp(at, expected.dtype)).all()), (
         f"{int((d > 0).sum())} of {d.numel()} elements differ, the largest by {d.max().item():.4g}")
 
 
