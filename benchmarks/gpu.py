@@ -76,7 +76,7 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 * ``int4-packed`` ``benchmarks/sweep_int4_packed.py``: PACKED (``kernels.int4_packed``, the fma kind in packed 16-bit
               pairs) against the table's choice on the 8B shapes, the 8B head and 70B-TP2 gate_up, M = 1 and 2, with
               cuBLAS BF16 and tinygemm; the tiles that win into a copy of the int4 table (``configs/``) and the 8B int4
-              step on it beside the compiled peer, then with the int4 head.
+              step on it beside the compiled peer, then with the int4 head (the peer's head tinygemm int4 too).
 * ``int8-producers`` ``benchmarks/diag_int8_producers.py``: the int8-output RMSNorm / SiLU-and-mul / quantisation
               of ``int4_a8`` at one token against their native and FP8 forms, with an ablation of the int8 epilogue.
 * ``test-bounds`` ``benchmarks/diag_norm_gemm_test_bounds.py``: the int4 norm_gemm step against the unfused step
@@ -300,9 +300,10 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                     out, "--batch", "1", "--iters", "30", "--quant", "int4", "--impl", "peer-compile",
                     "fastdecode-graph"), 180),
                 # the int4 head too (session 40, H200: PACKED's head tile 86 us against the bf16 head's ~245)
+                # the peer with a tinygemm int4 head beside it (bench.peers' quant_head, session 43)
                 ("decode int4 head packed", ["env", f"FASTDECODE_CONFIG_DIR={cfg_dir}"] + _decode(
                     out, "--batch", "1", "--iters", "30", "--quant", "int4", "--quant-head", "int4", "--impl",
-                    "fastdecode-graph"), 150)]
+                    "peer-compile", "fastdecode-graph"), 180)]
     if name == "w8a16":
         # fp8_a16's GEMV configs into a copy of the linear table (main copies it), then the 8B FP8 step on them
         cfg_dir = out / "configs"

@@ -17,7 +17,7 @@ from fastdecode.constants import FP8_MAX, FP8_MIN_SCALE
 from fastdecode.engine.kv_cache import KVCache
 from fastdecode.engine.loader import random_model
 from fastdecode.models.config import ModelConfig
-from fastdecode.models.quantize import quantize_model_fp8, quantize_model_int4
+from fastdecode.models.quantize import quantize_model, quantize_model_fp8, quantize_model_int4
 from fastdecode.quant.int4 import dequantize_int4
 
 CFG = ModelConfig.from_preset("tiny")
@@ -282,6 +282,44 @@ def test_int4_peer_equals_dense_peer_on_its_dequantised_weights():
     torch.testing.assert_close(peer.decode_logits(nxt, p), ref.decode_logits(nxt, p), **TOL["logits"])
 
 
+@has_int4_cpu
+def test_int4_peer_with_an_int4_head_equals_the_dense_peer_on_its_dequantised_head():
+    """``quant_head``: the head in tinygemm too (gpt-fast's int4 handler replaces every nn.Linear, the head
+    included); the same function as the dense peer whose head holds the same RTN values."""
+    m = _model()
+    peer = build_peer(m, None, max_batch=2, max_seq_len=32, quant_head="int4")
+    assert isinstance(peer.output, TinygemmLinear) and peer.output.out_features == CFG.vocab_size
+    assert peer.description == "gpt-fast-style, F.linear, head tinygemm int4 g128"
+    assert all(isinstance(layer.wqkv, DenseLinear) for layer in peer.layers)
+    ref_model = copy.deepcopy(m)
+    K = CFG.dim
+    Kp = -(-K // 128) * 128
+    q, sz = quantize_tinygemm(torch.nn.functional.pad(m.output.weight.float(), (0, Kp - K)), 128)
+    ref_model.output.weight.data = dequantize_tinygemm(q, sz, 128)[:, :K].contiguous()
+    ref = build_peer(ref_model, None, max_batch=2, max_seq_len=32)
+    toks = torch.randint(0, CFG.vocab_size, (2, 5))
+    pos = torch.arange(5).expand(2, 5)
+    torch.testing.assert_close(peer(toks, pos), ref(toks, pos), **TOL["logits"])
+    # the dense head is no longer read: the packed head is (half a byte a weight plus a scale and zero per group)
+    dense_head = CFG.vocab_size * K * 4
+    assert peer.decode_step_bytes(1) == ref.decode_step_bytes(1) - dense_head + _int4_cpu_bytes(CFG.vocab_size, K)
+
+
+@has_int4_cpu
+def test_peer_of_a_model_with_a_quantised_head():
+    """A model whose head fastdecode quantised: the peer must be told the head's format (it cannot share a head
+    that is not dense), then builds it from the dequantised values."""
+    m = _model()
+    quantize_model(m, "int4", head="int4")
+    with pytest.raises(ValueError, match="lm head must be a dense Linear to be shared .*Int4Linear: pass quant_head"):
+        build_peer(m, "int4", 1, 16)
+    peer = build_peer(m, "int4", 1, 16, quant_head="int4")
+    assert isinstance(peer.output, TinygemmLinear)
+    assert peer.description == "gpt-fast-style, tinygemm int4 g128, head tinygemm int4 g128"
+    toks = torch.randint(0, CFG.vocab_size, (1, 3))
+    assert torch.isfinite(peer(toks, torch.arange(3).expand(1, 3))).all()
+
+
 # ----------------------------------------------------------------------------- arguments
 
 
@@ -293,6 +331,8 @@ def test_build_peer_rejects_bad_arguments():
         build_peer(m, None, 0, 16)
     with pytest.raises(ValueError, match=r"max_seq_len must be an integer in \[1, 64\].*got 65"):
         build_peer(m, None, 1, 65)
+    with pytest.raises(ValueError, match=r"quant_head must be one of .*'int3'"):
+        build_peer(m, None, 1, 16, quant_head="int3")
     with pytest.raises(ValueError, match="q must be 2-D with an even number of columns"):
         pack_tinygemm_nibbles(torch.zeros(2, 3, dtype=torch.int32))
 
@@ -345,6 +385,19 @@ def test_bench_decode_quantised_peer_rows_cpu(tmp_path, quant):
     # fp32 lm head whole + final norm + one embedding row
     assert peer["step_weight_bytes"] == (256 + 1) * 64 * 4 + 64 * 4 + 2 * per_layer
     assert "peer-compile" not in rows  # skipped on a CPU (needs CUDA): reported, not written
+
+
+@has_int4_cpu
+def test_bench_decode_peer_quantises_its_head_with_ours(tmp_path):
+    """``--quant-head int4``: the peer's head is tinygemm int4 too, and its row says so."""
+    rows = _bench_rows(tmp_path, "--quant", "int4", "--quant-head", "int4")
+    peer, eager = rows["peer-eager"], rows["torch-eager"]
+    assert peer["peer"] == "gpt-fast-style, tinygemm int4 g128, head tinygemm int4 g128"
+    assert peer["shape"]["quant"] == eager["shape"]["quant"] == "int4+head-int4"
+    norms = 2 * 64 * 4
+    per_layer = sum(_int4_cpu_bytes(N, K) for N, K in [(128, 64), (64, 64), (256, 64), (64, 128)]) + norms
+    # the packed head + final norm + one embedding row
+    assert peer["step_weight_bytes"] == _int4_cpu_bytes(256, 64) + 64 * 4 + 64 * 4 + 2 * per_layer
 
 
 def test_speedup_vs_peer_on_fastdecode_rows():

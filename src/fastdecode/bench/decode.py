@@ -261,12 +261,12 @@ class PeerDecodeRunner(DecodeRunner):
         return self.model.decode_step(tokens, pos)
 
 
-def _try_build_peer(model, quant, batch: int, max_seq: int):
+def _try_build_peer(model, quant, batch: int, max_seq: int, quant_head=None):
     """``(peer, None)`` or ``(None, "Type: message")``."""
     from fastdecode.bench.peers import build_peer
 
     try:
-        return build_peer(model, quant, batch, max_seq), None
+        return build_peer(model, quant, batch, max_seq, quant_head=quant_head), None
     except Exception as e:  # reported on the peer's rows; the other rows still run
         return None, f"{type(e).__name__}: {e}"
 
@@ -322,7 +322,7 @@ def build_bench_model(model_name: str, *, batch: int, max_seq: int, device=None,
         # before the peer's cache and ours
         check_kv_memory(model.config, batch, max_seq, dtype, device, fix=KV_FIX, group=kv_group)
         if want_peer:  # from the dense weights, before fastdecode quantises (and frees) them
-            peer, peer_error = _try_build_peer(model, quant, batch, max_seq)
+            peer, peer_error = _try_build_peer(model, quant, batch, max_seq, quant_head)
         if quant is not None or quant_head is not None:
             from fastdecode.models.quantize import quantize_model
 
@@ -345,7 +345,7 @@ def build_bench_model(model_name: str, *, batch: int, max_seq: int, device=None,
         model, cfg = loaded.model, loaded.config
         check_kv_memory(model.config, batch, max_seq, dtype, device, fix=KV_FIX)
         if want_peer:  # the format fastdecode runs (an int4 checkpoint is int4 without --quant)
-            peer, peer_error = _try_build_peer(model, quant or model.quant, batch, max_seq)
+            peer, peer_error = _try_build_peer(model, quant or model.quant, batch, max_seq, quant_head)
     return BenchModel(model, cfg, device, tp, peer, peer_error)
 
 
@@ -356,7 +356,8 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     """Run the decode benchmark; returns JSON-ready rows (one per implementation).
 
     ``quant_head`` ("fp8" / "int4") quantises the lm head too; the rows' ``shape.quant`` then reads
-    ``<quant>+head-<quant_head>`` (``none+head-int4`` for the head alone). The peers keep a dense head.
+    ``<quant>+head-<quant_head>`` (``none+head-int4`` for the head alone). The peers quantise their head the same
+    way (``bench.peers.build_peer``'s ``quant_head``; their rows' ``peer`` names it).
 
     Under torch.distributed (torchrun) the model is tensor-parallel over the world (every rank runs;
     the caller reports rank 0's rows)."""

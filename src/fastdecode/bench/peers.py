@@ -22,7 +22,9 @@ Formats (``quant``), as gpt-fast / torchao run them:
   K is zero-padded to a multiple of 128 where needed (the kernel's k-tile; the activation is padded per call).
 
 The block projections are quantised; the embedding, the norms and the lm head stay in the model dtype and
-are shared (as in fastdecode's own FP8 / int4 models). A quantised peer's projection weights come from the
+are shared (as in fastdecode's own FP8 / int4 models), unless ``quant_head`` quantises the head too (when the
+benchmark quantises fastdecode's: like for like; gpt-fast's own int4 handler replaces every ``nn.Linear``, the head
+included). A quantised peer's projection weights come from the
 model's dense weights when it is not quantised yet (the benchmark builds the peer before ``quantize_model``,
 so the bf16 block weights are freed when fastdecode swaps its projections), else from its dequantised
 FP8 / int4 weights, one projection at a time (a transient fp32 copy of one projection).
@@ -335,13 +337,18 @@ class PeerLlama(nn.Module):
 # ----------------------------------------------------------------------------- building
 
 
-def peer_description(quant: Optional[str], group_size: int = TINYGEMM_GROUP) -> str:
-    """What the peer is, for the benchmark's rows."""
+def _format(quant: Optional[str], group_size: int) -> str:
     if quant == "fp8":
-        return "gpt-fast-style, _scaled_mm per-tensor"
+        return "_scaled_mm per-tensor"
     if quant == "int4":
-        return f"gpt-fast-style, tinygemm int4 g{group_size}"
-    return "gpt-fast-style, F.linear"
+        return f"tinygemm int4 g{group_size}"
+    return "F.linear"
+
+
+def peer_description(quant: Optional[str], group_size: int = TINYGEMM_GROUP, quant_head: Optional[str] = None) -> str:
+    """What the peer is, for the benchmark's rows (``quant_head``: the lm head's format when quantised)."""
+    head = f", head {_format(quant_head, group_size)}" if quant_head is not None else ""
+    return f"gpt-fast-style, {_format(quant, group_size)}{head}"
 
 
 def _dense(lin: nn.Module) -> torch.Tensor:
@@ -366,16 +373,21 @@ def _peer_linear(lin: nn.Module, quant: Optional[str], dtype, group_size: int) -
 
 
 def build_peer(model: Transformer, quant: Optional[str], max_batch: int, max_seq_len: int, *,
-               group_size: int = TINYGEMM_GROUP) -> PeerLlama:
+               group_size: int = TINYGEMM_GROUP, quant_head: Optional[str] = None) -> PeerLlama:
     """A ``PeerLlama`` computing ``model``'s function in format ``quant`` (None, "fp8", "int4"), with a static
     KV cache for ``max_batch`` sequences of ``max_seq_len`` positions (at most the model's RoPE table).
+    ``quant_head`` ("fp8", "int4"): the lm head in that format too (from the model's head, dense or
+    dequantised); None: the model's dense head, shared.
 
-    Shared, never copied: the embedding, the norms, the lm head, the RoPE table and, for ``quant=None`` on a
-    dense model, every projection. Copied: the quantised projections (FP8: 1 byte per weight; int4: half a
-    byte plus 4 bytes per group) and, for ``quant=None`` on a quantised model, its dequantised projections.
+    Shared, never copied: the embedding, the norms, the lm head (``quant_head=None``), the RoPE table and, for
+    ``quant=None`` on a dense model, every projection. Copied: the quantised projections (FP8: 1 byte per weight;
+    int4: half a byte plus 4 bytes per group), a quantised head, and, for ``quant=None`` on a quantised model, its
+    dequantised projections.
     """
     if quant not in PEER_QUANTS:
         raise ValueError(f"quant must be one of {PEER_QUANTS}, got {quant!r}")
+    if quant_head not in PEER_QUANTS:
+        raise ValueError(f"quant_head must be one of {PEER_QUANTS}, got {quant_head!r}")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= model.rope_len:
@@ -394,11 +406,15 @@ def build_peer(model: Transformer, quant: Optional[str], max_batch: int, max_seq
         proj = [_peer_linear(m, quant, dtype, group_size) for m in (a.wqkv, a.wo, f.w13, f.w2)]
         layers.append(PeerBlock(cfg, layer.attention_norm.weight, proj[0], proj[1], layer.ffn_norm.weight, proj[2],
                                 proj[3], max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype, device=device))
-    if not isinstance(model.output, Linear):
-        raise ValueError(f"the lm head must be a dense Linear, got {type(model.output).__name__}")
-    output = DenseLinear(model.output.weight, model.output.bias)
+    if quant_head is not None:
+        output = _peer_linear(model.output, quant_head, dtype, group_size)
+    elif isinstance(model.output, Linear):
+        output = DenseLinear(model.output.weight, model.output.bias)
+    else:
+        raise ValueError(f"the lm head must be a dense Linear to be shared (quant_head=None), got "
+                         f"{type(model.output).__name__}: pass quant_head")
     peer = PeerLlama(cfg, emb, layers, model.norm.weight, output, model.rope, quant=quant,
-                     description=peer_description(quant, group_size))
+                     description=peer_description(quant, group_size, quant_head))
     source = {p.untyped_storage().data_ptr() for p in model.parameters()}
     peer.copied_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in peer.parameters()}.values()
                             if p.untyped_storage().data_ptr() not in source)
