@@ -303,7 +303,7 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                 # the peer with a tinygemm int4 head beside it (bench.peers' quant_head, session 43)
                 ("decode int4 head packed", ["env", f"FASTDECODE_CONFIG_DIR={cfg_dir}"] + _decode(
                     out, "--batch", "1", "--iters", "30", "--quant", "int4", "--quant-head", "int4", "--impl",
-                    "peer-compile", "fastdecode-graph"), 180)]
+                    "peer-compile", "fastdecode-graph"), 150)]
     if name == "w8a16":
         # fp8_a16's GEMV configs into a copy of the linear table (main copies it), then the 8B FP8 step on them
         cfg_dir = out / "configs"

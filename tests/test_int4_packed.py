@@ -461,6 +461,7 @@ def test_the_sweep_writes_only_the_tiles_that_win_and_gpu_py_times_the_step_on_t
     assert argv2[argv2.index("--quant") + 1] == "int4"
     assert argv2[argv2.index("--impl") + 1:] == ["peer-compile", "fastdecode-graph"]
     assert argv3[:2] == argv2[:2] and argv3[argv3.index("--quant-head") + 1] == "int4"  # the int4 head on that copy
+    assert argv3[argv3.index("--impl") + 1:] == ["peer-compile", "fastdecode-graph"]  # the peer's head int4 too
 
 
 def test_the_sweep_times_the_fastest_prefetch_2_tiles_and_the_tables_again_unrolled():
