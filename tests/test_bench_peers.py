@@ -261,6 +261,14 @@ def test_tinygemm_linear_cpu_equals_dequantised_reference(K):
         TinygemmLinear.from_dense(w[:40])
 
 
+def _tinygemm_values(w):
+    """The (N, K) values tinygemm's RTN gives ``w`` (K padded to its 128-column tile for the quantisation)."""
+    K = w.shape[1]
+    Kp = -(-K // 128) * 128
+    q, sz = quantize_tinygemm(torch.nn.functional.pad(w.float(), (0, Kp - K)), 128)
+    return dequantize_tinygemm(q, sz, 128)[:, :K].contiguous()
+
+
 @has_int4_cpu
 def test_int4_peer_equals_dense_peer_on_its_dequantised_weights():
     m = _model()
@@ -269,10 +277,7 @@ def test_int4_peer_equals_dense_peer_on_its_dequantised_weights():
     ref_model = copy.deepcopy(m)
     for layer in ref_model.layers:
         for lin in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2):
-            K = lin.in_features
-            Kp = -(-K // 128) * 128
-            q, sz = quantize_tinygemm(torch.nn.functional.pad(lin.weight.float(), (0, Kp - K)), 128)
-            lin.weight.data = dequantize_tinygemm(q, sz, 128)[:, :K].contiguous()
+            lin.weight.data = _tinygemm_values(lin.weight)
     ref = build_peer(ref_model, None, max_batch=2, max_seq_len=32)
     assert all(isinstance(getattr(layer, n), DenseLinear) for layer in ref.layers for n in ("wqkv", "w2"))
     toks = torch.randint(0, CFG.vocab_size, (2, 6))
@@ -292,17 +297,15 @@ def test_int4_peer_with_an_int4_head_equals_the_dense_peer_on_its_dequantised_he
     assert peer.description == "gpt-fast-style, F.linear, head tinygemm int4 g128"
     assert all(isinstance(layer.wqkv, DenseLinear) for layer in peer.layers)
     ref_model = copy.deepcopy(m)
-    K = CFG.dim
-    Kp = -(-K // 128) * 128
-    q, sz = quantize_tinygemm(torch.nn.functional.pad(m.output.weight.float(), (0, Kp - K)), 128)
-    ref_model.output.weight.data = dequantize_tinygemm(q, sz, 128)[:, :K].contiguous()
+    ref_model.output.weight.data = _tinygemm_values(m.output.weight)
     ref = build_peer(ref_model, None, max_batch=2, max_seq_len=32)
     toks = torch.randint(0, CFG.vocab_size, (2, 5))
     pos = torch.arange(5).expand(2, 5)
     torch.testing.assert_close(peer(toks, pos), ref(toks, pos), **TOL["logits"])
     # the dense head is no longer read: the packed head is (half a byte a weight plus a scale and zero per group)
-    dense_head = CFG.vocab_size * K * 4
-    assert peer.decode_step_bytes(1) == ref.decode_step_bytes(1) - dense_head + _int4_cpu_bytes(CFG.vocab_size, K)
+    dense_head = CFG.vocab_size * CFG.dim * 4
+    assert peer.decode_step_bytes(1) == (ref.decode_step_bytes(1) - dense_head
+                                         + _int4_cpu_bytes(CFG.vocab_size, CFG.dim))
 
 
 @has_int4_cpu

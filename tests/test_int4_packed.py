@@ -41,13 +41,13 @@ def _weight(fmt, N, K, g, scale_dtype, device="cpu"):
     return w.to(device) if device != "cpu" else w
 
 
-def _check(w, x, bias, cfg):
+def _check(w, x, bias, cfg, roundings=ROUNDINGS):
     """Run ``cfg`` on a poisoned output; compare with the exact product rounded once."""
     out = poison_(torch.empty(x.shape[0], w.N, dtype=x.dtype, device=x.device))
     I.int4_linear_with_config(x, w, bias, out, cfg)
     wf = Q.dequantize_int4(w, torch.float32)
     exact = x.float() @ wf.t() + (0 if bias is None else bias.float())
-    assert_product_close(out, exact.to(x.dtype), x, wf, roundings=ROUNDINGS)
+    assert_product_close(out, exact.to(x.dtype), x, wf, roundings=roundings)
     return out
 
 
@@ -201,15 +201,9 @@ def test_sum16_matches_the_exact_product(fmt, dtype, M, block_m, split, K, g):
     N = 37
     w = _weight(fmt, N, K, g, dtype)
     x = (torch.randn(M, K) * 0.5).to(dtype)
-    wf = Q.dequantize_int4(w, torch.float32)
     bias = torch.randn(N).to(dtype)
-    exact = (x.float() @ wf.t() + bias.float()).to(dtype)
-    outs = []
-    for extra in (dict(PREFETCH=True), dict(PREFETCH=2), dict(PREFETCH=2, PF_UNROLL=True)):
-        out = poison_(torch.empty(M, N, dtype=dtype))
-        I.int4_linear_with_config(x, w, bias, out, _cfg(block_m, split=split, SUM16=True, **extra))
-        assert_product_close(out, exact, x, wf, roundings=ROUNDINGS_SUM16)
-        outs.append(out)
+    outs = [_check(w, x, bias, _cfg(block_m, split=split, SUM16=True, **extra), roundings=ROUNDINGS_SUM16)
+            for extra in (dict(PREFETCH=True), dict(PREFETCH=2), dict(PREFETCH=2, PF_UNROLL=True))]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
 
 
@@ -366,11 +360,8 @@ def test_int4_packed_gpu_matches_the_exact_product(fmt, dtype):
         rotated = _check(w, x, bias, _cfg(block_m, block_n, split, PREFETCH=2))
         _assert_within_one_ulp(_check(w, x, bias, _cfg(block_m, block_n, split, PREFETCH=2, PF_UNROLL=True)), rotated)
         if fmt != "min":
-            out = poison_(torch.empty(M, N, dtype=dtype, device="cuda"))
-            I.int4_linear_with_config(x, w, bias, out, _cfg(block_m, block_n, split, PREFETCH=2, PF_UNROLL=True,
-                                                            SUM16=True))
-            wf = Q.dequantize_int4(w, torch.float32)
-            assert_product_close(out, (x.float() @ wf.t() + bias.float()).to(dtype), x, wf, roundings=ROUNDINGS_SUM16)
+            _check(w, x, bias, _cfg(block_m, block_n, split, PREFETCH=2, PF_UNROLL=True, SUM16=True),
+                   roundings=ROUNDINGS_SUM16)
 
 
 @gpu_only
