@@ -284,13 +284,37 @@ def precompile_calls(calls, kernels) -> int:
 # ----------------------------------------------------------------------------- generated code
 
 
+_SM90_RUNS: dict = {}  # (snippet, *argv) -> its finished process: each compile once a pytest process
+
+
+def _sm90_run(job: tuple) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    return subprocess.run([sys.executable, "-c", *job], capture_output=True, text=True, env=env, timeout=300)
+
+
+def sm90_ptx_ahead(jobs) -> None:
+    """Run ``sm90_ptx``'s compiles of ``jobs`` ((snippet, *argv) tuples) now, in concurrent processes, for its later
+    calls: a module's fixture gives its parametrized PTX tests' compiles at once (one after another, each process
+    importing torch, they cost 5-11 s apiece on session 44's H100 host). Failures wait for the call that reports
+    them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = list(dict.fromkeys(tuple(j) for j in jobs if tuple(j) not in _SM90_RUNS))
+    if todo:
+        with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as ex:
+            _SM90_RUNS.update(zip(todo, ex.map(_sm90_run, todo)))
+
+
 def sm90_ptx(snippet: str, *argv: str) -> str:
     """PTX that ``snippet`` (a script compiling a kernel with ``triton.compile(..., GPUTarget("cuda", 90,
     32))``) writes to stdout: no GPU needed (Triton bundles ptxas), but not under the interpreter, hence
-    a subprocess without TRITON_INTERPRET. Skips when this machine cannot compile for sm_90."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, "-c", snippet, *argv], capture_output=True, text=True, env=env, timeout=300)
+    a subprocess without TRITON_INTERPRET (once per snippet and arguments; ``sm90_ptx_ahead`` runs several at
+    once). Skips when this machine cannot compile for sm_90."""
+    job = (snippet, *argv)
+    if job not in _SM90_RUNS:
+        _SM90_RUNS[job] = _sm90_run(job)
+    r = _SM90_RUNS[job]
     if r.returncode != 0:
         if "ptxas" in r.stderr or "No module named" in r.stderr or "backend" in r.stderr.lower():
             pytest.skip(f"cannot compile for sm_90 here: {r.stderr.strip().splitlines()[-1]}")
@@ -323,16 +347,21 @@ _ALIGNED = ("x_ptr", "w_ptr", "bias_ptr", "xs_ptr", "ws_ptr", "out_ptr", "part_p
             "stride_xm", "stride_wn", "stride_om")
 
 
+def w8a16_job(num_warps: int = 4, num_stages: int = 1, aligned: bool = False, **consts) -> tuple:
+    """``w8a16_ptx``'s (snippet, argument) for ``sm90_ptx`` / ``sm90_ptx_ahead``."""
+    base = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=2, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
+                USE_PDL=True, PREFETCH=True, W_EVICT=False, X_GLU=False, X_NORM=False, NORM_VEC=8, NORM_AFFINE=False,
+                ACCUMULATE=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT=True, L2_SLAB=False, PF_LANES=128, W_VEC=0)
+    return _W8A16_PTX, json.dumps({"consts": {**base, **consts}, "num_warps": num_warps, "num_stages": num_stages,
+                                   "aligned": _ALIGNED if aligned else ()})
+
+
 def w8a16_ptx(num_warps: int = 4, num_stages: int = 1, aligned: bool = False, **consts) -> str:
     """sm_90 PTX (``sm90_ptx``) of the skinny GEMM with FP8 weights and a bf16 x (``ops.w8a16``): the FMA kind,
     one row, 4 weight rows a program, PDL and the weight prefetch, split-K allowed, unless ``consts`` says
     otherwise (the kernel's constexpr names). ``aligned``: the pointers, sizes and strides 16-divisible, as the
     launcher specialises them for real shapes (16-byte vector loads); else byte loads."""
-    base = dict(HAS_BIAS=False, X_SCALE_MODE=0, W_SCALE_MODE=2, USE_DOT=False, DOT_FP8=False, EVEN_K=True,
-                USE_PDL=True, PREFETCH=True, W_EVICT=False, X_GLU=False, X_NORM=False, NORM_VEC=8, NORM_AFFINE=False,
-                ACCUMULATE=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT=True, L2_SLAB=False, PF_LANES=128, W_VEC=0)
-    return sm90_ptx(_W8A16_PTX, json.dumps({"consts": {**base, **consts}, "num_warps": num_warps,
-                                            "num_stages": num_stages, "aligned": _ALIGNED if aligned else ()}))
+    return sm90_ptx(*w8a16_job(num_warps, num_stages, aligned, **consts))
 
 
 def bulk_prefetches(ptx: str) -> tuple[int, int]:

@@ -448,8 +448,18 @@ sys.stdout.write(cc.asm["ptx"])
 """
 
 
+@pytest.fixture(scope="module")
+def attention_ptx_ahead():
+    """Both L2_PF compiles at once (``helpers.sm90_ptx_ahead``)."""
+    import json
+
+    from helpers import sm90_ptx_ahead
+
+    sm90_ptx_ahead([(_ATTN_PTX, json.dumps({"pf": pf})) for pf in (True, False)])
+
+
 @pytest.mark.parametrize("pf", [True, False])
-def test_sm90_attention_prefetches_before_the_pdl_wait(pf):
+def test_sm90_attention_prefetches_before_the_pdl_wait(attention_ptx_ahead, pf):
     """Compiled ahead of time for sm_90 (8B heads, PDL): with L2_PF every thread issues one bulk L2 prefetch
     (``cp.async.bulk.prefetch.L2.global``) before ``griddepcontrol.wait``, so it runs while the qkv GEMV drains;
     without it there is none."""

@@ -126,9 +126,26 @@ def test_x_layout_applies_only_to_fma_weights_narrower_than_x():
     assert x_layout_vec(fma, x8, w8) == 0 and x_layout_vec(fma, x16, w16) == 0  # same widths: the layouts agree
 
 
-@pytest.mark.parametrize("bn,bk,warps,glu,norm", [(8, 1024, 4, False, False), (4, 2048, 4, False, False),
-                                                  (8, 1024, 4, True, False), (8, 1024, 4, False, True)])
-def test_sm90_w8a16_loop_with_x_layout_has_no_shared_memory_round_trip(bn, bk, warps, glu, norm):
+X_LAYOUT_CASES = [(8, 1024, 4, False, False), (4, 2048, 4, False, False), (8, 1024, 4, True, False),
+                  (8, 1024, 4, False, True)]
+
+
+def _x_layout_kw(bn, bk, warps, glu, norm):
+    return dict(num_warps=warps, aligned=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=False, PF_LANES=32 * warps,
+                X_GLU=glu, X_NORM=norm, NORM_AFFINE=norm, SPLIT=not norm)  # norm: wqkv's rms_norm_linear_w8a16
+
+
+@pytest.fixture(scope="module")
+def x_layout_ptx():
+    """The X_LAYOUT test's eight compiles at once (``helpers.sm90_ptx_ahead``)."""
+    from helpers import sm90_ptx_ahead, w8a16_job
+
+    sm90_ptx_ahead([w8a16_job(**_x_layout_kw(*case), **extra) for case in X_LAYOUT_CASES
+                    for extra in ({}, {"W_VEC": 8})])
+
+
+@pytest.mark.parametrize("bn,bk,warps,glu,norm", X_LAYOUT_CASES)
+def test_sm90_w8a16_loop_with_x_layout_has_no_shared_memory_round_trip(x_layout_ptx, bn, bk, warps, glu, norm):
     """No GPU needed: with real shapes' alignment the W8A16 K loop loads 16 FP8 weights a thread against x's 8 bf16
     and converts x through shared memory every step (bar.sync); ``X_LAYOUT`` (W_VEC 8) loads the weights 8 bytes at a
     time in x's layout: no barrier, no shared memory in the loop, x still one 16-byte load."""
@@ -136,8 +153,7 @@ def test_sm90_w8a16_loop_with_x_layout_has_no_shared_memory_round_trip(bn, bk, w
 
     from helpers import k_loop, w8a16_ptx
 
-    kw = dict(num_warps=warps, aligned=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=False, PF_LANES=32 * warps,
-              X_GLU=glu, X_NORM=norm, NORM_AFFINE=norm, SPLIT=not norm)  # norm: wqkv's rms_norm_linear_w8a16
+    kw = _x_layout_kw(bn, bk, warps, glu, norm)
     plain = k_loop(w8a16_ptx(**kw))
     assert "bar.sync" in plain  # the defect X_LAYOUT is for (if Triton stops shuffling, the key is moot)
     body = k_loop(w8a16_ptx(**kw, W_VEC=8))

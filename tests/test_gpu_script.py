@@ -457,6 +457,29 @@ def test_split_test_files_keeps_the_order_and_balances_the_recorded_time(gpu):
     assert sorted(set(sum(real, []))) == gpu.test_files()
 
 
+def test_recorded_file_seconds_take_each_files_newest_measurement(gpu, tmp_path):
+    """The split's seconds: per file the newest record's (the whole-suite record or an archived part), never the
+    file a killed part was running; a broken record is passed over."""
+    def write(name, date, secs, running=None):
+        p = tmp_path / name
+        p.parent.mkdir(exist_ok=True)
+        p.write_text(json.dumps({"date": date, "file_seconds": secs, "running_when_killed": running}))
+
+    write("gpu_tests.json", "2026-12-01T00:00:00",
+          {"tests/test_a.py": 10, "tests/test_b.py": 20, "tests/test_c.py": 30})
+    write("archive/gpu_tests_part1of3_x_h100.json", "2026-12-07T00:00:00", {"tests/test_a.py": 50})
+    write("archive/gpu_tests_part3of3_x_h100.json", "2026-12-07T01:00:00",
+          {"tests/test_b.py": 5, "tests/test_c.py": 1.5}, running="tests/test_c.py::test_slow[1]")
+    write("archive/gpu_tests_part2of3_old_h100.json", "2026-11-01T00:00:00",
+          {"tests/test_a.py": 99, "tests/test_d.py": 7})
+    (tmp_path / "archive" / "gpu_tests_part1of2_broken.json").write_text("{")
+    assert gpu.recorded_file_seconds(tmp_path / "gpu_tests.json") == {
+        "tests/test_a.py": 50, "tests/test_b.py": 5, "tests/test_c.py": 30, "tests/test_d.py": 7}
+    assert gpu.recorded_file_seconds(tmp_path / "none.json", "nothing*") == {}
+    whole = json.loads((gpu.RESULTS / "gpu_tests.json").read_text())["file_seconds"]
+    assert set(gpu.recorded_file_seconds()) >= set(whole)  # the committed records: nothing of the whole one lost
+
+
 def test_the_parts_of_the_suite_combine_into_one_record(gpu, tmp_path, monkeypatch):
     """Each ``--part`` is one pytest process over its slice; the last writes ``gpu_tests.json`` from all the part
     records of its commit and split (summed counts, every part kept), and not before every part has run."""

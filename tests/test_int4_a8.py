@@ -328,35 +328,53 @@ sys.stdout.write(cc.asm["ptx"])
 """
 
 
-def test_sm90_l2_slab_prefetch_comes_before_the_pdl_wait():
+DP4A_CASES = [(1, 64, 1), (4, 32, 1), (1, 64, 2)]
+
+
+def _slab_job(slab):
+    return _COMPILE, json.dumps({"BLOCK_M": 1, "BLOCK_N": 64, "SLAB": 65536 if slab else 0})
+
+
+def _dp4a_job(bm, bn, pf):
+    return _COMPILE, json.dumps({"BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": pf})
+
+
+@pytest.fixture(scope="module")
+def ptx_ahead():
+    """The sm_90 tests' compiles at once (``helpers.sm90_ptx_ahead``); PREFETCH 2's test reuses two of the loops."""
+    from helpers import sm90_ptx_ahead
+
+    sm90_ptx_ahead([_slab_job(True), _slab_job(False), *(_dp4a_job(*c) for c in DP4A_CASES), (_COMPILE_PRODUCERS,)])
+
+
+def test_sm90_l2_slab_prefetch_comes_before_the_pdl_wait(ptx_ahead):
     """L2_SLAB: the program's weight words after its first step go to L2 by bulk prefetches (one a thread) before
     ``griddepcontrol.wait``; none without it."""
     from helpers import bulk_prefetches
 
     for slab in (True, False):
-        before, total = bulk_prefetches(sm90_ptx(_COMPILE, json.dumps({"BLOCK_M": 1, "BLOCK_N": 64,
-                                                                        "SLAB": 65536 if slab else 0})))
+        before, total = bulk_prefetches(sm90_ptx(*_slab_job(slab)))
         assert before == total == (1 if slab else 0), (before, total)
 
 
-@pytest.mark.parametrize("bm,bn,pf", [(1, 64, 1), (4, 32, 1), (1, 64, 2)])
-def test_sm90_loop_is_dp4a_with_no_shared_memory(bm, bn, pf):
+@pytest.mark.parametrize("bm,bn,pf", DP4A_CASES)
+def test_sm90_loop_is_dp4a_with_no_shared_memory(ptx_ahead, bm, bn, pf):
     """Speed guard, compiled ahead of time for sm_90 (no GPU needed): the K loop converts each word with one shift,
     two ANDs and two PRMTs, multiplies with two dp4a per token row, and never goes through shared memory (a layout
     conversion there put bar.sync into an earlier draft's loop). With PREFETCH 2 the loop body is two steps."""
-    body = k_loop(sm90_ptx(_COMPILE, json.dumps({"BLOCK_M": bm, "BLOCK_N": bn, "PREFETCH": pf})))
+    body = k_loop(sm90_ptx(*_dp4a_job(bm, bn, pf)))
     words = bn * 32 // 128 * pf  # words a thread per loop iteration (4 warps)
     assert body.count("dp4a.u32.s32") == 2 * words * bm
     assert body.count("prmt.b32") == 2 * words
     assert "bar.sync" not in body and "st.shared" not in body and "ld.shared" not in body
 
 
-def test_sm90_prefetch_two_loads_one_steps_words_a_step():
+def test_sm90_prefetch_two_loads_one_steps_words_a_step(ptx_ahead):
     """PREFETCH 2 keeps two buffers and unrolls the loop by two: an iteration issues exactly two steps' global loads
     (each step's 16-byte weight vectors and the activation's), no more, no register copies of the buffers (the
     rotated triple buffer it replaces moved 44 registers a step, benchmarks/NOTES.md session 41) and no local memory
     (spilled buffers)."""
-    bodies = [k_loop(sm90_ptx(_COMPILE, json.dumps({"BLOCK_M": 1, "BLOCK_N": 64, "PREFETCH": pf}))) for pf in (1, 2)]
+    bodies = [k_loop(sm90_ptx(*_dp4a_job(1, 64, pf))) for pf in (1, 2)]
     counts = [b.count("ld.global") for b in bodies]
     assert counts[1] == 2 * counts[0] and bodies[1].count("ld.global.v4") >= 8, counts
     moves = [len(re.findall(r"\bmov\.b32\s+%r\d+, %r\d+;", b)) for b in bodies]
@@ -415,7 +433,7 @@ for fn, sig, consts in ((_rms_norm_kernel, norm, nc), (_silu_and_mul_kernel, sil
 """
 
 
-def test_sm90_compiles_every_int8_producer():
+def test_sm90_compiles_every_int8_producer(ptx_ahead):
     """Regression (H100, session 22: the decode step's int8 RMSNorm failed to compile, ``NameError: Cannot access
     global variable INT8_MIN_SCALE``): the interpreter reads any module global from @triton.jit code, the compiler only
     constexpr ones, so the CPU suite passed a kernel the GPU refused. Compile the RMSNorm, SiLU-and-mul and quantisation
