@@ -9,8 +9,9 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               size, versions, git sha. Commit it from a run on the final commit of every change that
               touches kernels, ops, models or the engine. ``--part K/N``: the suite no longer fits one
               call (10 min), so it runs as N calls on one warm machine, each one pytest process over a
-              contiguous slice of the test files (their order unchanged, balanced by the committed record's
-              seconds per file); the last part writes ``gpu_tests.json`` from the N part records:
+              contiguous slice of the test files (their order unchanged, balanced by each file's newest
+              recorded seconds: ``recorded_file_seconds``); the last part writes ``gpu_tests.json`` from the N
+              part records:
 
                   gpu.py tests --part 1/2 --out-dir $OUT     # call A
                   gpu.py tests --part 2/2 --out-dir $OUT     # call B, same machine: gpu_tests.json
