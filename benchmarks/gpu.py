@@ -15,6 +15,9 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
 
                   gpu.py tests --part 1/2 --out-dir $OUT     # call A
                   gpu.py tests --part 2/2 --out-dir $OUT     # call B, same machine: gpu_tests.json
+
+              ``--parts-at-once N``: the N parts at the same time in one call (the same processes over the
+              same slices, each with its share of the cores; the GPU shared), the same records.
 * ``warm-tests`` the compile-heaviest GPU test files (``WARM_TEST_FILES``), for their kernels only: a call
               before ``tests`` on the same warm machine leaves them in the environment's Triton cache, and the
               whole suite then fits a call (575 s of 590 with a cold cache in session 18). Its outcome is not a
@@ -460,6 +463,38 @@ class Log:
         self.f.write(f"===== {label}: rc={rc} in {dt:.0f} s\n")
         return rc, dt, text
 
+    def run_many(self, jobs: list[tuple[str, list[str], dict]], timeout: int) -> list[tuple[int, float, str]]:
+        """``run`` for several (label, argv, env) at the same time under one deadline; each output is written
+        whole, one after another, when all have ended. A job past the deadline is killed with its children."""
+        import signal
+
+        t0, procs, ends = time.time(), [], {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, (label, argv, env) in enumerate(jobs):
+                fh = open(Path(tmp) / f"{i}.txt", "w+")
+                procs.append((fh, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                                   text=True, start_new_session=True)))
+            while len(ends) < len(procs) and time.time() - t0 < timeout:
+                for i, (_, p) in enumerate(procs):
+                    if i not in ends and p.poll() is not None:
+                        ends[i] = time.time() - t0
+                time.sleep(0.2)
+            results = []
+            for i, ((label, argv, _), (fh, p)) in enumerate(zip(jobs, procs)):
+                if i not in ends and p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                    rc, dt = 124, float(timeout)
+                else:
+                    rc, dt = p.returncode, ends.get(i, time.time() - t0)
+                fh.seek(0)
+                text = fh.read() + (f"\n[gpu.py] {label}: killed after {timeout} s\n" if rc == 124 else "")
+                fh.close()
+                self.f.write(f"\n===== {label} (with {len(jobs) - 1} more at once): {' '.join(argv)}\n{text}"
+                             f"===== {label}: rc={rc} in {dt:.0f} s\n")
+                results.append((rc, dt, text))
+        return results
+
 
 def env_record(sha: str | None) -> dict:
     import torch
@@ -546,43 +581,30 @@ def embedded_model_missing(env: dict) -> str | None:
     return lines[-1] if lines else f"exit code {r.returncode}"
 
 
-def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int, per_test_timeout: int = 240,
-              workers: int = 0, part: tuple[int, int] | None = None, parts_dir: Path | None = None) -> dict:
-    """The README's test command (``python -m pytest``) in one process; ``gpu_tests.json``.
+def _pytest_argv(junit: Path, per_test_timeout: int, workers: int, files: list[str]) -> list[str]:
+    # -v: one line per test as it ends, so a run killed at its limit still shows where it was and what
+    # failed (the JUnit report is written only at the end); a per-test limit where pytest-timeout is
+    # installed (the device image has it), so one hang cannot take the whole call
+    argv = [PY, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=40", "--junitxml", str(junit)]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        argv += ["--timeout", str(per_test_timeout)]
+    if workers:
+        argv += ["-n", str(workers), "--dist", "loadfile"]
+    return argv + [str(ROOT / f) for f in files]
 
-    ``workers`` > 0 is for diagnosis only (pytest-xdist, a file per worker): the record says so, and the
-    issue's bar (the whole suite in one process) is met only by a run without it.
 
-    ``part`` = (k, n): only the k-th of ``split_test_files``' n contiguous slices of the test files, in one
-    process, recorded as ``gpu_tests_part{k}of{n}.json`` (in ``out`` and ``parts_dir``, which outlives the
-    call's $OUT on the device). When the records of all n parts are in ``parts_dir`` for this commit and
-    this split, ``gpu_tests.json`` is written too: ``combine_parts``' sums, with every part's record in it."""
+def _triton_cache_files(env: dict) -> int:
     cache = Path(env.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-    cached = sum(1 for p in cache.rglob("*") if p.is_file()) if cache.is_dir() else 0
-    split = split_test_files(test_files(), recorded_file_seconds(), part[1]) if part else None
-    tag = f"_part{part[0]}of{part[1]}" if part else ""
-    if part and parts_dir is not None:
-        (parts_dir / f"gpu_tests{tag}.json").unlink(missing_ok=True)  # never combine a stale record of this part
-    with tempfile.TemporaryDirectory() as tmp:
-        junit = Path(tmp) / "junit.xml"
-        times = out / f"gpu_test_times{tag}.jsonl"
-        times.unlink(missing_ok=True)
-        env = dict(env, FASTDECODE_TEST_TIMES=str(times))
-        # -v: one line per test as it ends, so a run killed at its limit still shows where it was and what
-        # failed (the JUnit report is written only at the end); a per-test limit where pytest-timeout is
-        # installed (the device image has it), so one hang cannot take the whole call
-        argv = [PY, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations=40", "--junitxml", str(junit)]
-        if importlib.util.find_spec("pytest_timeout") is not None:
-            argv += ["--timeout", str(per_test_timeout)]
-        if workers:
-            argv += ["-n", str(workers), "--dist", "loadfile"]
-        if split:
-            argv += [str(ROOT / f) for f in split[part[0] - 1]]
-        rc, dt, text = log.run("tests" + (f" part {part[0]}/{part[1]}" if part else ""), argv, timeout, env)
-        result = parse_junit(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 1, "skipped": 0,
-                                                            "failures": [{"test": "<pytest>", "kind": "error",
-                                                                          "message": f"no report (rc={rc})"}],
-                                                            "skip_reasons": {}}
+    return sum(1 for p in cache.rglob("*") if p.is_file()) if cache.is_dir() else 0
+
+
+def _test_record(rc: int, dt: float, text: str, junit: Path, times: Path, workers: int, cached: int,
+                 sha: str | None, part: tuple[int, int] | None, split: list[list[str]] | None) -> dict:
+    """One pytest process's record from its exit code, output, JUnit report and timing lines."""
+    result = parse_junit(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 1, "skipped": 0,
+                                                        "failures": [{"test": "<pytest>", "kind": "error",
+                                                                      "message": f"no report (rc={rc})"}],
+                                                        "skip_reasons": {}}
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     if rc == 124:  # killed: name the tests that had finished and the one that was running
         done = [ln for ln in lines if ln.rstrip().endswith("]") and "::" in ln]
@@ -606,6 +628,14 @@ def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int, per
               **env_record(sha)}
     if part:
         record.update(part=f"{part[0]}/{part[1]}", split=split, files=split[part[0] - 1])
+    return record
+
+
+def _keep(record: dict, out: Path, sha: str | None, part: tuple[int, int] | None, split: list[list[str]] | None,
+          parts_dir: Path | None) -> dict:
+    """Write a pytest process's record (and, where it completes the parts of its commit and split, the whole
+    suite's ``gpu_tests.json``)."""
+    tag = f"_part{part[0]}of{part[1]}" if part else ""
     text = json.dumps(record, indent=1) + "\n"
     (out / f"gpu_tests{tag}.json").write_text(text)
     if part and parts_dir is not None:
@@ -616,6 +646,62 @@ def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int, per
             (out / "gpu_tests.json").write_text(json.dumps(whole, indent=1) + "\n")
         record["combined"] = why
     return record
+
+
+def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int, per_test_timeout: int = 240,
+              workers: int = 0, part: tuple[int, int] | None = None, parts_dir: Path | None = None) -> dict:
+    """The README's test command (``python -m pytest``) in one process; ``gpu_tests.json``.
+
+    ``workers`` > 0 is for diagnosis only (pytest-xdist, a file per worker): the record says so, and the
+    issue's bar (the whole suite in one process) is met only by a run without it.
+
+    ``part`` = (k, n): only the k-th of ``split_test_files``' n contiguous slices of the test files, in one
+    process, recorded as ``gpu_tests_part{k}of{n}.json`` (in ``out`` and ``parts_dir``, which outlives the
+    call's $OUT on the device). When the records of all n parts are in ``parts_dir`` for this commit and
+    this split, ``gpu_tests.json`` is written too: ``combine_parts``' sums, with every part's record in it."""
+    cached = _triton_cache_files(env)
+    split = split_test_files(test_files(), recorded_file_seconds(), part[1]) if part else None
+    tag = f"_part{part[0]}of{part[1]}" if part else ""
+    if part and parts_dir is not None:
+        (parts_dir / f"gpu_tests{tag}.json").unlink(missing_ok=True)  # never combine a stale record of this part
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        times = out / f"gpu_test_times{tag}.jsonl"
+        times.unlink(missing_ok=True)
+        env = dict(env, FASTDECODE_TEST_TIMES=str(times))
+        argv = _pytest_argv(junit, per_test_timeout, workers, split[part[0] - 1] if split else [])
+        rc, dt, text = log.run("tests" + (f" part {part[0]}/{part[1]}" if part else ""), argv, timeout, env)
+        record = _test_record(rc, dt, text, junit, times, workers, cached, sha, part, split)
+    return _keep(record, out, sha, part, split, parts_dir)
+
+
+def run_parts_at_once(log: Log, out: Path, env: dict, sha: str | None, timeout: int, n: int, parts_dir: Path,
+                      per_test_timeout: int = 240) -> list[dict]:
+    """``tests --parts-at-once n``: the n parts of ``--part k/n`` as n pytest processes running at the same time
+    on this machine, in one call, each with its share of the CPU cores (``FASTDECODE_TEST_THREADS``). Each is the
+    same process over the same slice as its ``--part k/n`` call, so the records and ``gpu_tests.json`` are written
+    as there, each record with ``at_once`` = n. Why: the suite's time is mostly Triton compiles, one after another
+    in each process (session 44: ~1,390 s of pytest on a cold H100 in three calls), and the device has 16 cores;
+    the GPU is shared, so a test's seconds here are not one process's. A part that fails for want of GPU memory
+    or is killed can run again alone (``--part k/n``); its record replaces this one's."""
+    cached = _triton_cache_files(env)
+    split = split_test_files(test_files(), recorded_file_seconds(), n)
+    threads = max(1, (os.cpu_count() or 1) // n)
+    parts = [(k, n) for k in range(1, n + 1)]
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs, paths = [], []
+        for part in parts:
+            tag = f"_part{part[0]}of{n}"
+            (parts_dir / f"gpu_tests{tag}.json").unlink(missing_ok=True)
+            junit, times = Path(tmp) / f"junit{tag}.xml", out / f"gpu_test_times{tag}.jsonl"
+            times.unlink(missing_ok=True)
+            jobs.append((f"tests part {part[0]}/{n}", _pytest_argv(junit, per_test_timeout, 0, split[part[0] - 1]),
+                         dict(env, FASTDECODE_TEST_TIMES=str(times), FASTDECODE_TEST_THREADS=str(threads))))
+            paths.append((junit, times))
+        runs = log.run_many(jobs, timeout)
+        records = [dict(_test_record(rc, dt, text, junit, times, 0, cached, sha, part, split), at_once=n)
+                   for part, (rc, dt, text), (junit, times) in zip(parts, runs, paths)]
+    return [_keep(r, out, sha, part, split, parts_dir) for part, r in zip(parts, records)]
 
 
 # The process-state guard sorts last so that it sees every module its process imported: each part runs it.
@@ -692,8 +778,10 @@ def combine_parts(parts_dir: Path, n: int, sha: str | None, split: list[list[str
     per_file = Counter()
     for r in recs:
         per_file.update(r.get("file_seconds") or {})
-    whole = {"suite": "tests", "command": f"python -m pytest, its files in {n} processes "
-                                          f"(gpu.py tests --part k/{n}, one call each)",
+    at_once = recs[0].get("at_once") if all(r.get("at_once") == n for r in recs) else None
+    how = f"gpu.py tests --parts-at-once {n}, at the same time in one call" if at_once else \
+        f"gpu.py tests --part k/{n}, one call each"
+    whole = {"suite": "tests", "command": f"python -m pytest, its files in {n} processes ({how})",
              "exit_code": next((r["exit_code"] for r in recs if r["exit_code"]), 0),
              "summary": " | ".join(f"part {r['part']}: {r['summary']}" for r in recs),
              "duration_s": round(sum(r["duration_s"] for r in recs), 1),
@@ -727,6 +815,9 @@ def main(argv=None) -> int:
     p.add_argument("--parts-dir", default=str(Path(tempfile.gettempdir()) / "fastdecode_gpu_test_parts"),
                    help="tests --part: where the part records wait for each other (outside $OUT, which each call "
                         "empties; default %(default)s)")
+    p.add_argument("--parts-at-once", type=int, default=0, metavar="N",
+                   help="tests: the N parts of --part k/N as N pytest processes at the same time, in this call, each "
+                        "with its share of the cores; the records and gpu_tests.json as the N calls would write them")
     p.add_argument("--wheels", default=None, metavar="DIR",
                    help="first install the serve extra and the server tests' client (" + ", ".join(SERVE_PACKAGES)
                         + ") where missing, from the wheels in DIR, without an index")
@@ -774,6 +865,8 @@ def main(argv=None) -> int:
             p.error(f"--part wants K/N with 1 <= K <= N, got {a.part!r}")
         if a.workers:
             p.error("--part runs one process per part: no --workers with it")
+    if a.parts_at_once and (a.part or a.workers or a.parts_at_once < 2):
+        p.error("--parts-at-once wants N >= 2, without --part or --workers")
 
     sha = a.git_sha
     if not sha:
@@ -815,6 +908,13 @@ def main(argv=None) -> int:
                   f"skip. Put the GGUF in place first (README's device notes), or pass --allow-no-model.",
                   file=sys.stderr)
             return 2
+        if s == "tests" and a.parts_at_once:
+            for r in run_parts_at_once(log, out, env, sha, a.tests_timeout, a.parts_at_once, Path(a.parts_dir)):
+                summary.append((f"tests {r['part']} at once", r["summary"], r["duration_s"]))
+                summary += [("  FAILED", f["test"], f["message"][:120]) for f in r["failures"]]
+                worst = max(worst, 1 if r["failed"] + r["errors"] or r["exit_code"] else 0)
+            summary.append(("  parts", r["combined"], 0))
+            continue
         if s == "tests":
             r = run_tests(log, out, env, sha, a.tests_timeout, workers=a.workers, part=part,
                           parts_dir=Path(a.parts_dir) if part else None)

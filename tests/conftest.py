@@ -16,6 +16,9 @@ if not torch.cuda.is_available():
 # 226 s against 17 s).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+# benchmarks/gpu.py tests --parts-at-once N: N pytest processes at once, each told its share
+if os.environ.get("FASTDECODE_TEST_THREADS"):
+    torch.set_num_threads(max(1, int(os.environ["FASTDECODE_TEST_THREADS"])))
 
 # The one decision of this process, kept so that test_zz_process_state.py can check that no test
 # module or test changed it (a module that did turned every later GPU test into an interpreter run).

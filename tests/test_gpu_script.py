@@ -1,6 +1,8 @@
 """benchmarks/gpu.py, the one script for GPU runs: its report parsing and what it may write."""
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -512,7 +514,64 @@ def test_the_parts_of_the_suite_combine_into_one_record(gpu, tmp_path, monkeypat
     assert whole["summary"] == "part 1/2: summary 1 | part 2/2: summary 2"
 
 
+def test_run_many_runs_the_jobs_at_once_under_one_deadline(gpu, tmp_path):
+    """``Log.run_many``: the jobs start together (two 1.5 s sleeps end within ~2 s, not 3), each gets its exit code,
+    output and end time, and a job past the deadline is killed with its children (rc 124)."""
+    import time
+
+    log = gpu.Log(tmp_path / "gpu_log.txt")
+    nap = [sys.executable, "-c", "import time; time.sleep(1.5); print('woke')"]
+    child = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+             "'import time; time.sleep(30)']); print('started', flush=True); time.sleep(30)")
+    t0 = time.time()
+    runs = log.run_many([("a", nap, dict(os.environ)), ("b", nap, dict(os.environ)),
+                         ("bad", [sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ)),
+                         ("stuck", [sys.executable, "-c", child], dict(os.environ))], timeout=4)
+    assert time.time() - t0 < 8
+    (rc_a, dt_a, text_a), (rc_b, dt_b, _), (rc_bad, _, _), (rc_stuck, dt_stuck, text_stuck) = runs
+    assert (rc_a, rc_b, rc_bad, rc_stuck) == (0, 0, 3, 124)
+    assert "woke" in text_a and dt_a < 3.5 and dt_b < 3.5 and dt_stuck == 4
+    assert "started" in text_stuck and "killed after 4 s" in text_stuck
+    logged = (tmp_path / "gpu_log.txt").read_text()
+    assert logged.count("with 3 more at once") == 4 and "===== stuck: rc=124" in logged
+
+
+def test_parts_at_once_write_the_records_of_the_parts(gpu, tmp_path, monkeypatch):
+    """``--parts-at-once n``: every part's slice in one ``run_many``, each told its share of the cores; the part
+    records as ``--part k/n`` writes them (``at_once`` n) and ``gpu_tests.json`` combined from them."""
+    seen = {}
+
+    def fake_many(self, jobs, timeout):
+        seen["jobs"] = jobs
+        out = []
+        for k, (label, argv, env) in enumerate(jobs, 1):
+            Path(argv[argv.index("--junitxml") + 1]).write_text(JUNIT)
+            out.append((124 if k == 2 else 0, 5.0 * k, f"....\nsummary {k}\n"))
+        return out
+
+    monkeypatch.setattr(gpu.Log, "run_many", fake_many)
+    out, parts = tmp_path / "o", tmp_path / "parts"
+    out.mkdir()
+    recs = gpu.run_parts_at_once(gpu.Log(tmp_path / "gpu_log.txt"), out, {}, "abc123", 500, 3, parts)
+    jobs = seen["jobs"]
+    assert [label for label, _, _ in jobs] == ["tests part 1/3", "tests part 2/3", "tests part 3/3"]
+    assert {env["FASTDECODE_TEST_THREADS"] for _, _, env in jobs} == {str(max(1, (os.cpu_count() or 1) // 3))}
+    files = [a for _, argv, _ in jobs for a in argv if a.endswith(".py")]
+    assert [f for f in files if not f.endswith(gpu.PROCESS_STATE_FILE.split("/")[1])] == \
+        [str(gpu.ROOT / f) for f in gpu.test_files() if f != gpu.PROCESS_STATE_FILE]
+    assert [r["part"] for r in recs] == ["1/3", "2/3", "3/3"] and all(r["at_once"] == 3 for r in recs)
+    assert recs[-1]["combined"] == "all 3 parts combined into gpu_tests.json"
+    whole = json.loads((out / "gpu_tests.json").read_text())
+    assert "--parts-at-once 3" in whole["command"] and whole["exit_code"] == 124
+    assert json.loads((parts / "gpu_tests_part2of3.json").read_text())["exit_code"] == 124
+
+
 def test_part_arguments_are_checked(gpu, capsys):
+    for bad in (["--parts-at-once", "1"], ["--parts-at-once", "2", "--part", "1/2"],
+                ["--parts-at-once", "2", "--workers", "2"]):
+        with pytest.raises(SystemExit):
+            gpu.main(["tests", *bad])
+        assert "--parts-at-once wants N >= 2" in capsys.readouterr().err
     for bad in ("3/2", "0/2", "x", "1/2/3"):
         with pytest.raises(SystemExit):
             gpu.main(["tests", "--part", bad])
