@@ -701,7 +701,16 @@ def run_parts_at_once(log: Log, out: Path, env: dict, sha: str | None, timeout: 
         runs = log.run_many(jobs, timeout)
         records = [dict(_test_record(rc, dt, text, junit, times, 0, cached, sha, part, split), at_once=n)
                    for part, (rc, dt, text), (junit, times) in zip(parts, runs, paths)]
-    return [_keep(r, out, sha, part, split, parts_dir) for part, r in zip(parts, records)]
+    kept = [_keep(r, out, sha, part, split, parts_dir) for part, r in zip(parts, records)]
+    # the device returns at most 8 files from $OUT: the n timing files go back as one archive
+    import tarfile
+
+    with tarfile.open(out / f"gpu_test_times_{n}_at_once.tar.gz", "w:gz") as tar:
+        for _, times in paths:
+            if times.exists():
+                tar.add(times, arcname=times.name)
+                times.unlink()
+    return kept
 
 
 # The process-state guard sorts last so that it sees every module its process imported: each part runs it.

@@ -546,6 +546,8 @@ def test_parts_at_once_write_the_records_of_the_parts(gpu, tmp_path, monkeypatch
         out = []
         for k, (label, argv, env) in enumerate(jobs, 1):
             Path(argv[argv.index("--junitxml") + 1]).write_text(JUNIT)
+            Path(env["FASTDECODE_TEST_TIMES"]).write_text(json.dumps({"test": f"t{k}", "when": "call",
+                                                                      "outcome": "passed", "s": 1.0}) + "\n")
             out.append((124 if k == 2 else 0, 5.0 * k, f"....\nsummary {k}\n"))
         return out
 
@@ -564,6 +566,15 @@ def test_parts_at_once_write_the_records_of_the_parts(gpu, tmp_path, monkeypatch
     whole = json.loads((out / "gpu_tests.json").read_text())
     assert "--parts-at-once 3" in whole["command"] and whole["exit_code"] == 124
     assert json.loads((parts / "gpu_tests_part2of3.json").read_text())["exit_code"] == 124
+    # at most 8 files come back from the device: the timing lines of the parts in one archive
+    assert sorted(f.name for f in out.iterdir()) == ["gpu_test_times_3_at_once.tar.gz", "gpu_tests.json",
+                                                     "gpu_tests_part1of3.json", "gpu_tests_part2of3.json",
+                                                     "gpu_tests_part3of3.json"]
+    import tarfile
+
+    with tarfile.open(out / "gpu_test_times_3_at_once.tar.gz") as tar:
+        assert sorted(tar.getnames()) == [f"gpu_test_times_part{k}of3.jsonl" for k in (1, 2, 3)]
+    assert [r["tests_timed"] for r in recs] == [1, 1, 1]  # each record read its timing lines before they were packed
 
 
 def test_part_arguments_are_checked(gpu, capsys):
