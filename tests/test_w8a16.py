@@ -149,8 +149,19 @@ def test_gpu_llama8b_wo_and_w2(N, K, glu, M):
     torch.testing.assert_close(out, y, atol=0, rtol=0)
 
 
+DOT_PTX = dict(num_stages=4, USE_DOT=True, PREFETCH=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
+
+
+@pytest.fixture(scope="module")
+def ptx_ahead():
+    """The sm_90 tests' three compiles at once (``helpers.sm90_ptx_ahead``)."""
+    from helpers import sm90_ptx_ahead, w8a16_job
+
+    sm90_ptx_ahead([w8a16_job(X_GLU=False), w8a16_job(X_GLU=True), w8a16_job(**DOT_PTX)])
+
+
 @pytest.mark.parametrize("glu", ["plain", "glu"])
-def test_sm90_compiles_the_fp8_weight_with_a_bf16_activation(glu):
+def test_sm90_compiles_the_fp8_weight_with_a_bf16_activation(ptx_ahead, glu):
     """No GPU needed: the FMA kind with FP8 weights and a bf16 x (and its SiLU-and-mul loads) compiles for sm_90,
     and converts the weight bytes with the paired e4m3 conversion (2 values an instruction)."""
     from helpers import k_loop, w8a16_ptx
@@ -160,13 +171,13 @@ def test_sm90_compiles_the_fp8_weight_with_a_bf16_activation(glu):
     assert ("ex2.approx" in body) == (glu == "glu")  # SiLU's exp in the loads
 
 
-def test_sm90_dot_kind_multiplies_bf16_on_the_tensor_cores():
+def test_sm90_dot_kind_multiplies_bf16_on_the_tensor_cores(ptx_ahead):
     """No GPU needed: the dot kind (a tuned ``w8a16`` entry may pick it) widens the FP8 weight to bf16 and runs a
     bf16 MMA with fp32 accumulation; x is never cast to fp16 (no bf16 -> f16 conversion in the loop). The
     interpreter cannot check its values (its bf16 ``tl.dot`` is wrong: ``test_dot_kind_keeps_x_in_its_own_dtype``)."""
     from helpers import k_loop, w8a16_ptx
 
-    body = k_loop(w8a16_ptx(num_stages=4, USE_DOT=True, PREFETCH=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))
+    body = k_loop(w8a16_ptx(**DOT_PTX))
     assert re.search(r"(mma|wgmma)[\w.]*\.bf16\.bf16", body), "no bf16 MMA in the K loop"
     assert not re.search(r"cvt\.rn\.f16\.bf16|cvt\.rn\.f16\.f32", body)
     assert "e4m3x2" in body  # the weight bytes' paired conversion

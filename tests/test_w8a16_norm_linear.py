@@ -223,15 +223,27 @@ def test_gpu_llama8b_shapes_under_a_graph(M, N, K, glu):
     torch.testing.assert_close(out, y, atol=0, rtol=0)
 
 
+def _fused_ptx_kw(norm):
+    return dict(X_GLU=not norm, X_NORM=norm, NORM_AFFINE=norm, ACCUMULATE=not norm, BLOCK_K=1024, SPLIT=False)
+
+
+@pytest.fixture(scope="module")
+def ptx_ahead():
+    """Both fused compiles at once (``helpers.sm90_ptx_ahead``)."""
+    from helpers import sm90_ptx_ahead, w8a16_job
+
+    sm90_ptx_ahead([w8a16_job(**_fused_ptx_kw(norm)) for norm in (True, False)])
+
+
 @pytest.mark.parametrize("which", ["norm", "add_glu"])
-def test_sm90_compiles_the_norm_and_the_residual_add_on_fp8_weights(which):
+def test_sm90_compiles_the_norm_and_the_residual_add_on_fp8_weights(ptx_ahead, which):
     """No GPU needed: the FMA kind with FP8 weights and the norm in its loads (or SiLU-and-mul in its loads and the
     residual add in its epilogue) compiles for sm_90; the weight bytes keep the paired e4m3 conversion, and the
     norm's rsqrt comes after the K loop, once."""
     from helpers import k_loop, w8a16_ptx
 
     norm = which == "norm"
-    ptx = w8a16_ptx(X_GLU=not norm, X_NORM=norm, NORM_AFFINE=norm, ACCUMULATE=not norm, BLOCK_K=1024, SPLIT=False)
+    ptx = w8a16_ptx(**_fused_ptx_kw(norm))
     body = k_loop(ptx)
     assert "cvt.rn.f16x2.e4m3x2" in body
     assert "rsqrt" not in body
