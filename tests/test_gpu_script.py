@@ -510,6 +510,7 @@ def test_the_parts_of_the_suite_combine_into_one_record(gpu, tmp_path, monkeypat
         [str(gpu.ROOT / f) for f in gpu.test_files() if f != gpu.PROCESS_STATE_FILE]
     assert (whole["passed"], whole["failed"], whole["errors"], whole["skipped"]) == (4, 2, 2, 2)
     assert whole["exit_code"] == 1 and whole["duration_s"] == 30.0 and whole["git_sha"] == "abc123"
+    assert "wall_s" not in whole  # one call each: no common wall time
     assert [p["part"] for p in whole["parts"]] == ["1/2", "2/2"] and len(whole["failures"]) == 4
     assert whole["summary"] == "part 1/2: summary 1 | part 2/2: summary 2"
 
@@ -565,6 +566,7 @@ def test_parts_at_once_write_the_records_of_the_parts(gpu, tmp_path, monkeypatch
     assert recs[-1]["combined"] == "all 3 parts combined into gpu_tests.json"
     whole = json.loads((out / "gpu_tests.json").read_text())
     assert "--parts-at-once 3" in whole["command"] and whole["exit_code"] == 124
+    assert whole["duration_s"] == 30.0 and whole["wall_s"] == 15.0  # the processes' sum, the longest one
     assert json.loads((parts / "gpu_tests_part2of3.json").read_text())["exit_code"] == 124
     # at most 8 files come back from the device: the timing lines of the parts in one archive
     assert sorted(f.name for f in out.iterdir()) == ["gpu_test_times_3_at_once.tar.gz", "gpu_tests.json",
