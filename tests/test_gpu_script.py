@@ -522,8 +522,8 @@ def test_run_many_runs_the_jobs_at_once_under_one_deadline(gpu, tmp_path):
 
     log = gpu.Log(tmp_path / "gpu_log.txt")
     nap = [sys.executable, "-c", "import time; time.sleep(1.5); print('woke')"]
-    child = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
-             "'import time; time.sleep(30)']); print('started', flush=True); time.sleep(30)")
+    child = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
+             "'import time; time.sleep(30)']); print('started', c.pid, flush=True); time.sleep(30)")
     t0 = time.time()
     runs = log.run_many([("a", nap, dict(os.environ)), ("b", nap, dict(os.environ)),
                          ("bad", [sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ)),
@@ -533,6 +533,14 @@ def test_run_many_runs_the_jobs_at_once_under_one_deadline(gpu, tmp_path):
     assert (rc_a, rc_b, rc_bad, rc_stuck) == (0, 0, 3, 124)
     assert "woke" in text_a and dt_a < 3.5 and dt_b < 3.5 and dt_stuck == 4
     assert "started" in text_stuck and "killed after 4 s" in text_stuck
+    pid = int(text_stuck.split("started")[1].split()[0])  # the stuck job's child: killed with it (gone or a zombie)
+    for _ in range(50):
+        status = Path(f"/proc/{pid}/status")
+        if not status.exists() or "\tZ" in status.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the stuck job's child {pid} is still running")
     logged = (tmp_path / "gpu_log.txt").read_text()
     assert logged.count("with 3 more at once") == 4 and "===== stuck: rc=124" in logged
 
