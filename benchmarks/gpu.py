@@ -648,6 +648,17 @@ def _keep(record: dict, out: Path, sha: str | None, part: tuple[int, int] | None
     return record
 
 
+def _fresh_paths(out: Path, tmp: str, part: tuple[int, int] | None, parts_dir: Path | None) -> tuple[Path, Path]:
+    """(JUnit report, timing lines) of one pytest process, with no stale record of its part to combine and no stale
+    timing lines."""
+    tag = f"_part{part[0]}of{part[1]}" if part else ""
+    if part and parts_dir is not None:
+        (parts_dir / f"gpu_tests{tag}.json").unlink(missing_ok=True)  # never combine a stale record of this part
+    times = out / f"gpu_test_times{tag}.jsonl"
+    times.unlink(missing_ok=True)
+    return Path(tmp) / f"junit{tag}.xml", times
+
+
 def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int, per_test_timeout: int = 240,
               workers: int = 0, part: tuple[int, int] | None = None, parts_dir: Path | None = None) -> dict:
     """The README's test command (``python -m pytest``) in one process; ``gpu_tests.json``.
@@ -661,13 +672,8 @@ def run_tests(log: Log, out: Path, env: dict, sha: str | None, timeout: int, per
     this split, ``gpu_tests.json`` is written too: ``combine_parts``' sums, with every part's record in it."""
     cached = _triton_cache_files(env)
     split = split_test_files(test_files(), recorded_file_seconds(), part[1]) if part else None
-    tag = f"_part{part[0]}of{part[1]}" if part else ""
-    if part and parts_dir is not None:
-        (parts_dir / f"gpu_tests{tag}.json").unlink(missing_ok=True)  # never combine a stale record of this part
     with tempfile.TemporaryDirectory() as tmp:
-        junit = Path(tmp) / "junit.xml"
-        times = out / f"gpu_test_times{tag}.jsonl"
-        times.unlink(missing_ok=True)
+        junit, times = _fresh_paths(out, tmp, part, parts_dir)
         env = dict(env, FASTDECODE_TEST_TIMES=str(times))
         argv = _pytest_argv(junit, per_test_timeout, workers, split[part[0] - 1] if split else [])
         rc, dt, text = log.run("tests" + (f" part {part[0]}/{part[1]}" if part else ""), argv, timeout, env)
@@ -691,10 +697,7 @@ def run_parts_at_once(log: Log, out: Path, env: dict, sha: str | None, timeout: 
     with tempfile.TemporaryDirectory() as tmp:
         jobs, paths = [], []
         for part in parts:
-            tag = f"_part{part[0]}of{n}"
-            (parts_dir / f"gpu_tests{tag}.json").unlink(missing_ok=True)
-            junit, times = Path(tmp) / f"junit{tag}.xml", out / f"gpu_test_times{tag}.jsonl"
-            times.unlink(missing_ok=True)
+            junit, times = _fresh_paths(out, tmp, part, parts_dir)
             jobs.append((f"tests part {part[0]}/{n}", _pytest_argv(junit, per_test_timeout, 0, split[part[0] - 1]),
                          dict(env, FASTDECODE_TEST_TIMES=str(times), FASTDECODE_TEST_THREADS=str(threads))))
             paths.append((junit, times))
@@ -787,7 +790,7 @@ def combine_parts(parts_dir: Path, n: int, sha: str | None, split: list[list[str
     per_file = Counter()
     for r in recs:
         per_file.update(r.get("file_seconds") or {})
-    at_once = recs[0].get("at_once") if all(r.get("at_once") == n for r in recs) else None
+    at_once = all(r.get("at_once") == n for r in recs)
     how = f"gpu.py tests --parts-at-once {n}, at the same time in one call" if at_once else \
         f"gpu.py tests --part k/{n}, one call each"
     whole = {"suite": "tests", "command": f"python -m pytest, its files in {n} processes ({how})",

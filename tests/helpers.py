@@ -284,42 +284,54 @@ def precompile_calls(calls, kernels) -> int:
 # ----------------------------------------------------------------------------- generated code
 
 
-_SM90_RUNS: dict = {}  # (snippet, *argv) -> its finished process: each compile once a pytest process
+_SM90_RUNS: dict = {}  # python's arguments -> the finished process: each compile once a pytest process
+_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
-def _sm90_run(job: tuple) -> subprocess.CompletedProcess:
+def _sm90_run(args: tuple) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    return subprocess.run([sys.executable, "-c", *job], capture_output=True, text=True, env=env, timeout=300)
+    env["PYTHONPATH"] = os.pathsep.join([_SRC, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
-def sm90_ptx_ahead(jobs) -> None:
-    """Run ``sm90_ptx``'s compiles of ``jobs`` ((snippet, *argv) tuples) now, in concurrent processes, for its later
-    calls: a module's fixture gives its parametrized PTX tests' compiles at once (one after another, each process
-    importing torch, they cost 5-11 s apiece on session 44's H100 host). Failures wait for the call that reports
-    them."""
+def sm90_ahead(runs) -> None:
+    """Run ``sm90_output``'s processes of ``runs`` (python's arguments: ``("-c", snippet, ...)`` or ``(script,
+    ...)``) now, in concurrent processes, for its later calls: a module's fixture gives its sm_90 tests' compiles at
+    once (one after another, each process importing torch, they cost 5-11 s apiece on session 44's H100 host).
+    Failures wait for the call that reports them."""
     from concurrent.futures import ThreadPoolExecutor
 
-    todo = list(dict.fromkeys(tuple(j) for j in jobs if tuple(j) not in _SM90_RUNS))
+    todo = list(dict.fromkeys(tuple(r) for r in runs if tuple(r) not in _SM90_RUNS))
     if todo:
         with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as ex:
             _SM90_RUNS.update(zip(todo, ex.map(_sm90_run, todo)))
 
 
-def sm90_ptx(snippet: str, *argv: str) -> str:
-    """PTX that ``snippet`` (a script compiling a kernel with ``triton.compile(..., GPUTarget("cuda", 90,
-    32))``) writes to stdout: no GPU needed (Triton bundles ptxas), but not under the interpreter, hence
-    a subprocess without TRITON_INTERPRET (once per snippet and arguments; ``sm90_ptx_ahead`` runs several at
-    once). Skips when this machine cannot compile for sm_90."""
-    job = (snippet, *argv)
-    if job not in _SM90_RUNS:
-        _SM90_RUNS[job] = _sm90_run(job)
-    r = _SM90_RUNS[job]
+def sm90_output(*args: str, skip_on=("ptxas", "No module named")) -> str:
+    """What ``python *args`` (a process compiling for sm_90, ``src`` on its path) writes to stdout: no GPU needed
+    (Triton bundles ptxas), but not under the interpreter, hence a process without TRITON_INTERPRET, once per
+    arguments (``sm90_ahead`` runs several at once). Skips when this machine cannot compile for sm_90 (its error
+    names one of ``skip_on``, or a backend)."""
+    if args not in _SM90_RUNS:
+        _SM90_RUNS[args] = _sm90_run(args)
+    r = _SM90_RUNS[args]
     if r.returncode != 0:
-        if "ptxas" in r.stderr or "No module named" in r.stderr or "backend" in r.stderr.lower():
+        if any(m in r.stderr for m in skip_on) or "backend" in r.stderr.lower():
             pytest.skip(f"cannot compile for sm_90 here: {r.stderr.strip().splitlines()[-1]}")
         raise AssertionError(r.stderr[-3000:])
     return r.stdout
+
+
+def sm90_ptx_ahead(jobs) -> None:
+    """``sm90_ahead`` for ``sm90_ptx``'s (snippet, *argv) jobs."""
+    sm90_ahead(("-c", *job) for job in jobs)
+
+
+def sm90_ptx(snippet: str, *argv: str) -> str:
+    """PTX that ``snippet`` (a script compiling a kernel with ``triton.compile(..., GPUTarget("cuda", 90,
+    32))``) writes to stdout (``sm90_output``; ``sm90_ptx_ahead`` runs several at once)."""
+    return sm90_output("-c", snippet, *argv)
 
 
 _W8A16_PTX = r"""

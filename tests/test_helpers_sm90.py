@@ -10,7 +10,7 @@ def test_ahead_runs_each_job_once_and_the_calls_reuse_it(monkeypatch):
     monkeypatch.setattr(helpers, "_SM90_RUNS", {})
     runs = []
     real = helpers._sm90_run
-    monkeypatch.setattr(helpers, "_sm90_run", lambda job: runs.append(job) or real(job))
+    monkeypatch.setattr(helpers, "_sm90_run", lambda args: runs.append(args[1:]) or real(args))  # args: "-c", job
     echo = "import sys; sys.stdout.write('ptx ' + ' '.join(sys.argv[1:]))"
     helpers.sm90_ptx_ahead([(echo, "a"), (echo, "b"), (echo, "a")])
     assert sorted(runs) == [(echo, "a"), (echo, "b")]

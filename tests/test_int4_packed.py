@@ -7,9 +7,6 @@ two-ulp bound. The CPU runs the interpreter's fp32 emulation of those roundings;
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -351,30 +348,18 @@ LOOPS = {"fma": (), "packed": ("--packed",), "singles": ("--packed", "1"), "pf1"
          "unrolled_sum16": ("--packed", "--prefetch", "2", "--pf-unroll", "--sum16")}
 
 
-def _loop_run(flags):
-    """``benchmarks/sass_int4_loop.py --count`` in a process without the interpreter (as ``test_sass_int4_loop.py``)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_int4_loop.py"), "--block-n", "64",
-                           "--format", "g128", "--even-k", "--count", "--json", *flags], capture_output=True,
-                          text=True, env=env, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def loops():
-    """Each of ``LOOPS``' K loop SASS opcodes, compiled in concurrent processes (one after another the three guards
-    took 58 s of session 44's H100 suite, one loop twice); skips where this machine cannot compile for sm_90."""
-    from concurrent.futures import ThreadPoolExecutor
+    """Each of ``LOOPS``' K loop SASS opcodes (``benchmarks/sass_int4_loop.py --count``, as ``test_sass_int4_loop.py``),
+    compiled in concurrent processes (``helpers.sm90_ahead``; one after another the three guards took 58 s of session
+    44's H100 suite, one loop twice); skips where this machine cannot compile for sm_90."""
+    from helpers import sm90_ahead, sm90_output
 
-    with ThreadPoolExecutor(min(len(LOOPS), os.cpu_count() or 1)) as ex:
-        runs = dict(zip(LOOPS, ex.map(_loop_run, LOOPS.values())))
-    for r in runs.values():
-        if r.returncode != 0:
-            if "ptxas" in r.stderr or "nvdisasm" in r.stderr or "backend" in r.stderr.lower():
-                pytest.skip(f"cannot compile for sm_90 here: {r.stderr.strip().splitlines()[-1]}")
-            raise AssertionError(r.stderr[-3000:])
-    return {name: json.loads(r.stdout) for name, r in runs.items()}
+    script = (str(ROOT / "benchmarks" / "sass_int4_loop.py"), "--block-n", "64", "--format", "g128", "--even-k",
+              "--count", "--json")
+    sm90_ahead((*script, *flags) for flags in LOOPS.values())
+    return {name: json.loads(sm90_output(*script, *flags, skip_on=("ptxas", "nvdisasm")))
+            for name, flags in LOOPS.items()}
 
 
 def test_sm90_packed_loop_issues_fewer_instructions_a_value(loops):

@@ -2,9 +2,6 @@
 on the CPU; session 31)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -45,15 +42,9 @@ def test_the_kernel_compiles_and_its_next_words_come_late_in_the_loop():
     """The real kernel for sm_90 (the embedded model's format, BLOCK_N 16 on 4 warps), through the script in a
     process without the interpreter (as ``helpers.sm90_ptx``): the next step's words load inside the loop, after its
     first loads (what PREFETCH 2 works around). Skips where this machine cannot compile for sm_90."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_int4_loop.py"), "--json"], capture_output=True,
-                       text=True, env=env, timeout=300)
-    if r.returncode != 0:
-        if "ptxas" in r.stderr or "nvdisasm" in r.stderr or "backend" in r.stderr.lower():
-            pytest.skip(f"cannot compile for sm_90 here: {r.stderr.strip().splitlines()[-1]}")
-        raise AssertionError(r.stderr[-3000:])
-    loads = [(d["at"], d["op"]) for d in json.loads(r.stdout)]
+    from helpers import sm90_output
+
+    out = sm90_output(str(ROOT / "benchmarks" / "sass_int4_loop.py"), "--json", skip_on=("ptxas", "nvdisasm"))
+    loads = [(d["at"], d["op"]) for d in json.loads(out)]
     words = [at for at, op in loads if op == "LDG.E.128"]
     assert len(words) == 1 and words[0] > min(at for at, _ in loads), loads
