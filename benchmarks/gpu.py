@@ -200,13 +200,14 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                             "--impl", "peer-compile", *abl, "fastdecode-graph-no-norm_gemm",
                                             "fastdecode-graph-with-int4_a8"),
                      420),
-            # the lm head quantised too (issue 18's "the head"; the peers keep a dense head)
+            # the lm head quantised too (issue 18's "the head"); the peer's head takes the same format
+            # (bench.peers: tinygemm int4 or _scaled_mm per-tensor FP8, as gpt-fast quantises every nn.Linear)
             "fp8-head": ("decode fp8 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "fp8",
-                                                    "--quant-head", "fp8", "--impl", "fastdecode-graph",
-                                                    "fastdecode-graph-no-fp8_a16"), 300),
+                                                    "--quant-head", "fp8", "--impl", "peer-compile",
+                                                    "fastdecode-graph", "fastdecode-graph-no-fp8_a16"), 360),
             "int4-head": ("decode int4 head", _decode(out, "--batch", "1", "--iters", "30", "--quant", "int4",
-                                                      "--quant-head", "int4", "--impl", "fastdecode-graph",
-                                                      "fastdecode-graph-with-int4_a8"), 300),
+                                                      "--quant-head", "int4", "--impl", "peer-compile",
+                                                      "fastdecode-graph", "fastdecode-graph-with-int4_a8"), 360),
         }
         if decode_impls:
             steps = {f: (label, argv[:argv.index("--impl") + 1] + list(decode_impls), t)

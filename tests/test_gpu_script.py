@@ -132,12 +132,15 @@ def test_tune_shapes_and_groups_reach_both_tuners(gpu, tmp_path, monkeypatch):
 
 
 def test_decode_with_a_quantised_head(gpu, tmp_path):
-    """The -head formats: the same decode with ``--quant-head`` of the format (our rows only; int4 with and without
-    the opt-in int8 activations)."""
+    """The -head formats: the same decode with ``--quant-head`` of the format, the peer beside it (its head in the
+    same format; int4 with and without the opt-in int8 activations, FP8 with and without W8A16)."""
     [(label, argv, _)] = gpu.suite_commands("decode", tmp_path, 1, formats=("int4-head",))
     assert label == "decode int4 head"
     assert argv[argv.index("--quant") + 1] == "int4" and argv[argv.index("--quant-head") + 1] == "int4"
-    assert argv[argv.index("--impl") + 1:] == ["fastdecode-graph", "fastdecode-graph-with-int4_a8"]
+    assert argv[argv.index("--impl") + 1:] == ["peer-compile", "fastdecode-graph", "fastdecode-graph-with-int4_a8"]
+    [(label, argv, _)] = gpu.suite_commands("decode", tmp_path, 1, formats=("fp8-head",))
+    assert label == "decode fp8 head" and argv[argv.index("--quant-head") + 1] == "fp8"
+    assert argv[argv.index("--impl") + 1:] == ["peer-compile", "fastdecode-graph", "fastdecode-graph-no-fp8_a16"]
     [(_, argv, _)] = gpu.suite_commands("decode", tmp_path, 1, formats=("int4",))
     assert "fastdecode-graph-with-int4_a8" in argv and "peer-compile" in argv
     [(_, argv, _)] = gpu.suite_commands("decode", tmp_path, 1, formats=("int4",),
