@@ -266,8 +266,11 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                            "--out", str(out / "sweep_int4_8b_options.json")], 300)]
     if name == "step-tables":  # session 31 and 32 ran this by hand; the tables outside $OUT (rebuilt from the sweep)
         tables = Path(tempfile.gettempdir()) / "fastdecode_step_tables"
+        # the base: the package's int4 table of this GPU where it has one (an H100 since session 39), else the
+        # script's default (the H200's: the sibling rule), never FASTDECODE_CONFIG_DIR's (a tuner's copy is table B)
+        own = ROOT / "src" / "fastdecode" / "configs" / f"int4_linear_{gpu}.json"
         build = [PY, str(ROOT / "benchmarks" / "int4_small_table.py"), *([str(step_sweep)] if step_sweep else []),
-                 "--gpu", gpu, "--out-dir"]
+                 *(["--base", str(own)] if own.is_file() else []), "--gpu", gpu, "--out-dir"]
         dirs = {"A": tables / "A", "B": Path(step_config_dir) if step_config_dir else tables / "B"}
         steps = [("tables A", build + [str(tables / "A"), "--unchanged"], 60)]
         if not step_config_dir:

@@ -102,6 +102,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for fam in ("linear", "allreduce"):  # the base GPU's other tables beside it, under the same GPU key
         src = Path(a.base).with_name(Path(a.base).name.replace("int4_linear", fam))
+        if not src.exists() and fam == "linear":  # none of the base's GPU (the H100 has an int4 table only): the
+            src = CONFIGS / "linear_nvidia_h200.json"  # H200's, which the ops read there (ops._common.table_path)
         if src.exists():
             shutil.copy(src, out / f"{fam}_{a.gpu}.json")
     (out / f"int4_linear_{a.gpu}.json").write_text(json.dumps(table, indent=1) + "\n")

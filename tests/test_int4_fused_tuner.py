@@ -57,6 +57,47 @@ def test_the_norm_op_also_times_the_in_loop_norm_on_one_split_tiles():
         F.fused_candidates("int4_add_linear", 16, N, K)
 
 
+def test_packed_tiles_are_candidates_where_packed_applies():
+    """With the shape's group size, the 8B shapes (g128) get PACKED tiles with PREFETCH 1 and 2 (the norm op's one-split
+    ones with NORM_LOOP too); the embedded model's g32 gets none; without a group size, none (the old list)."""
+    from fastdecode.kernels.int4 import split_k_blocks
+
+    N, K, group, _ = F.SHAPES["8b.qkv"]
+    norm = F.fused_candidates("int4_rms_norm_linear", 1, N, K, quick=True, group_size=group)
+    packed = [c for c in norm if c.get("PACKED")]
+    assert {c["PREFETCH"] for c in packed} == {True, 2}
+    assert {c["SPLIT_K"] for c in packed} == {1, 2, 4, 8}
+    assert any(c.get("NORM_LOOP") for c in packed)
+    assert all(split_k_blocks(K, c)[1] == 1 for c in packed if c.get("NORM_LOOP"))
+    plain_pf1 = [c for c in packed if c["PREFETCH"] is True and not c.get("NORM_LOOP")]
+    assert [c for c in packed if c["PREFETCH"] == 2 and not c.get("NORM_LOOP")] == [
+        {**c, "PREFETCH": 2} for c in plain_pf1]
+    add = F.fused_candidates("int4_add_linear", 1, *F.SHAPES["8b.o"][:2], quick=True, group_size=128)
+    assert len([c for c in add if c.get("PACKED")]) == 2 * len(plain_pf1)
+    assert not any(c.get("PACKED") for c in F.fused_candidates("int4_rms_norm_linear", 1, N, K, quick=True))
+    Ns, Ks, gs, _ = F.SHAPES["smollm2.qkv"]
+    assert not any(c.get("PACKED") for c in F.fused_candidates("int4_rms_norm_linear", 1, Ns, Ks, group_size=gs))
+    # PACKED applies up to two token rows
+    assert not any(c.get("PACKED") for c in F.fused_candidates("int4_add_linear", 4, N, K, group_size=group))
+
+
+@pytest.mark.parametrize("op", ["int4_rms_norm_linear", "int4_add_linear", "int4_add_linear_glu"])
+def test_each_fused_op_is_right_on_packed_tiles(op):
+    """Every fused op on PACKED tiles (PREFETCH 1 and 2, one split and two, the in-loop norm) passes the tuner's
+    check against its fp32 reference, on the engine's RTN format at g128 and GGUF's mins; a wrong weight fails it."""
+    base = {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 2, "num_stages": 1,
+            "PACKED": True}
+    cfgs = [{**base, "SPLIT_K": sk, "PREFETCH": pf} for sk in (1, 2) for pf in (True, 2)]
+    if op == "int4_rms_norm_linear":
+        cfgs.append({**base, "SPLIT_K": 1, "PREFETCH": 2, "NORM_LOOP": True})
+    for fmt in ("zero", "min"):
+        ops = F.FusedOperands(op, 32, 512, 128, fmt, 1, DEV, rot=1)
+        for cfg in cfgs:
+            assert ops.check(cfg) is None, (fmt, cfg)
+    ops.w[0].qweight.bitwise_xor_(0x11111111)
+    assert "max error" in (ops.check(cfgs[-1]) or "")
+
+
 DOT = {"kind": "dot", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2,
        "PREFETCH": True}
 

@@ -206,6 +206,24 @@ def test_gpu_script_tune_int4_fused_writes_into_the_out_dirs_table(tmp_path):
     assert argv[argv.index("--shapes") + 1] == "8b.o" and argv[argv.index("--ms") + 1] == "1,2"
 
 
+def test_step_tables_table_a_is_the_package_table_of_this_gpu(tmp_path):
+    """Table A (``--unchanged``) starts from the package's int4 table of the GPU where there is one (the H100's since
+    session 39), not the H200's: before, an H100's step-tables compared a tuned copy of its own table against the
+    H200's. Its linear table, which the H100 does not have, is the H200's (the sibling rule), as the ops read it."""
+    gpu = load_script(ROOT / "benchmarks" / "gpu.py", "gpu_step_tables_base")
+    key = "nvidia_h100_80gb_hbm3"
+    [(_, argv, _), *_] = gpu.suite_commands("step-tables", tmp_path, 1, gpu=key, step_config_dir="d", step_rounds=1)
+    own = ROOT / "src" / "fastdecode" / "configs" / f"int4_linear_{key}.json"
+    assert argv[argv.index("--base") + 1] == str(own)
+    argv[argv.index("--out-dir") + 1] = str(tmp_path / "A")
+    subprocess.run(argv, check=True, capture_output=True)
+    made = json.loads((tmp_path / "A" / f"int4_linear_{key}.json").read_text())
+    assert {k: v for k, v in made.items() if k != "int4_small_source"} == json.loads(own.read_text())
+    assert (tmp_path / "A" / f"linear_{key}.json").read_text() == (own.parent / "linear_nvidia_h200.json").read_text()
+    [(_, argv, _), *_] = gpu.suite_commands("step-tables", tmp_path, 1, gpu="gpu_x", step_config_dir="d", step_rounds=1)
+    assert "--base" not in argv  # no table of its own: the script's default, the H200's
+
+
 def test_a_base_with_fused_sections_keeps_what_the_sweep_did_not_beat(tool):
     """The shipped H200 table has the fused ops' own sections (session 33): ``norm_loop_only`` puts NORM_LOOP on the
     norm op's own tile (not the plain GEMV's), and a shape whose own tile no swept tile beat keeps its entry."""

@@ -10,7 +10,8 @@ session 33 the fastest fused tiles of a sweep, in these sections, ran the embedd
 plain tiles (benchmarks/NOTES.md).
 
 This times, per shape and M, the fused op as the step runs it (the int4 kernel's fma kind, the only kind
-``norm_gemm`` fuses) on the tuner's fma candidates (``bench.int4.candidates``), on the norm op each one-split tile
+``norm_gemm`` fuses) on the tuner's fma candidates (``bench.int4.candidates``; on g128 shapes PACKED's tiles with
+PREFETCH 1 and 2 too, session 45), on the norm op each one-split tile
 also with NORM_LOOP (the in-loop norm, opt-in), plus the tile the table gives the op now, of any kind (on a
 tensor-core tile the op runs the norm or SiLU-and-mul kernel first; where that wins, the section keeps that tile and
 the model the unfused step; session 34's H100 left 8B gate_up's mma tile out and the fused step it then took was
@@ -156,18 +157,24 @@ class FusedOperands:
 
 
 def fused_candidates(op: str, M: int, N: int, K: int, quick: bool = False, smem_limit: Optional[int] = None,
-                     incumbent: Optional[dict] = None) -> list[dict]:
+                     incumbent: Optional[dict] = None, group_size: Optional[int] = None) -> list[dict]:
     """The tuner's fma candidates (``bench.int4.candidates``), on the norm op each tile of one effective split also
     with NORM_LOOP, and ``incumbent`` (the tile the table gives the op now, of any kind: on a tensor-core tile the
     op runs the norm or SiLU-and-mul kernel first, ``FusedOperands.calls``) where it is not among them. An
     incumbent that stays keeps its kind in the section, and a tensor-core tile there keeps the model on the
-    unfused step (``models.norm_gemm``)."""
+    unfused step (``models.norm_gemm``).
+
+    ``group_size``: where PACKED applies (``bench.int4.candidates``: M <= 2, groups of a multiple of 128 columns,
+    so the 8B shapes and not the embedded model's g32), its tiles with PREFETCH 1 and 2. The 8B sections were tuned
+    in session 34, before PACKED existed, when every fused fma tile lost to the unfused step; PACKED with PREFETCH 2
+    is now every M = 1 entry of the plain GEMV's tables (both cards) and 1.2-1.4x the fma tiles of then."""
     from fastdecode.bench.int4 import candidates
     from fastdecode.kernels.int4 import split_k_blocks
 
     if M > MAX_M:
         raise ValueError(f"the fused ops are tuned up to M = {MAX_M} (the fma kind's tiles), got M = {M}")
-    cands = candidates(M, N, K, quick=quick, smem_limit=smem_limit, kinds=("fma",))
+    cands = candidates(M, N, K, quick=quick, smem_limit=smem_limit, kinds=("fma",), group_size=group_size)
+    cands += [{**c, "PREFETCH": 2} for c in cands if c.get("PACKED")]
     if op == "int4_rms_norm_linear":
         cands += [{**c, "NORM_LOOP": True} for c in cands if split_k_blocks(K, c)[1] == 1]
     if incumbent is not None and incumbent not in cands:
@@ -222,7 +229,7 @@ def tune_fused(out_path, *, shapes: Sequence[str] = tuple(ALIASES["smollm2"]), m
             clear_config_cache()  # the table at path as the last shape left it
             impl, cfg = get_int4_config(M, N, K, group, dev, op=op, path=str(path) if path.is_file() else None)
             incumbent = cfg if impl == "triton" else None
-            cands = fused_candidates(op, M, N, K, quick, smem_limit(dev), incumbent)
+            cands = fused_candidates(op, M, N, K, quick, smem_limit(dev), incumbent, group_size=group)
             if max_candidates is not None:
                 cands = cands[:max_candidates] + ([incumbent] if incumbent in cands[max_candidates:] else [])
             ops = FusedOperands(op, N, K, group, fmt, M, dev, rot)
