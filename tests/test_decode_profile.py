@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from fastdecode import cli
-from fastdecode.bench.profile import COPY_BW, attribute, family_bytes, family_table, format_table, kernel_class
+from fastdecode.bench.profile import (
+    COPY_BW, attribute, copy_bandwidth, family_bytes, family_table, format_table, kernel_class,
+)
 
 # kernel names one 8B decode step launched on the H200 (benchmarks/results/archive/profile_*.json)
 NORM, ROPE, ATTN = "_rms_norm_kernel", "_rope_kv_write_kernel", "_decode_attention_kernel"
@@ -82,6 +84,36 @@ def test_family_table_sums_floors_and_gaps():
     assert [r["family"] for r in rec["families"]][-1] == "gaps"
     text = format_table({**rec, "impl": "x", "shape": {"model": "m", "quant": "int4", "batch": 1}})
     assert "qkv" in text and "gaps" in text and "overlap" not in text
+
+
+def test_floors_follow_the_copy_rate_given():
+    """The floors are the bytes over the copy rate the record names (the card's, measured by ``copy_bandwidth`` in
+    ``profile_decode``; the H200's 4.24 TB/s by default): on a card copying at 3.0 TB/s the same bytes' floor is
+    4.24 / 3.0 times longer, and the table says which rate it used."""
+    steps = [[(n, 1000.0 * i, 200.0) for i, n in enumerate(_int4_step(1))]]
+    h200 = family_table(steps, 1, {"qkv": 424_000_000})  # 100 us at 4.24 TB/s
+    slower = family_table(steps, 1, {"qkv": 424_000_000}, copy_bw=3.0e12)
+    assert h200["copy_tbps"] == 4.24 and slower["copy_tbps"] == 3.0
+    (a,), (b,) = ([r for r in t["families"] if r["family"] == "qkv"] for t in (h200, slower))
+    assert b["floor_us"] == pytest.approx(a["floor_us"] * 4.24 / 3.0, rel=1e-3)
+    assert b["x_floor"] == pytest.approx(a["x_floor"] * 3.0 / 4.24, rel=1e-2)
+    assert "copy rate of 3.00 TB/s" in format_table({**slower, "impl": "x", "shape": {}})
+    with pytest.raises(ValueError, match="copy_bw"):
+        family_table(steps, 1, {"qkv": 1}, copy_bw=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures a CUDA device's copy; the CPU has none")
+def test_copy_bandwidth_on_the_gpu():
+    """A 256 MiB copy on the GPU: between 0.5 and 6 TB/s counted read plus written (an H100 or H200)."""
+    bw = copy_bandwidth(nbytes=256 << 20, reps=5)
+    assert 0.5e12 < bw < 6e12
+
+
+def test_copy_bandwidth_refuses_what_it_cannot_measure():
+    with pytest.raises(ValueError, match="CUDA"):
+        copy_bandwidth("cpu")
+    with pytest.raises(ValueError, match=">= 1"):
+        copy_bandwidth("cpu", nbytes=0)
 
 
 def test_family_table_says_when_kernels_overlap():

@@ -12,10 +12,12 @@ to a family:
   (add + RMSNorm, with or without FP8 output), ``activation`` (SiLU-and-mul, FP8 quantisation),
   ``allreduce`` (TP), ``sampling`` (argmax), ``other`` (embedding lookup, copies).
 
-Each family's floor is the bytes it must move over the measured device-to-device copy rate (4.24 TB/s on the
-H200, ``COPY_BW``): the weights for the GEMMs (``Int4Linear``: packed nibbles + scales), the live KV cache for
-attention, the activations for the rest. ``gaps`` is the step's span (first kernel start to last kernel end)
-minus the kernels' summed durations: time in which no kernel of the step ran.
+Each family's floor is the bytes it must move over the device-to-device copy rate of the GPU it ran on, measured
+in the same process (``copy_bandwidth``; 4.24 TB/s on the H200, ``COPY_BW``, the default where none is given): the
+weights for the GEMMs (``Int4Linear``: packed nibbles + scales), the live KV cache for attention, the activations
+for the rest. Each record names the rate (``copy_tbps``). Until session 45 every card's floor used the H200's rate,
+so an H100's ``x_floor`` read high by that card's shortfall. ``gaps`` is the step's span (first kernel start to
+last kernel end) minus the kernels' summed durations: time in which no kernel of the step ran.
 
 With programmatic dependent launch (the default graph) each kernel starts before its predecessor ends and
 waits inside, so durations overlap and do not attribute time (the sum exceeds the span; ``gaps`` < 0). Profile
@@ -102,13 +104,38 @@ def family_bytes(model, batch: int, kv_bytes: int) -> dict[str, int]:
     return dict(fam)
 
 
+def copy_bandwidth(device=None, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Bytes a second of a device-to-device copy of ``nbytes`` on a CUDA ``device``, counted read plus written (as
+    the H200's 4.24 TB/s: 8 GiB moved in 2026.9 us, docs/benchmarking.md): the median of ``reps`` timed copies after
+    one untimed."""
+    if nbytes < 1 or reps < 1:
+        raise ValueError(f"nbytes and reps must be >= 1, got {nbytes}, {reps}")
+    dev = torch.device(device or "cuda")
+    if dev.type != "cuda":
+        raise ValueError(f"copy_bandwidth measures a CUDA device, got {dev}")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
 def family_table(steps: Sequence[Sequence[tuple[str, float, float]]], n_layers: int,
-                 bytes_by_family: Optional[dict] = None) -> dict:
+                 bytes_by_family: Optional[dict] = None, copy_bw: float = COPY_BW) -> dict:
     """``steps``: per step, its kernels as (name, start us, duration us). Returns the span, kernel time and
     kernel count per step (means over the steps) and one row per family present, in ``FAMILIES`` order,
-    then ``gaps``."""
+    then ``gaps``; each family's floor is its bytes over ``copy_bw`` (bytes/s)."""
     if not steps or not steps[0]:
         raise ValueError("no kernels were recorded")
+    if not copy_bw > 0:
+        raise ValueError(f"copy_bw must be > 0 bytes/s, got {copy_bw}")
     n = len(steps)
     us, calls = defaultdict(float), defaultdict(float)
     span = 0.0
@@ -128,13 +155,14 @@ def family_table(steps: Sequence[Sequence[tuple[str, float, float]]], n_layers: 
                "share": round(us[fam] / span, 4) if span else None}
         b = bytes_by_family.get(fam)
         if b:
-            floor = b / COPY_BW * 1e6
+            floor = b / copy_bw * 1e6
             row.update(bytes_per_step=int(b), floor_us=round(floor, 2), x_floor=round(us[fam] / floor, 2))
         rows.append(row)
     rows.append({"family": "gaps", "calls_per_step": None, "us_per_step": round(span - ksum, 2),
                  "share": round((span - ksum) / span, 4) if span else None})
     return {"span_us_per_step": round(span, 2), "kernel_us_per_step": round(ksum, 2),
-            "kernels_per_step": round(sum(len(k) for k in steps) / n, 2), "families": rows}
+            "kernels_per_step": round(sum(len(k) for k in steps) / n, 2), "copy_tbps": round(copy_bw / 1e12, 3),
+            "families": rows}
 
 
 def format_table(rec: dict) -> str:
@@ -143,7 +171,8 @@ def format_table(rec: dict) -> str:
     pdl = "" if rec.get("pdl", True) or rec.get("impl") == "fastdecode-graph-no-pdl" else " (PDL off)"
     head = (f"{sh.get('model', '?')} quant={sh.get('quant')} {rec.get('impl')}{pdl} batch={sh.get('batch')}: "
             f"span {rec['span_us_per_step']:.1f} us/step, kernels {rec['kernel_us_per_step']:.1f} us "
-            f"({rec['kernels_per_step']:.0f} kernels)")
+            f"({rec['kernels_per_step']:.0f} kernels)"
+            + (f", floors at a copy rate of {rec['copy_tbps']:.2f} TB/s" if "copy_tbps" in rec else ""))
     lines = [head, f"{'family':<11}{'calls':>7}{'us/step':>10}{'share':>8}{'MB/step':>10}{'floor us':>10}"
                    f"{'x floor':>9}"]
     for r in rec["families"]:
@@ -221,6 +250,7 @@ def profile_decode(model_name: str = "llama-3.1-8b", *, impls: Sequence[str] = (
     shape = {"model": model_label(built.config, layers), "batch": batch, "position": position,
              "dtype": str(dtype).replace("torch.", ""), "quant": quant_label(quant, quant_head),
              "tp": built.tp[1] if built.tp else 1}
+    copy_bw = copy_bandwidth(built.device)  # this card's floor (module docstring)
     recs = []
     for impl in impls:
         runner = DecodeRunner(impl, model, cache, batch)
@@ -230,7 +260,7 @@ def profile_decode(model_name: str = "llama-3.1-8b", *, impls: Sequence[str] = (
         # turns it off for the process (how a row with another switch is profiled without PDL)
         rec = {"op": "decode_profile", "impl": impl, "shape": shape, "steps": steps,
                "pdl": impl != "fastdecode-graph-no-pdl" and pdl_enabled(tok),
-               **family_table(per_step, len(model.layers), fam_bytes), "kernels": kernel_rows(per_step),
+               **family_table(per_step, len(model.layers), fam_bytes, copy_bw), "kernels": kernel_rows(per_step),
                **env_info()}
         log(format_table(rec))
         recs.append(rec)
@@ -238,5 +268,5 @@ def profile_decode(model_name: str = "llama-3.1-8b", *, impls: Sequence[str] = (
     return recs
 
 
-__all__ = ["COPY_BW", "FAMILIES", "attribute", "family_bytes", "family_table", "format_table", "kernel_class",
-           "kernel_rows", "profile_decode", "record_steps"]
+__all__ = ["COPY_BW", "FAMILIES", "attribute", "copy_bandwidth", "family_bytes", "family_table", "format_table",
+           "kernel_class", "kernel_rows", "profile_decode", "record_steps"]
