@@ -281,9 +281,11 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                              else (["--model", _embedded_gguf()], "embedded", 120))
         for i in range(2 * step_rounds):
             d = "AB"[i % 2]
+            # --decode-impls: other rows too, e.g. fastdecode-graph-no-int4_glu (each table with and without)
             steps.append((f"step {d} {i + 1}", ["env", f"FASTDECODE_CONFIG_DIR={dirs[d]}"] + _fd(
-                "bench", "decode", *model, "--batch", "1", "--iters", "30", "--impl", "fastdecode-graph",
-                "--out", str(out / f"decode_{tag}_tables_{i + 1}.json")), limit))
+                "bench", "decode", *model, "--batch", "1", "--iters", "30", "--impl",
+                *(decode_impls or ("fastdecode-graph",)), "--out", str(out / f"decode_{tag}_tables_{i + 1}.json")),
+                limit))
         return steps
     if name == "int4-a8":
         # the sweep's best GEMV configs into a copy of the int4 table (main copies it), then the 8B int4 step on them
@@ -845,7 +847,7 @@ def main(argv=None) -> int:
                    choices=["bf16", "fp8", "int4", "fp8-head", "int4-head"],
                    help="decode, profile: the weight formats to run (-head, decode only: the lm head quantised too)")
     p.add_argument("--decode-impls", nargs="+", default=None,
-                   help="decode: these rows instead of each format's list (e.g. peer-compile fastdecode-graph)")
+                   help="decode, step-tables: these rows instead of the default ones (e.g. peer-compile)")
     p.add_argument("--diag-few", action="store_true", help="int4-diag: two probes and a few mma variants only")
     p.add_argument("--diag-ablate", action="store_true",
                    help="int4-diag: the mma kind's ablations at M = 1 instead of the sweep (its --ablate)")

@@ -101,7 +101,7 @@ def test_int4_norm_gemm_graph_decode_matches_the_unfused_step():
 
     m8 = quantize_model_int4(_llama8b("triton", layers=1))
     shapes = [((1, p.out_features, p.in_features, p.group_size, p.qweight.device), op)
-              for p, op in zip(norm_gemm._projections(m8.layers[0]), norm_gemm._ops(m8, m8.layers[0]))]
+              for p, op in zip(norm_gemm._projections(m8.layers[0]), norm_gemm._ops(m8, m8.layers[0], 1))]
     picks = [get_int4_config(*shape, op=op) for shape, op in shapes]
     # and, where the table holds the shape, a tile timed as the fused op (its own section's entry; session 35)
     own = [fused_entry_is_own(*shape, op=op) is not False for shape, op in shapes]

@@ -20,7 +20,7 @@ def test_each_projection_runs_as_the_steps_fused_op():
     ops = {name: F.op_of(name, SHAPES_K) for name, (_, SHAPES_K, _, _) in F.SHAPES.items()}
     assert ops["smollm2.qkv"] == ops["8b.gate_up"] == "int4_rms_norm_linear"
     assert ops["smollm2.o"] == ops["8b.o"] == ops["8b.down"] == "int4_add_linear"
-    assert ops["smollm2.down"] == "int4_add_linear_glu"
+    assert ops["smollm2.down"] == ops["8b.down_glu"] == "int4_add_linear_glu"  # 8B's w2 as GLU: by its own entry
     assert set(ops.values()) == set(FUSED_OPS)
     with pytest.raises(ValueError, match="no fused op"):
         F.op_of("8b.head", 4096)

@@ -204,6 +204,35 @@ def test_int4_glu_leaves_a_w2_of_large_k_to_the_two_kernels(monkeypatch):
         calls.clear()
 
 
+def test_a_w2_of_large_k_takes_silu_inside_on_the_glu_ops_own_entry(monkeypatch):
+    """Above ``INT4_GLU_MAX_K``, w2 takes SiLU-and-mul in its loads where the int4 table holds the GLU op's own entry
+    for its shape at the step's rows (a tile the fused tuner timed so), and only there: the SiLU-and-mul kernel
+    runs where the entry is not the op's own (False) or there is none (None). The steps are the same either way."""
+    import fastdecode.models.norm_gemm as NG
+    from fastdecode.engine.kv_cache import KVCache
+
+    cfg, m = _tiny_int4_model()
+    monkeypatch.setattr(NG, "INT4_GLU_MAX_K", cfg.intermediate_size - 1)
+    toks = torch.randint(0, cfg.vocab_size, (1, 5), device=DEV)
+    caches = [KVCache(cfg, 1, 16, dtype=XDT, device=DEV) for _ in range(3)]
+    for c in caches:
+        m.prefill(toks[:, :4], c)
+    calls = _count_silu(monkeypatch)
+    monkeypatch.setattr(NG, "silu_and_mul", A.silu_and_mul)
+    pos = torch.tensor([4], device=DEV)
+    asked, outs = [], []
+    for own, cache in zip((True, False, None), caches):
+        def entry(M, N, K, group_size, device=None, *, op, own=own):
+            asked.append((M, N, K, op))
+            return own if op == "int4_add_linear_glu" else None
+        monkeypatch.setattr(I, "fused_entry_is_own", entry)
+        outs.append(m.decode(toks[:, 4], pos, cache))
+        assert len(calls) == (0 if own else cfg.n_layers), (own, calls)
+        calls.clear()
+    assert (1, cfg.dim, cfg.intermediate_size, "int4_add_linear_glu") in asked
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+
+
 def test_the_step_asks_each_projections_own_op_at_the_batchs_rows(monkeypatch):
     """``norm_gemm.applies(model, B)`` takes the fused step where every int4 projection's tile, for the op it runs
     as and at B rows, is an fma tile: w2 is asked as ``int4_add_linear_glu`` where SiLU-and-mul goes into its loads
@@ -255,7 +284,7 @@ def test_the_step_fuses_only_on_the_fused_ops_own_entries(monkeypatch, tmp_path)
            "num_stages": 1}
     plain, fused = {}, {op: {} for op in I.FUSED_OPS}
     for layer in m.layers:
-        for p, op in zip(NG._projections(layer), NG._ops(m, layer)):
+        for p, op in zip(NG._projections(layer), NG._ops(m, layer, 1)):
             key = I.table_key(p.out_features, p.in_features, p.group_size)
             plain[key] = {str(M): {"impl": "triton", "config": dict(fma, BLOCK_M=min(M, 4))} for M in (1, 2, 4, 8)}
             fused[op][key] = {"1": {"impl": "triton", "config": fma}}

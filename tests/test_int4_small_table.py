@@ -244,3 +244,9 @@ def test_gpu_script_step_tables_on_the_8b_int4_step(tmp_path):
     for i, (_, cmd, limit) in enumerate(steps[1:], 1):
         assert cmd[cmd.index("--preset") + 1] == "llama-3.1-8b" and cmd[cmd.index("--quant") + 1] == "int4"
         assert "--model" not in cmd and cmd[-1] == str(tmp_path / f"decode_8b_int4_tables_{i}.json") and limit > 120
+        assert cmd[cmd.index("--impl") + 1:cmd.index("--out")] == ["fastdecode-graph"]
+    # --decode-impls: every step process runs those rows (each table with and without a switch)
+    steps = gpu.suite_commands("step-tables", tmp_path, 1, gpu="gpu_x", step_config_dir="d", step_rounds=1,
+                               step_model="8b-int4", decode_impls=("fastdecode-graph", "fastdecode-graph-no-int4_glu"))
+    for _, cmd, _ in steps[1:]:
+        assert cmd[cmd.index("--impl") + 1:cmd.index("--out")] == ["fastdecode-graph", "fastdecode-graph-no-int4_glu"]

@@ -15,11 +15,13 @@ W8A16 at the step's batch (``fp8_a16``, up to 4 rows). The int4 projections take
 ``ops.int4_norm_linear`` (the norm weight stays in their kernels: it cannot be folded into int4 weights), and w2
 takes SiLU-and-mul as a kernel of its own, as on the unfused path: 6 kernels a block instead of 8, unless the
 ``int4_glu`` switch (on by default since session 31) has w2's FMA kernel compute SiLU-and-mul in its loads: 5
-kernels. That holds where w2 has at most ``INT4_GLU_MAX_K`` input features. On an H100, on the embedded SmolLM2's
-step (w2's K = 1536; the H200's tables), it measured 610.3 against 620.7 us, 609.9 against 620.2, and 618.15
-against 625.85 in three processes. On the 8B (K = 14336), where the K loop is issue-bound, SiLU in the int4
-kernel's loads cost 201 us a step in session 11. The limit lies between the two measured sizes and is not
-measured itself.
+kernels. That holds where w2 has at most ``INT4_GLU_MAX_K`` input features, or more where the int4 table holds
+the GLU op's own entry for w2's shape at the step's rows (``_int4_glu``: a tile the fused tuner timed with
+SiLU-and-mul inside; since session 45 it proposes PACKED tiles, which session 11's measurement predates). On an
+H100, on the embedded SmolLM2's step (w2's K = 1536; the H200's tables), it measured 610.3 against 620.7 us, 609.9
+against 620.2, and 618.15 against 625.85 in three processes. On the 8B (K = 14336), where the K loop is
+issue-bound, SiLU in the int4 kernel's loads cost 201 us a step in session 11. The limit lies between the two
+measured sizes and is not measured itself.
 
 FP8 blocks (session 26) take ``ops.w8a16``'s ``rms_norm_linear_w8a16`` / ``add_linear_w8a16_``: the attention norm
 inside wqkv's W8A16 GEMV, the residual adds in wo's and w2's epilogues (SiLU-and-mul in w2's loads). w13 keeps W8A8
@@ -116,10 +118,11 @@ def _supported(proj, dtype, batch: int, op: str) -> bool:
 _NORM_OP = "int4_rms_norm_linear"  # the op of a projection after a norm (wqkv, w13)
 
 
-def _ops(model, layer) -> tuple:
-    """The int4 op each of the block's projections (wqkv, wo, w13, w2) runs as on this path (``decode``); for the
-    other weights the names say only where the projection sits (after a norm, or adding into the residual)."""
-    glu = _w2_glu(model, layer.feed_forward)
+def _ops(model, layer, batch: int) -> tuple:
+    """The int4 op each of the block's projections (wqkv, wo, w13, w2) runs as on this path (``decode``) at ``batch``
+    rows; for the other weights the names say only where the projection sits (after a norm, or adding into the
+    residual)."""
+    glu = _w2_glu(model, layer.feed_forward, batch)
     return _NORM_OP, "int4_add_linear", _NORM_OP, "int4_add_linear_glu" if glu else "int4_add_linear"
 
 
@@ -144,7 +147,7 @@ def applies(model, batch: int = 1) -> bool:
         return False
     dtype = model.tok_embeddings.weight.dtype
     return all(_supported(p, dtype, batch, op) for layer in model.layers
-               for p, op in zip(_projections(layer), _ops(model, layer)))
+               for p, op in zip(_projections(layer), _ops(model, layer, batch)))
 
 
 def _pairs(layer):
@@ -199,14 +202,24 @@ def _norm_linear(h, norm, proj, be):
                                 impl=proj.impl if h.is_cuda else None)
 
 
-def _int4_glu(model, w2) -> bool:
-    """SiLU-and-mul in an int4 w2's loads: the ``int4_glu`` switch, for w2 of small K (module docstring)."""
-    return model.kernels["int4_glu"] and w2.in_features <= INT4_GLU_MAX_K
+def _int4_glu(model, w2, batch: int) -> bool:
+    """SiLU-and-mul in an int4 w2's loads: the ``int4_glu`` switch, for w2 of small K, or of a larger K where the int4
+    table holds the GLU op's own entry for w2's shape at ``batch`` rows, a tile timed with SiLU-and-mul inside
+    (``bench.int4_fused``; no table has one yet: the limit was set by session 11's tiles, not PACKED's)."""
+    if not model.kernels["int4_glu"]:
+        return False
+    if w2.in_features <= INT4_GLU_MAX_K:
+        return True
+    from fastdecode.ops.int4 import fused_entry_is_own
+
+    return fused_entry_is_own(batch, w2.out_features, w2.in_features, w2.group_size, w2.qweight.device,
+                              op="int4_add_linear_glu") is True
 
 
-def _w2_glu(model, f) -> bool:
-    """Whether the feed-forward ``f``'s w2 takes SiLU-and-mul in its loads on this path (``decode``)."""
-    return f.fuse_down and f.fused and (_dense(f.w2) or _fp8(f.w2) or _int4_glu(model, f.w2))
+def _w2_glu(model, f, batch: int) -> bool:
+    """Whether the feed-forward ``f``'s w2 takes SiLU-and-mul in its loads on this path (``decode``) at ``batch``
+    rows."""
+    return f.fuse_down and f.fused and (_dense(f.w2) or _fp8(f.w2) or _int4_glu(model, f.w2, batch))
 
 
 def _add_linear(h, x, proj, be, glu: bool = False) -> None:
@@ -242,7 +255,7 @@ def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens
         o = a.attend(qkv, model.rope, cache.k[i], cache.v[i], input_pos, seq_lens, be)
         _add_linear(h, o, wo, be)
         gu = _norm_linear(h, layer.ffn_norm, w13, be)
-        if _w2_glu(model, f):  # SiLU-and-mul in w2's loads
+        if _w2_glu(model, f, B):  # SiLU-and-mul in w2's loads
             _add_linear(h, gu, w2, be, glu=True)
         else:
             _add_linear(h, silu_and_mul(gu, backend=be) if f.fused else silu_and_mul_ref(gu), w2, be)
