@@ -268,7 +268,9 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         tables = Path(tempfile.gettempdir()) / "fastdecode_step_tables"
         # the base: the package's int4 table of this GPU where it has one (an H100 since session 39), else the
         # script's default (the H200's: the sibling rule), never FASTDECODE_CONFIG_DIR's (a tuner's copy is table B)
-        own = ROOT / "src" / "fastdecode" / "configs" / f"int4_linear_{gpu}.json"
+        from fastdecode.ops._common import CONFIG_DIR
+
+        own = CONFIG_DIR / f"int4_linear_{gpu}.json"
         build = [PY, str(ROOT / "benchmarks" / "int4_small_table.py"), *([str(step_sweep)] if step_sweep else []),
                  *(["--base", str(own)] if own.is_file() else []), "--gpu", gpu, "--out-dir"]
         dirs = {"A": tables / "A", "B": Path(step_config_dir) if step_config_dir else tables / "B"}

@@ -27,7 +27,7 @@ import json
 import shutil
 from pathlib import Path
 
-CONFIGS = Path(__file__).resolve().parents[1] / "src" / "fastdecode" / "configs"
+from fastdecode.ops._common import CONFIG_DIR as CONFIGS, SIBLING_KINDS, gpu_key, sibling_gpu
 NORM_SHAPES = ("smollm2.qkv", "smollm2.gate_up")  # the step's int4_rms_norm_linear calls
 # the table section of the op each sweep side times (fastdecode.ops.int4.FUSED_OPS)
 SECTIONS = {"norm": "int4_rms_norm_linear", "add": "int4_add_linear", "glu": "int4_add_linear_glu"}
@@ -100,10 +100,11 @@ def main() -> None:
     table = build(rows, json.loads(Path(a.base).read_text()), a.norm_loop, a.norm_loop_only, source, a.unchanged)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    sibling = sibling_gpu(str(table.get("gpu", "")))
     for fam in ("linear", "allreduce"):  # the base GPU's other tables beside it, under the same GPU key
         src = Path(a.base).with_name(Path(a.base).name.replace("int4_linear", fam))
-        if not src.exists() and fam == "linear":  # none of the base's GPU (the H100 has an int4 table only): the
-            src = CONFIGS / "linear_nvidia_h200.json"  # H200's, which the ops read there (ops._common.table_path)
+        if not src.exists() and fam in SIBLING_KINDS and sibling:  # none of the base's GPU (the H100 has an int4
+            src = CONFIGS / f"{fam}_{gpu_key(sibling)}.json"  # table only): its sibling's, as the ops read it
         if src.exists():
             shutil.copy(src, out / f"{fam}_{a.gpu}.json")
     (out / f"int4_linear_{a.gpu}.json").write_text(json.dumps(table, indent=1) + "\n")

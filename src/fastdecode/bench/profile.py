@@ -106,8 +106,10 @@ def family_bytes(model, batch: int, kv_bytes: int) -> dict[str, int]:
 
 def copy_bandwidth(device=None, nbytes: int = 1 << 30, reps: int = 10) -> float:
     """Bytes a second of a device-to-device copy of ``nbytes`` on a CUDA ``device``, counted read plus written (as
-    the H200's 4.24 TB/s: 8 GiB moved in 2026.9 us, docs/benchmarking.md): the median of ``reps`` timed copies after
-    one untimed."""
+    the H200's 4.24 TB/s: 8 GiB moved in 2026.9 us, docs/benchmarking.md): the median of ``reps`` eager copies
+    timed after one untimed (``bench.harness.time_cuda``)."""
+    from fastdecode.bench.harness import time_cuda
+
     if nbytes < 1 or reps < 1:
         raise ValueError(f"nbytes and reps must be >= 1, got {nbytes}, {reps}")
     dev = torch.device(device or "cuda")
@@ -115,16 +117,8 @@ def copy_bandwidth(device=None, nbytes: int = 1 << 30, reps: int = 10) -> float:
         raise ValueError(f"copy_bandwidth measures a CUDA device, got {dev}")
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return 2 * nbytes / sorted(times)[len(times) // 2]
+    us = time_cuda([lambda: dst.copy_(src)], graph=False, warmup=1, reps=reps).median_us
+    return 2 * nbytes / (us * 1e-6)
 
 
 def family_table(steps: Sequence[Sequence[tuple[str, float, float]]], n_layers: int,
