@@ -20,7 +20,9 @@ the GLU op's own entry for w2's shape at the step's rows (``_int4_glu``: a tile 
 SiLU-and-mul inside; since session 45 it proposes PACKED tiles, which session 11's measurement predates). On an
 H100, on the embedded SmolLM2's step (w2's K = 1536; the H200's tables), it measured 610.3 against 620.7 us, 609.9
 against 620.2, and 618.15 against 625.85 in three processes. On the 8B (K = 14336), where the K loop is
-issue-bound, SiLU in the int4 kernel's loads cost 201 us a step in session 11. The limit lies between the two
+issue-bound, SiLU in the int4 kernel's loads cost 201 us a step in session 11, and 152-194 us with the fused
+tuner's PACKED tiles (session 46, H100: w2 + add 23.17 against 15.96 us; the fused step 2523 against 2371 us
+without it, and against 2329 us unfused; the fused 8B sections were not adopted). The limit lies between the two
 measured sizes and is not measured itself.
 
 FP8 blocks (session 26) take ``ops.w8a16``'s ``rms_norm_linear_w8a16`` / ``add_linear_w8a16_``: the attention norm
@@ -75,7 +77,8 @@ from fastdecode.ops.norm_linear import add_linear_, fold_norm_weight, rms_norm_l
 from fastdecode.ops.w8a16 import add_linear_w8a16_, rms_norm_linear_w8a16
 
 # the largest int4 w2 input size (intermediate size) that takes SiLU-and-mul in its loads with ``int4_glu``: above the
-# embedded SmolLM2's 1536 (faster), below the 8B's 14336 (slower in session 11); the value itself is not measured
+# embedded SmolLM2's 1536 (faster), below the 8B's 14336 (slower in sessions 11 and 46); the value itself is not
+# measured
 INT4_GLU_MAX_K = 4096
 
 
@@ -205,7 +208,7 @@ def _norm_linear(h, norm, proj, be):
 def _int4_glu(model, w2, batch: int) -> bool:
     """SiLU-and-mul in an int4 w2's loads: the ``int4_glu`` switch, for w2 of small K, or of a larger K where the int4
     table holds the GLU op's own entry for w2's shape at ``batch`` rows, a tile timed with SiLU-and-mul inside
-    (``bench.int4_fused``; no table has one yet: the limit was set by session 11's tiles, not PACKED's)."""
+    (``bench.int4_fused``; no shipped table has one: at the 8B's K the fused tuner's GLU entry lost, session 46)."""
     if not model.kernels["int4_glu"]:
         return False
     if w2.in_features <= INT4_GLU_MAX_K:
