@@ -63,8 +63,9 @@ Suites (run in the order given; ``all`` = every suite the machine's GPU count al
               (``--step-rounds`` of each): A the H200's tables under this GPU's name, B the same with an
               ``int4-small`` result's fastest M = 1 tiles (``--step-sweep``; ``benchmarks/int4_small_table.py``),
               or the tables of a directory (``--step-config-dir``, e.g. what ``tune-int4-fused`` wrote);
-              ``decode_embedded_tables_<i>.json``, each row naming its config dir; ``--step-model 8b-int4``: the
-              8B int4 step instead (``decode_8b_int4_tables_<i>.json``).
+              ``decode_embedded_tables_<i>.json``, each row naming its config dir; ``--step-model 8b-int4`` /
+              ``8b-fp8``: the 8B int4 / FP8 step instead (``decode_8b_{int4,fp8}_tables_<i>.json``; for FP8, B a
+              directory with a linear table, e.g. ``results/archive/configs_h200_271331f/``'s W8A16 section).
 * ``int4-diag`` ``benchmarks/diag_int4_gemv.py``: the int4 GEMV at decode sizes against its access pattern's ceiling
               (a kernel that only streams the packed words), the copy rate, mma variants, cuBLAS BF16 and tinygemm;
               then, where ``ncu`` is installed, one launch of each of a few cases under it (``ncu_int4.txt``);
@@ -156,7 +157,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
     extra arguments of ``int4-diag``'s sweep (``--few``, ``--shapes``, ``--ms``); ``ncu``: its ncu step too;
     ``decode_impls``: the rows of every ``decode`` step instead of its own list (a short call); ``step_sweep``,
     ``step_rounds``, ``step_config_dir``, ``step_model``: ``step-tables``' int4-small result, its processes per config
-    dir, the directory of table B instead of the sweep's tiles, and the step timed ("embedded" or "8b-int4")."""
+    dir, the directory of table B instead of the sweep's tiles, and the step timed ("embedded", "8b-int4" or
+    "8b-fp8")."""
     shapes = ["--shapes", tune_shapes] if tune_shapes else []
     if name == "tune":
         return [("tune linear", _fd("tune", "linear", "--dtypes", *tune_dtypes, *shapes,
@@ -278,9 +280,13 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         if not step_config_dir:
             steps.append(("tables B", build + [str(tables / "B")], 60))
         # the embedded GGUF's step, or the 8B int4 step (random weights, RTN g128: the fused ops' 8B sections)
-        model, tag, limit = ((["--preset", "llama-3.1-8b", "--input-len", "1", "--output-len", "128", "--quant",
-                               "int4"], "8b_int4", 300) if step_model == "8b-int4"
-                             else (["--model", _embedded_gguf()], "embedded", 120))
+        # or the 8B FP8 step (random weights quantised at load: the linear table's W8A16 / W8A8 entries)
+        if step_model in ("8b-int4", "8b-fp8"):
+            quant = step_model.split("-")[1]
+            model, tag, limit = (["--preset", "llama-3.1-8b", "--input-len", "1", "--output-len", "128", "--quant",
+                                  quant], f"8b_{quant}", 300)
+        else:
+            model, tag, limit = ["--model", _embedded_gguf()], "embedded", 120
         for i in range(2 * step_rounds):
             d = "AB"[i % 2]
             # --decode-impls: other rows too, e.g. fastdecode-graph-no-int4_glu (each table with and without)
@@ -872,8 +878,8 @@ def main(argv=None) -> int:
     p.add_argument("--step-config-dir", default=None,
                    help="step-tables: table B is this directory's tables (instead of --step-sweep's tiles)")
     p.add_argument("--step-rounds", type=int, default=2, help="step-tables: processes on each config dir")
-    p.add_argument("--step-model", choices=("embedded", "8b-int4"), default="embedded",
-                   help="step-tables: the embedded GGUF's step, or the 8B int4 step (random weights)")
+    p.add_argument("--step-model", choices=("embedded", "8b-int4", "8b-fp8"), default="embedded",
+                   help="step-tables: the embedded GGUF's step, or the 8B int4 / FP8 step (random weights)")
     a = p.parse_args(argv)
     if "step-tables" in a.suites and not (a.step_sweep and Path(a.step_sweep).is_file()) and not a.step_config_dir:
         p.error(f"step-tables needs --step-sweep, an int4-small result file (got {a.step_sweep!r}), or "

@@ -250,3 +250,19 @@ def test_gpu_script_step_tables_on_the_8b_int4_step(tmp_path):
                                step_model="8b-int4", decode_impls=("fastdecode-graph", "fastdecode-graph-no-int4_glu"))
     for _, cmd, _ in steps[1:]:
         assert cmd[cmd.index("--impl") + 1:cmd.index("--out")] == ["fastdecode-graph", "fastdecode-graph-no-int4_glu"]
+
+
+def test_gpu_script_step_tables_on_the_8b_fp8_step(tmp_path):
+    """``--step-model 8b-fp8``: the 8B FP8 step (random weights quantised at load) alternating between table A (the
+    package's linear table: A's directory holds only the int4 table) and a directory with a linear table of its own."""
+    gpu = load_script(ROOT / "benchmarks" / "gpu.py", "gpu_step_tables_8b_fp8")
+    steps = gpu.suite_commands("step-tables", tmp_path, 1, gpu="gpu_x", step_config_dir="d", step_rounds=2,
+                               step_model="8b-fp8")
+    assert [label for label, _, _ in steps] == ["tables A", "step A 1", "step B 2", "step A 3", "step B 4"]
+    for i, (_, cmd, limit) in enumerate(steps[1:], 1):
+        assert cmd[cmd.index("--preset") + 1] == "llama-3.1-8b" and cmd[cmd.index("--quant") + 1] == "fp8"
+        assert cmd[-1] == str(tmp_path / f"decode_8b_fp8_tables_{i}.json") and limit > 120
+        env = cmd[1]
+        assert env.startswith("FASTDECODE_CONFIG_DIR=") and env.endswith("/A" if i % 2 else "=d")
+    with pytest.raises(SystemExit):  # the choice is checked
+        gpu.main(["step-tables", "--step-model", "8b-bf16", "--step-config-dir", "d"])
