@@ -242,3 +242,54 @@ def test_tuner_names_a_siblings_copy_this_gpus_and_refuses_another_gpus(tmp_path
         F._claim(tmp_path / "a100.json", h200, "NVIDIA A100")
     F._claim(tmp_path / "new.json", tmp_path / "none.json", "cpu")
     assert json.loads((tmp_path / "new.json").read_text()) == {}
+
+
+@pytest.mark.parametrize("glu_wins", [False, True])
+def test_a_glu_entry_above_the_limit_must_beat_w2_without_it(tmp_path, monkeypatch, glu_wins):
+    """Above ``INT4_GLU_MAX_K`` a GLU entry turns the GLU on in the step (``models.norm_gemm._int4_glu``), so the
+    tuner writes it only where its fastest tile beats w2 without the GLU: the SiLU-and-mul kernel, then the add op's
+    tile, timed last. Session 46's H100 run wrote the 8B's GLU entry although it lost (23.17 against 15.96 us) and the
+    step on it ran 152-194 us slower. An entry an earlier run wrote is removed where the GLU loses."""
+    import fastdecode.ops.activation as A
+    from fastdecode.models import norm_gemm
+
+    monkeypatch.setattr(norm_gemm, "INT4_GLU_MAX_K", 128)  # the tiny w2's K = 256 lies above it
+    monkeypatch.setattr(F, "SHAPES", {"tiny.down_glu": (16, 256, 32, "min")})
+    silu = []
+    real_silu = A.silu_and_mul
+    monkeypatch.setattr(A, "silu_and_mul", lambda *a, **k: silu.append(1) or real_silu(*a, **k))
+    path = tmp_path / "int4_linear_test.json"
+    old = {"impl": "triton", "config": {"kind": "fma", "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1,
+                                        "num_warps": 4, "num_stages": 1, "PREFETCH": True}, "us": 1.0}
+    path.write_text(json.dumps({"gpu": HERE, "int4_add_linear_glu": {"16,256,32": {"1": old}}}))
+    timed = []
+
+    def timer(calls):
+        before = len(silu)
+        calls[0]()
+        timed.append(len(silu) - before)  # whether the timed call ran the SiLU-and-mul kernel
+        # three candidates and the table's tile 5 us each; w2 without the GLU (timed last) 6 us where the GLU wins,
+        # else 4
+        return 5.0 if len(timed) < 5 else (6.0 if glu_wins else 4.0)
+
+    got = F.tune_fused(path, shapes=["tiny.down_glu"], ms=[1], device=DEV, timer=timer, max_candidates=3, rot=1)
+    assert timed == [0, 0, 0, 0, 1]  # the GLU inside each candidate's kernel; the SiLU-and-mul kernel for the last
+    section = json.loads(path.read_text()).get("int4_add_linear_glu", {})
+    if glu_wins:
+        assert section["16,256,32"]["1"] == got["int4_add_linear_glu"]["16,256,32"]["1"]
+        assert section["16,256,32"]["1"]["us"] == 5.0
+    else:
+        assert got == {} and "16,256,32" not in section
+        assert norm_gemm.INT4_GLU_MAX_K == 128 and F.op_of("tiny.down", 256) == "int4_add_linear"
+
+
+def test_a_glu_op_at_or_under_the_limit_is_not_compared(tmp_path, monkeypatch):
+    """At or under ``INT4_GLU_MAX_K`` the switch alone turns the GLU on (the entry only picks its tile): no timing of
+    w2 without it."""
+    monkeypatch.setattr(F, "SHAPES", {"tiny.down": (16, 256, 32, "min")})
+    path = tmp_path / "int4_linear_test.json"
+    path.write_text(json.dumps({"gpu": HERE}))
+    timed = []
+    got = F.tune_fused(path, shapes=["tiny.down"], ms=[1], device=DEV, timer=lambda c: timed.append(1) or 1.0,
+                       max_candidates=2, rot=1)
+    assert len(timed) == 3 and "16,256,32" in got["int4_add_linear_glu"]

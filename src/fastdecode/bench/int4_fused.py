@@ -18,7 +18,9 @@ the model the unfused step; session 34's H100 left 8B gate_up's mma tile out and
 55-102 us slower than the unfused one, benchmarks/NOTES.md); each is checked against
 the op's fp32 reference first, then timed on rotated weights (CUDA graphs, ``bench.harness.time_cuda``). The
 fastest goes into the op's section of the table at ``--out`` (``bench.harness.write_table_section``: a missing
-file starts from the table in use), whose other sections and entries stay.
+file starts from the table in use), whose other sections and entries stay. For the GLU op above ``INT4_GLU_MAX_K``
+(``8b.down_glu``), where an entry turns the GLU on in the step, only if it beats w2 without it (the SiLU-and-mul
+kernel, then the add op's tile): in session 46 (H100) it did not, and the step on that entry ran 152-194 us slower.
 
     python -m fastdecode.bench.int4_fused --shapes smollm2 --ms 1 --out DIR/int4_linear_<gpu>.json
 """
@@ -44,7 +46,7 @@ SHAPES = {
     "8b.qkv": (6144, 4096, 128, "zero"), "8b.o": (4096, 4096, 128, "zero"),
     "8b.gate_up": (28672, 4096, 128, "zero"), "8b.down": (4096, 14336, 128, "zero"),
     # the 8B's w2 with SiLU-and-mul inside, above INT4_GLU_MAX_K: the step takes it only on this op's own entry
-    # (models.norm_gemm._int4_glu), which no table has yet
+    # (models.norm_gemm._int4_glu), written only where it beats w2 without the GLU (tune_fused)
     "8b.down_glu": (4096, 14336, 128, "zero"),
 }
 ALIASES = {"smollm2": [s for s in SHAPES if s.startswith("smollm2.")], "8b": [s for s in SHAPES if s.startswith("8b.")]}
@@ -129,9 +131,11 @@ class FusedOperands:
         else:
             self.ref = int4_add_linear_ref(self.r0, self.x[0], w0, glu=self.glu).float()
 
-    def calls(self, cfg: dict, warmup: bool = False) -> list[Callable[[], None]]:
+    def calls(self, cfg: dict, warmup: bool = False, glu_inside: bool = True) -> list[Callable[[], None]]:
         """One call per weight copy of the op on ``cfg`` as the op runs it (``ops.int4_norm_linear``): on an fma
-        tile the norm or SiLU-and-mul inside; on a tensor-core tile the norm kernel (SiLU-and-mul kernel) first."""
+        tile the norm or SiLU-and-mul inside; on a tensor-core tile the norm kernel (SiLU-and-mul kernel) first.
+        ``glu_inside=False`` (the GLU op): the SiLU-and-mul kernel first on any tile, then the add op: w2 as the step
+        runs it without the GLU."""
         from fastdecode.ops.activation import silu_and_mul
         from fastdecode.ops.int4 import int4_linear_with_config
         from fastdecode.ops.norm import rms_norm
@@ -143,17 +147,18 @@ class FusedOperands:
             kw = dict(norm_weight=self.norm_weight, eps=EPS, x_norm=True) if inside else {}
         else:
             outs = self.res
-            pre = None if inside or not self.glu else (lambda x: silu_and_mul(x, backend="triton"))
-            kw = dict(accumulate=True, glu=self.glu and inside)
+            glu_in = self.glu and inside and glu_inside
+            pre = (lambda x: silu_and_mul(x, backend="triton")) if self.glu and not glu_in else None
+            kw = dict(accumulate=True, glu=glu_in)
         return [lambda i=i: int4_linear_with_config(pre(self.x[i]) if pre else self.x[i], self.w[i], None, outs[i],
                                                     cfg, warmup=warmup, **kw) for i in range(len(self.w))]
 
-    def check(self, cfg: dict) -> Optional[str]:
+    def check(self, cfg: dict, glu_inside: bool = True) -> Optional[str]:
         """One call on a poisoned output (the add ops: the residual restored first); None when it matches the
         reference within 2 % of the output's largest value, else what was wrong."""
         self.out.fill_(float("nan"))
         self.res[0].copy_(self.r0)
-        self.calls(cfg)[0]()
+        self.calls(cfg, glu_inside=glu_inside)[0]()
         got = (self.out if self.op == "int4_rms_norm_linear" else self.res[0]).float()
         err = float((got - self.ref).abs().max() / self.ref.abs().max())
         return None if err < 2e-2 else f"max error {err:.3g} of the output's largest value"
@@ -211,6 +216,7 @@ def tune_fused(out_path, *, shapes: Sequence[str] = tuple(ALIASES["smollm2"]), m
     ``device``, ``max_candidates``, ``rot``: the CPU tests' small run under the interpreter."""
     from fastdecode.bench.harness import time_cuda, write_table_section
     from fastdecode.bench.int4 import fastest
+    from fastdecode.models import norm_gemm
     from fastdecode.ops._common import table_path
     from fastdecode.ops._tuned import clear_config_cache, device_info
     from fastdecode.ops.int4 import get_int4_config, smem_limit, table_key
@@ -248,17 +254,61 @@ def tune_fused(out_path, *, shapes: Sequence[str] = tuple(ALIASES["smollm2"]), m
             if best is None:
                 log.warning(f"fastdecode tune int4 fused: {what}: no candidate ran; the section keeps its entry")
                 continue
+            apart = (_glu_apart_us(ops, M, N, K, group, dev, path, timer)
+                     if op == "int4_add_linear_glu" and K > norm_gemm.INT4_GLU_MAX_K else None)
+            ops = None
+            if apart is not None and apart <= best[0]:
+                # no entry: the step keeps w2 without the GLU (models.norm_gemm._int4_glu)
+                dropped = _drop_entry(path, op, table_key(N, K, group), M)
+                print(f"{what}: {best[0]:.2f} us {best[1]}, but the SiLU-and-mul kernel and then int4_add_linear's "
+                      f"tile took {apart:.2f} us: no entry" + (" (the table's entry removed)" if dropped else ""),
+                      flush=True)
+                continue
             entry = {"impl": "triton", "config": best[1], "us": round(best[0], 3)}
             written.setdefault(op, {}).setdefault(table_key(N, K, group), {})[str(M)] = entry
             write_table_section(path, op, {table_key(N, K, group): {str(M): entry}}, base=base)
             now = times.get(repr(incumbent)) if incumbent is not None else None
             print(f"{what}: {best[0]:.2f} us {best[1]}" + (f" (the table's tile: {now:.2f} us)" if now else ""),
                   flush=True)
-            ops = None
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     clear_config_cache()
     return written
+
+
+def _drop_entry(path: Path, section: str, key: str, M: int) -> bool:
+    """Remove the entry of (key, M) from ``section`` of the table at ``path`` (an earlier run's); whether there was
+    one."""
+    import json
+
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    by_m = table.get(section, {}).get(key, {})
+    if str(M) not in by_m:
+        return False
+    del by_m[str(M)]
+    if not by_m:
+        del table[section][key]
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return True
+
+
+def _glu_apart_us(ops: FusedOperands, M: int, N: int, K: int, group: int, dev, path: Path,
+                  timer: Callable[[list], float]) -> Optional[float]:
+    """Microseconds a call of w2 without the GLU, as the step would run it: the SiLU-and-mul kernel, then the add
+    op on its tile (its own section's entry in the table at ``path`` where this run or an earlier one wrote it, else
+    the plain GEMV's). A GLU entry above ``INT4_GLU_MAX_K`` turns the GLU on in the step (``models.norm_gemm``), so
+    it must beat this: in session 46 (H100) the tuner's fastest GLU tile on the 8B w2 took 23.17 us against 15.96 for
+    the add op's, and the step with it ran 152-194 us slower. None where that tile fails its check."""
+    from fastdecode.ops._tuned import clear_config_cache
+    from fastdecode.ops.int4 import get_int4_config
+
+    clear_config_cache()
+    _, cfg = get_int4_config(M, N, K, group, dev, op="int4_add_linear", path=str(path) if path.is_file() else None)
+    if ops.check(cfg, glu_inside=False) is not None:
+        return None
+    if dev.type == "cuda":
+        ops.calls(cfg, warmup=True, glu_inside=False)[0]()
+    return timer(ops.calls(cfg, glu_inside=False))
 
 
 def main(argv=None) -> int:
