@@ -87,8 +87,9 @@ def start_table(path: Path, gpu_name: str, num_sms: int, merge: bool, sections: 
 
 def write_table_section(path: Path, section: str, entries: dict, base: Optional[Path] = None,
                         gpu_name: Optional[str] = None) -> dict:
-    """Merge ``entries`` (``{shape key: {M: entry}}``) into ``section`` of the tuned table at ``path`` and write it,
-    with ``<section>_env`` (this run's GPU and commit) as the section's own record. A missing file starts from
+    """Merge ``entries`` (``{shape key: {M: entry}}``; an entry None removes that key's M, and a key left with none
+    goes) into ``section`` of the tuned table at ``path`` and write it, with ``<section>_env`` (this run's GPU and
+    commit) as the section's own record. A missing file starts from
     ``base``, the table in use (``ops._common.config_path``): a table under ``FASTDECODE_CONFIG_DIR`` replaces the
     package's whole table of its family, so the copy must keep the rest. The table becomes this GPU's
     (``gpu_name``, default the run's; ``adopt_table``: a sibling's copy names this GPU, ``based_on`` the other;
@@ -101,7 +102,12 @@ def write_table_section(path: Path, section: str, entries: dict, base: Optional[
         table = adopt_table(table, gpu_name, src, f"not writing its {section} section for this GPU")
     sec = table.setdefault(section, {})
     for key, by_m in entries.items():
-        sec.setdefault(key, {}).update(by_m)
+        kept = {**sec.get(key, {}), **by_m}
+        kept = {m: e for m, e in kept.items() if e is not None}
+        if kept:
+            sec[key] = kept
+        else:
+            sec.pop(key, None)
     table[section + "_env"] = info
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")

@@ -257,12 +257,13 @@ def tune_fused(out_path, *, shapes: Sequence[str] = tuple(ALIASES["smollm2"]), m
             apart = (_glu_apart_us(ops, M, N, K, group, dev, path, timer)
                      if op == "int4_add_linear_glu" and K > norm_gemm.INT4_GLU_MAX_K else None)
             ops = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
             if apart is not None and apart <= best[0]:
-                # no entry: the step keeps w2 without the GLU (models.norm_gemm._int4_glu)
-                dropped = _drop_entry(path, op, table_key(N, K, group), M)
+                # no entry (one the table had is removed): the step keeps w2 without the GLU (norm_gemm._int4_glu)
+                write_table_section(path, op, {table_key(N, K, group): {str(M): None}}, base=base)
                 print(f"{what}: {best[0]:.2f} us {best[1]}, but the SiLU-and-mul kernel and then int4_add_linear's "
-                      f"tile took {apart:.2f} us: no entry" + (" (the table's entry removed)" if dropped else ""),
-                      flush=True)
+                      f"tile took {apart:.2f} us: no entry", flush=True)
                 continue
             entry = {"impl": "triton", "config": best[1], "us": round(best[0], 3)}
             written.setdefault(op, {}).setdefault(table_key(N, K, group), {})[str(M)] = entry
@@ -270,26 +271,8 @@ def tune_fused(out_path, *, shapes: Sequence[str] = tuple(ALIASES["smollm2"]), m
             now = times.get(repr(incumbent)) if incumbent is not None else None
             print(f"{what}: {best[0]:.2f} us {best[1]}" + (f" (the table's tile: {now:.2f} us)" if now else ""),
                   flush=True)
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
     clear_config_cache()
     return written
-
-
-def _drop_entry(path: Path, section: str, key: str, M: int) -> bool:
-    """Remove the entry of (key, M) from ``section`` of the table at ``path`` (an earlier run's); whether there was
-    one."""
-    import json
-
-    table = json.loads(path.read_text()) if path.is_file() else {}
-    by_m = table.get(section, {}).get(key, {})
-    if str(M) not in by_m:
-        return False
-    del by_m[str(M)]
-    if not by_m:
-        del table[section][key]
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    return True
 
 
 def _glu_apart_us(ops: FusedOperands, M: int, N: int, K: int, group: int, dev, path: Path,
@@ -299,10 +282,8 @@ def _glu_apart_us(ops: FusedOperands, M: int, N: int, K: int, group: int, dev, p
     the plain GEMV's). A GLU entry above ``INT4_GLU_MAX_K`` turns the GLU on in the step (``models.norm_gemm``), so
     it must beat this: in session 46 (H100) the tuner's fastest GLU tile on the 8B w2 took 23.17 us against 15.96 for
     the add op's, and the step with it ran 152-194 us slower. None where that tile fails its check."""
-    from fastdecode.ops._tuned import clear_config_cache
     from fastdecode.ops.int4 import get_int4_config
 
-    clear_config_cache()
     _, cfg = get_int4_config(M, N, K, group, dev, op="int4_add_linear", path=str(path) if path.is_file() else None)
     if ops.check(cfg, glu_inside=False) is not None:
         return None
