@@ -230,6 +230,12 @@ def test_merge_rows_replaces_same_op_impl_shape(tmp_path):
     c = {**a, "shape": {"M": 2, "H": 8}}
     merge_rows([a2, c], path)
     assert json.loads(path.read_text()) == [a2, b, c]
+    # one run timing the same row three times (an order check): all three kept, in place of the old row
+    a3 = [{**a2, "median_us": v} for v in (0.4, 0.6, 0.61)]
+    merge_rows(a3, path)
+    assert json.loads(path.read_text()) == [*a3, b, c]
+    merge_rows([a2], path)  # a later run of it once: the three give way to its row
+    assert json.loads(path.read_text()) == [a2, b, c]
     merge_rows([b], tmp_path / "new.json")  # no file yet: just the rows
     assert json.loads((tmp_path / "new.json").read_text()) == [b]
     path.write_text('{"not": "rows"}')
@@ -316,3 +322,22 @@ def test_config_dir_override_reads_your_table_and_falls_back_per_family(monkeypa
         env_info.cache_clear()
     monkeypatch.delenv("FASTDECODE_CONFIG_DIR")
     assert _common.config_path("linear", "NVIDIA H200") == _common.CONFIG_DIR / "linear_nvidia_h200.json"
+
+
+def test_the_order_effect_diagnosis_times_two_live_runners_in_turn_on_cpu(tmp_path):
+    """``benchmarks/diag_order_effect.py`` (session 47): runner A, then B captured beside it, timed in turn (A B A B
+    ...), then C after both are gone; every turn one row, in order. A CPU smoke run of torch-eager on the tiny preset."""
+    import json
+    from pathlib import Path
+
+    from helpers import load_script
+
+    diag = load_script(Path(__file__).resolve().parents[1] / "benchmarks" / "diag_order_effect.py",
+                       "diag_order_effect")
+    out = tmp_path / "order.json"
+    assert diag.main(["--preset", "tiny", "--quant", "none", "--impl", "torch-eager", "--device", "cpu",
+                      "--iters", "2", "--rounds", "2", "--output-len", "3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["runner"], r["turn"]) for r in rows] == [("A", 1), ("B", 2), ("A", 3), ("B", 4), ("A", 5), ("C", 6),
+                                                        ("C", 7)]
+    assert all(r["median_us"] > 0 and r["min_us"] <= r["median_us"] <= r["max_us"] for r in rows)

@@ -155,3 +155,7 @@ def test_bench_decode_out_merges_rows_instead_of_clobbering(tmp_path, capsys):
     assert merge_rows([faster], [other_tables]) == [faster, other_tables]
     assert merge_rows([faster, other_tables], [{**faster, "median_us": 3400.0}]) == [
         {**faster, "median_us": 3400.0}, other_tables]
+    # one run naming a row twice (session 47's order check) keeps both; before, the second replaced the first
+    twice = tmp_path / "twice.json"
+    assert cli.main(argv[:-3] + ["torch-eager", "torch-eager", "--out", str(twice), "--batch", "1"]) == 0
+    assert [r["impl"] for r in json.loads(twice.read_text())] == ["torch-eager", "torch-eager"]

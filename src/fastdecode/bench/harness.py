@@ -271,18 +271,29 @@ def row_key(row: dict) -> tuple:
 
 
 def merged_rows(old: list, new: list[dict], key=row_key, keep_measured: bool = False) -> list[dict]:
-    """``old`` with each row of ``new`` in place of the old row of the same ``key`` (so the file keeps
-    its order), new keys appended. ``keep_measured``: a new row without a measurement (skipped,
-    failed: no ``median_us``) does not replace an old one with."""
+    """``old`` with the rows of ``new`` in place of the old rows of the same ``key`` (so the file keeps its order),
+    new keys appended. Rows of one key that repeat within ``new`` (one run timing the same thing more than once, as
+    an order check does) are all kept, in their order, where the key's first old row was. ``keep_measured``: new
+    rows of a key none of which has a measurement (skipped, failed: no ``median_us``) do not replace an old row
+    with one."""
     if not isinstance(old, list) or not all(isinstance(r, dict) for r in old):
         raise ValueError("not a list of result rows")
-    fresh = {key(r): r for r in new}
-    out = []
+    fresh: dict = {}
+    for r in new:
+        fresh.setdefault(key(r), []).append(r)
+    out, placed = [], set()
     for r in old:
-        n = fresh.pop(key(r), None)
-        keep_old = n is None or (keep_measured and "median_us" not in n and "median_us" in r)
-        out.append(r if keep_old else n)
-    return out + list(fresh.values())
+        k = key(r)
+        ns = fresh.get(k)
+        if ns is None:
+            out.append(r)
+        elif keep_measured and "median_us" in r and not any("median_us" in n for n in ns):
+            out.append(r)  # the old measurement stays, the new rows of its key are dropped
+            placed.add(k)
+        elif k not in placed:
+            out += ns
+            placed.add(k)
+    return out + [n for k, ns in fresh.items() if k not in placed for n in ns]
 
 
 def merge_rows(rows: list[dict], path: str | os.PathLike, *, key=row_key, keep_measured: bool = False) -> list[dict]:
