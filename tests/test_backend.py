@@ -324,9 +324,10 @@ def test_config_dir_override_reads_your_table_and_falls_back_per_family(monkeypa
     assert _common.config_path("linear", "NVIDIA H200") == _common.CONFIG_DIR / "linear_nvidia_h200.json"
 
 
-def test_the_order_effect_diagnosis_times_two_live_runners_in_turn_on_cpu(tmp_path):
-    """``benchmarks/diag_order_effect.py`` (session 47): runner A, then B captured beside it, timed in turn (A B A B
-    ...), then C after both are gone; every turn one row, in order. A CPU smoke run of torch-eager on the tiny preset."""
+def test_the_order_effect_diagnosis_on_cpu(tmp_path):
+    """``benchmarks/diag_order_effect.py`` (session 47), a CPU smoke run of torch-eager on the tiny preset. Runners:
+    A, then B captured beside it, timed in turn (A B A B ...), then C after both are gone. Probes: A alone twice, then
+    A after each probe; the probes that need CUDA (the graph captures, ``empty_cache``) are rows marked skipped."""
     import json
     from pathlib import Path
 
@@ -334,10 +335,17 @@ def test_the_order_effect_diagnosis_times_two_live_runners_in_turn_on_cpu(tmp_pa
 
     diag = load_script(Path(__file__).resolve().parents[1] / "benchmarks" / "diag_order_effect.py",
                        "diag_order_effect")
-    out = tmp_path / "order.json"
-    assert diag.main(["--preset", "tiny", "--quant", "none", "--impl", "torch-eager", "--device", "cpu",
-                      "--iters", "2", "--rounds", "2", "--output-len", "3", "--out", str(out)]) == 0
+    common = ["--preset", "tiny", "--quant", "none", "--impl", "torch-eager", "--device", "cpu", "--iters", "2",
+              "--output-len", "3"]
+    out = tmp_path / "runners.json"
+    assert diag.main(common + ["--mode", "runners", "--rounds", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["runner"], r["turn"]) for r in rows] == [("A", 1), ("B", 2), ("A", 3), ("B", 4), ("A", 5), ("C", 6),
                                                         ("C", 7)]
     assert all(r["median_us"] > 0 and r["min_us"] <= r["median_us"] <= r["max_us"] for r in rows)
+    out = tmp_path / "probes.json"
+    assert diag.main(common + ["--mode", "probes", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    timed = [r["after"] for r in rows if "median_us" in r]
+    assert timed == ["", "nothing", "eager decode x3", "eager decode x3, side stream"]
+    assert [r["after"] for r in rows if r.get("skipped") == "needs CUDA"] == list(diag.GPU_PROBES)
