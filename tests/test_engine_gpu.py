@@ -348,10 +348,18 @@ def test_seeded_sampling_on_gpu_is_reproducible():
 
 def test_bench_decode_ablation_rows():
     from fastdecode.bench.decode import IMPLS, bench_decode
+    from fastdecode.engine.cuda_graph import pdl_graphs_captured
+    from fastdecode.ops._common import pdl_switch
 
+    n0 = pdl_graphs_captured()  # the process's count so far (earlier tests capture graphs too)
     rows = bench_decode("llama-3.1-8b", batch=1, input_len=1, output_len=8, iters=3, warmup=1, layers=2,
                         log=lambda m: None)
     assert [r["impl"] for r in rows] == list(IMPLS)
     for r in rows:
         assert "error" not in r, r
         assert r["tokens_per_s"] > 0 and 0 < r["tbps"] < 6
+    # every graph row records the PDL graphs captured so far (session 47); torch-graph's (no Triton kernels) not counted
+    counts = {r["impl"]: r["pdl_graphs"] for r in rows if "pdl_graphs" in r}
+    step = 1 if pdl_switch() else 0  # FASTDECODE_PDL=0: no graph counts
+    assert counts == {"torch-graph": n0, "fastdecode-graph-cublas": n0 + step, "fastdecode-graph": n0 + 2 * step}
+    assert all("pdl_graphs" not in r for r in rows if r["impl"] in ("torch-eager", "torch-compile", "peer-compile"))

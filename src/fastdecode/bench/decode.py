@@ -362,6 +362,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     Under torch.distributed (torchrun) the model is tensor-parallel over the world (every rank runs;
     the caller reports rank 0's rows)."""
     from fastdecode.bench.harness import Timing, env_info
+    from fastdecode.engine.cuda_graph import pdl_graphs_captured
     from fastdecode.engine.kv_cache import KVCache
     from fastdecode.models.int4 import Int4Linear
 
@@ -445,6 +446,8 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         }
         if is_peer:
             row["peer"] = runner.model.description
+        if runner.graphs is not None:  # from the second PDL graph of a process on, each runs slower (docs)
+            row["pdl_graphs"] = pdl_graphs_captured()
         if peak:
             row["peak_tbps"] = peak / 1e12
             row["roofline_tokens_per_s"] = round(batch * peak / wb, 1)

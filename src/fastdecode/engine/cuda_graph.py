@@ -18,8 +18,19 @@ from typing import Optional, Sequence
 import torch
 
 from fastdecode.engine.timing import Timings, phase
+from fastdecode.ops._common import pdl_enabled
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+_pdl_graphs = 0  # decode graphs of this process captured with programmatic dependent launch on
+
+
+def pdl_graphs_captured() -> int:
+    """How many decode graphs (buckets, every runner's) this process has captured with programmatic dependent launch
+    on. From the second on, every PDL graph of the process runs slower: ~28 us a step at 8B int4 on an H100, once and
+    for good (session 47, ``benchmarks/diag_order_effect.py``; ``docs/benchmarking.md``). A benchmark row records it
+    beside its time."""
+    return _pdl_graphs
 
 
 class DecodeGraphRunner:
@@ -80,6 +91,10 @@ class DecodeGraphRunner:
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[b] = g
+            # the switch as it was while capturing, and a model that launches fastdecode's Triton kernels
+            if pdl_enabled(self.tokens) and getattr(self.model, "backend", "auto") not in ("torch", "ref"):
+                global _pdl_graphs
+                _pdl_graphs += 1
             torch.cuda.synchronize()
         self.capture_s[b] = {"warmup": t1 - t0, "capture": time.perf_counter() - t1}
 
