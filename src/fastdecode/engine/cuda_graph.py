@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from fastdecode.engine.timing import Timings, phase
-from fastdecode.ops._common import pdl_enabled
+from fastdecode.ops import pdl_enabled
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
