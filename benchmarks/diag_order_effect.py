@@ -11,7 +11,8 @@ are gone and the allocator's cache is emptied. Session 47: A 2330.27 us before B
 ``--mode probes`` times runner A alone, then after each probe in turn, each probe kept alive to the end (the last ones
 are the ones that were found to slow A): eager decode steps on the current and on a side stream, ``empty_cache``, a
 one-kernel graph of a PyTorch op, a one-kernel graph of a fastdecode Triton kernel (``rms_norm``) with programmatic
-dependent launch off, the same with it on, and last a second decode graph runner. Session 47 ran these one at a
+dependent launch off, the same with it on, and last a second decode graph runner; a decode graph captured without
+PDL (N) is timed before the probes and after them. Session 47 ran the probes (not N) one at a
 time (printed, no file): only the captures with PDL on slowed A, by ~28 us, and deleting the graph did not undo it::
 
     PYTHONPATH=src python benchmarks/diag_order_effect.py --mode probes --quant int4 --out rows.json
@@ -93,6 +94,14 @@ def main(argv=None) -> int:
         timed("C", runner_c)
     else:
         timed("A", runner_a, "nothing")
+        # a graph without PDL (its capture does not trigger it: session 47), timed here and after the probes:
+        # is a non-PDL graph slowed too once a second PDL graph exists?
+        runner_n = DecodeRunner("fastdecode-graph-no-pdl", model, cache, 1) if cuda else None
+        if runner_n is not None:
+            timed("N (no PDL)", runner_n, "its own capture")
+            timed("A", runner_a, "a graph without PDL")
+        else:
+            rows.append({**base, "runner": "N (no PDL)", "skipped": "needs CUDA", **env_info()})
         from fastdecode import ops
         from fastdecode.ops._common import pdl_override
 
@@ -137,6 +146,8 @@ def main(argv=None) -> int:
             timed("A", runner_a, probe)
         if kept and isinstance(kept[-1], DecodeRunner):
             timed("B", kept[-1], "its own capture")
+        if runner_n is not None:
+            timed("N (no PDL)", runner_n, "every probe")
     if a.out:
         write_rows(rows, a.out)
     return 0

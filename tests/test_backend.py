@@ -348,4 +348,5 @@ def test_the_order_effect_diagnosis_on_cpu(tmp_path):
     rows = json.loads(out.read_text())
     timed = [r["after"] for r in rows if "median_us" in r]
     assert timed == ["", "nothing", "eager decode x3", "eager decode x3, side stream"]
-    assert [r["after"] for r in rows if r.get("skipped") == "needs CUDA"] == list(diag.GPU_PROBES)
+    assert [r["after"] for r in rows if r.get("skipped") == "needs CUDA" and "after" in r] == list(diag.GPU_PROBES)
+    assert [r["runner"] for r in rows if r.get("skipped") and "after" not in r] == ["N (no PDL)"]
