@@ -86,8 +86,8 @@ def main(argv=None) -> int:
             timed("A", runner_a)
         del runner_a, runner_b
         gc.collect()
+        sync()
         if cuda:
-            torch.cuda.synchronize()
             torch.cuda.empty_cache()
         runner_c = DecodeRunner(a.impl, model, cache, 1)
         timed("C", runner_c)
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         else:
             rows.append({**base, "runner": "N (no PDL)", "skipped": "needs CUDA", **env_info()})
         from fastdecode import ops
-        from fastdecode.ops._common import pdl_override
+        from fastdecode.ops import pdl_override
 
         tok = torch.zeros(1, dtype=torch.long, device=device)
         pos = torch.zeros(1, dtype=torch.long, device=device)

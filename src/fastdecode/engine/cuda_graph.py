@@ -19,6 +19,7 @@ import torch
 
 from fastdecode.engine.timing import Timings, phase
 from fastdecode.ops import pdl_enabled
+from fastdecode.ops._common import resolve_backend
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -91,12 +92,18 @@ class DecodeGraphRunner:
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[b] = g
-            # the switch as it was while capturing, and a model that launches fastdecode's Triton kernels
-            if pdl_enabled(self.tokens) and getattr(self.model, "backend", "auto") not in ("torch", "ref"):
+            if self._launches_pdl():
                 global _pdl_graphs
                 _pdl_graphs += 1
             torch.cuda.synchronize()
         self.capture_s[b] = {"warmup": t1 - t0, "capture": time.perf_counter() - t1}
+
+    def _launches_pdl(self) -> bool:
+        """The graph just captured holds PDL launches: the switch as it was while capturing, and the model's ops
+        resolved to fastdecode's Triton kernels (``ops._common.resolve_backend``; "ref" is plain PyTorch)."""
+        b = getattr(self.model, "backend", "auto")
+        return (b != "ref" and pdl_enabled(self.tokens)
+                and resolve_backend(None if b == "auto" else b, self.tokens.device, "decode graph") == "triton")
 
     def bucket_for(self, B: int) -> int:
         for b in self.buckets:
