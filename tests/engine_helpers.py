@@ -96,6 +96,23 @@ def save_tiny_smollm2_vocab(path, **config):
     return path, tok
 
 
+def clear_greedy_margins(path, prompt: str, n: int, min_gap: float = 1e-3) -> bool:
+    """True when each of the first ``n`` greedy tokens of ``prompt`` beats the runner-up logit by ``min_gap``."""
+    from fastdecode.engine.kv_cache import KVCache
+    from fastdecode.engine.loader import load
+
+    loaded = load(path, dtype=torch.float32, progress=False, max_seq_len=64)
+    ids = loaded.tokenizer.encode(prompt)
+    for _ in range(n):
+        out = loaded.model.prefill(torch.tensor([ids]), KVCache(loaded.model.config, 1, 64, dtype=torch.float32))
+        logits = out.reshape(-1, out.shape[-1])[-1]  # the last position's
+        top2 = logits.float().topk(2).values
+        if float(top2[0] - top2[1]) < min_gap:
+            return False
+        ids.append(int(logits.argmax()))
+    return True
+
+
 def rel_rms(a, b) -> float:
     """Relative RMS error ||a - b|| / ||b||."""
     return ((a - b).float().norm() / b.float().norm()).item()

@@ -12,7 +12,8 @@ from fastdecode.engine.sharding import check_tp, local_config, vocab_range
 from fastdecode.engine.tp import TPLoadError
 from fastdecode.models.config import ModelConfig
 from engine_helpers import (
-    assert_greedy_equal_but_at_a_near_tie, greedy, record_reads, rel_rms, save_hf_llama, save_tiny_smollm2_vocab,
+    assert_greedy_equal_but_at_a_near_tie, clear_greedy_margins, greedy, record_reads, rel_rms, save_hf_llama,
+    save_tiny_smollm2_vocab,
 )
 from helpers import run_ranks
 
@@ -135,23 +136,6 @@ def _kv_too_big_on_rank1(rank, world, path):
     Engine(loaded.model, loaded.tokenizer, max_seq_len=64, cuda_graph=False)
 
 
-def _clear_greedy_margins(path, prompt: str, n: int, min_gap: float = 1e-3) -> bool:
-    """True when each of the first ``n`` greedy tokens of ``prompt`` beats the runner-up logit by ``min_gap``."""
-    from fastdecode.engine.kv_cache import KVCache
-    from fastdecode.engine.loader import load
-
-    loaded = load(path, dtype=torch.float32, progress=False, max_seq_len=64)
-    ids = loaded.tokenizer.encode(prompt)
-    for _ in range(n):
-        out = loaded.model.prefill(torch.tensor([ids]), KVCache(loaded.model.config, 1, 64, dtype=torch.float32))
-        logits = out.reshape(-1, out.shape[-1])[-1]  # the last position's
-        top2 = logits.float().topk(2).values
-        if float(top2[0] - top2[1]) < min_gap:
-            return False
-        ids.append(int(logits.argmax()))
-    return True
-
-
 # ----------------------------------------------------------------------------- tests
 
 
@@ -250,7 +234,7 @@ def test_cli_tp2_relaunch_under_torchrun_matches_tp1(tmp_path, capsys):
     # the last one)
     for attempt in range(10):
         d, _ = save_tiny_smollm2_vocab(tmp_path / f"tiny{attempt}", name="tiny-smol-vocab")
-        if _clear_greedy_margins(d, "Once upon a time", 10):
+        if clear_greedy_margins(d, "Once upon a time", 10):
             break
     else:
         pytest.fail("no random model in 10 whose greedy tokens win by 1e-3")

@@ -3,6 +3,7 @@
 
     fastdecode serve                                   # SmolLM2-135M-Instruct on http://127.0.0.1:8000/v1
     fastdecode serve --model llama-3.1-8b --quant fp8 --max-batch 64 --kv-memory 20
+    fastdecode serve --model path/to/model --tp 2    # rank 0 serves, rank 1 makes its model calls (serve.tp)
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import re
 import sys
 
-from fastdecode.cli.common import USER_ERRORS, fail, finite_float, int_at_least, positive_int, warn
+from fastdecode.cli.common import USER_ERRORS, end_tp, fail, finite_float, int_at_least, positive_int, warn
 from fastdecode.cli.generate import _add_model_args, _check_args, _engine
 
 
@@ -51,19 +52,30 @@ def model_names(args, config_name: str) -> tuple[str, ...]:
 
 
 def cmd_serve(args) -> int:
+    from fastdecode.engine.tp import TPLoadError, maybe_relaunch, under_torchrun
     from fastdecode.serve.server import require_serve_deps, serve, slots_for_memory
 
     try:
         require_serve_deps()
         _check_args(args)
-        if args.tp is not None and args.tp > 1:
-            raise ValueError(f"--tp {args.tp}: serve runs on one device for now (tensor-parallel serving is not "
-                             "implemented yet); use --tp 1")
+        code = maybe_relaunch(args.tp, getattr(args, "argv", None))  # --tp N: the same command under torchrun
+        if code is not None:
+            return code
         eng = _engine(args, max_batch=lambda cfg, T, dtype: slots_for_memory(cfg, args.max_batch, T, dtype,
                                                                              args.kv_memory),
                       need_tokenizer=False)
-    except USER_ERRORS as e:
+    except (*USER_ERRORS, TPLoadError) as e:
+        end_tp()
         return fail(e)
+    link = None
+    if under_torchrun():  # rank 0 serves, the others make its model calls on their shards (serve.tp)
+        from fastdecode.serve.tp import StepLink, follow
+
+        link = StepLink(eng.max_batch, args.prefill_chunk)
+        if link.rank != 0:
+            follow(eng, link)
+            end_tp()  # rank 0's "stop" was the last message: no barrier (on Ctrl-C torchrun may end rank 0 first)
+            return 0
     if eng.tokenizer is None:
         from fastdecode.engine.tokenizer import Tokenizer
 
@@ -72,10 +84,12 @@ def cmd_serve(args) -> int:
         eng.tokenizer = Tokenizer.synthetic(eng.model.config.vocab_size)
     names = model_names(args, eng.model.config.name)
     url = f"http://{args.host}:{args.port}/v1"
-    print(f"[serving {names[0]!r}: {eng.max_batch} KV slots of {eng.max_seq_len} positions, prefill chunk "
+    tp = f", TP={eng.model.tp.world}" if eng.model.tp is not None else ""
+    print(f"[serving {names[0]!r}{tp}: {eng.max_batch} KV slots of {eng.max_seq_len} positions, prefill chunk "
           f"{args.prefill_chunk}, up to {args.max_waiting} waiting; OpenAI API at {url}]", file=sys.stderr, flush=True)
     serve(eng, model_names=names, host=args.host, port=args.port, prefill_chunk=args.prefill_chunk,
-          max_waiting=args.max_waiting, log_level=args.log_level)
+          max_waiting=args.max_waiting, log_level=args.log_level, link=link)
+    end_tp()
     return 0
 
 

@@ -97,13 +97,26 @@ class _Seq:
             self.seen = self.seen.to(engine.device)
 
 
-class ContinuousBatcher:
-    """Runs many requests through one ``Engine`` (its KV-cache rows are the slots). See the module docstring."""
+class LocalCalls:
+    """The batcher's model calls, made in this process. Under tensor parallelism rank 0's batcher takes
+    ``fastdecode.serve.tp.StepLink`` instead, which announces each call to the other ranks first."""
 
-    def __init__(self, engine: Engine, prefill_chunk: int = 512):
+    def prefill(self, engine: Engine, tokens: torch.Tensor, starts, lens, slots) -> torch.Tensor:
+        return prefill_rows(engine.model, tokens, starts, lens, slots, engine.cache)
+
+    def decode(self, engine: Engine, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return engine.decode(tokens, pos)
+
+
+class ContinuousBatcher:
+    """Runs many requests through one ``Engine`` (its KV-cache rows are the slots). See the module docstring.
+    ``calls``: who makes the model calls (``LocalCalls`` by default)."""
+
+    def __init__(self, engine: Engine, prefill_chunk: int = 512, calls=None):
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.engine, self.prefill_chunk = engine, prefill_chunk
+        self.calls = calls if calls is not None else LocalCalls()
         self.slots: list[Optional[_Seq]] = [None] * engine.max_batch
         self.waiting: deque[_Seq] = deque()
         self.prefilling: deque[_Seq] = deque()  # admitted (hold a slot), prompt not fully in the cache yet
@@ -199,8 +212,8 @@ class ContinuousBatcher:
         longest = max(c for _, c in plan)
         rows = [seq.req.prompt[seq.pos:seq.pos + c] + [0] * (longest - c) for seq, c in plan]
         tokens = torch.tensor(rows, dtype=torch.long, device=self.engine.device)
-        logits = prefill_rows(self.engine.model, tokens, [seq.pos for seq, _ in plan], [c for _, c in plan],
-                              [seq.slot for seq, _ in plan], self.engine.cache)  # [rows, V]
+        logits = self.calls.prefill(self.engine, tokens, [seq.pos for seq, _ in plan], [c for _, c in plan],
+                                    [seq.slot for seq, _ in plan])  # [rows, V]
         done = []
         for i, (seq, c) in enumerate(plan):
             seq.pos += c
@@ -231,8 +244,8 @@ class ContinuousBatcher:
             else:  # in prefill: its next chunk writes this position before reading it
                 pos[s] = min(seq.pos, T - 1)
         dev = self.engine.device
-        logits = self.engine.decode(torch.tensor(tokens, dtype=torch.long, device=dev),
-                                    torch.tensor(pos, dtype=torch.long, device=dev))
+        logits = self.calls.decode(self.engine, torch.tensor(tokens, dtype=torch.long, device=dev),
+                                   torch.tensor(pos, dtype=torch.long, device=dev))
         self.steps += 1
         picked = self._sample(rows, logits[[s.slot for s in rows]]).tolist()
         for seq, tok in zip(rows, picked):

@@ -20,6 +20,8 @@ import traceback
 from collections import deque
 from typing import Optional
 
+import torch
+
 from fastdecode.engine.batching import ContinuousBatcher, Event, Request
 from fastdecode.engine.generate import Engine
 
@@ -31,11 +33,13 @@ class Overloaded(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, *, prefill_chunk: int = 512, max_waiting: int = 256):
+    def __init__(self, engine: Engine, *, prefill_chunk: int = 512, max_waiting: int = 256, link=None):
+        """``link``: under tensor parallelism, rank 0's ``fastdecode.serve.tp.StepLink`` (the batcher's model
+        calls go through it; a heartbeat each idle second; "stop" when the loop ends)."""
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
-        self.engine = engine
-        self.batcher = ContinuousBatcher(engine, prefill_chunk=prefill_chunk)
+        self.engine, self.link = engine, link
+        self.batcher = ContinuousBatcher(engine, prefill_chunk=prefill_chunk, calls=link)
         self.max_waiting = max_waiting
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()
@@ -103,11 +107,15 @@ class Scheduler:
 
     def _run(self) -> None:
         try:
+            if self.engine.device.type == "cuda":  # a new thread starts on GPU 0 (a TP rank's engine may be on 1)
+                torch.cuda.set_device(self.engine.device)
             while not self._stopping:
                 self._wake.clear()
                 self._take_inbox()
                 if not self.batcher.has_work:
                     self._wake.wait(timeout=1.0)
+                    if self.link is not None and not self.batcher.has_work:
+                        self.link.idle()  # the followers wait in a broadcast: keep it short of its timeout
                     continue
                 try:
                     self.batcher.step()
@@ -121,11 +129,15 @@ class Scheduler:
                 self.batcher.add(r)
             for seq in list(self.batcher.waiting) + [s for s in self.batcher.slots if s is not None]:
                 self.batcher.cancel(seq.req.id)
+            if self.link is not None:
+                self.link.stop()
         except BaseException as e:  # never leave clients waiting on a dead loop without a reason
             self.error = f"{type(e).__name__}: {e}"
             log.error("serve: the scheduler loop died\n%s", traceback.format_exc())
             try:
                 self.batcher.fail_all(self.error)
+                if self.link is not None:  # died outside a model call: the followers can still be told
+                    self.link.stop()
             except Exception:
                 pass
             raise

@@ -49,11 +49,13 @@ def _uvicorn_server(app, host: str, port: int, log_level: str):
 
 
 def serve(engine: Engine, *, model_names: tuple[str, ...], host: str = "127.0.0.1", port: int = 8000,
-          prefill_chunk: int = 512, max_waiting: int = 256, log_level: str = "info", ready=None) -> None:
-    """Run until interrupted (Ctrl-C / SIGTERM, handled by uvicorn); ``ready()`` is called once it listens."""
+          prefill_chunk: int = 512, max_waiting: int = 256, log_level: str = "info", ready=None,
+          link=None) -> None:
+    """Run until interrupted (Ctrl-C / SIGTERM, handled by uvicorn); ``ready()`` is called once it listens.
+    ``link``: rank 0's ``serve.tp.StepLink`` under tensor parallelism (the other ranks run ``serve.tp.follow``)."""
     from fastdecode.serve.app import create_app
 
-    scheduler = Scheduler(engine, prefill_chunk=prefill_chunk, max_waiting=max_waiting).start()
+    scheduler = Scheduler(engine, prefill_chunk=prefill_chunk, max_waiting=max_waiting, link=link).start()
     try:
         server = _uvicorn_server(create_app(scheduler, model_names), host, port, log_level)
         if ready is not None:
