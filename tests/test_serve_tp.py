@@ -153,3 +153,54 @@ def _link_ranks(rank, world):
 
 def test_step_link_followers_make_rank0s_calls():
     run_ranks(2, _link_ranks)
+
+
+def test_scheduler_sends_each_call_a_heartbeat_when_idle_and_stop():
+    """Rank 0's side without a process group: a recording link in place of ``StepLink`` sees the batcher's model
+    calls in order, an ``idle`` for each second without work (not for a request's wake-up), and ``stop`` at the
+    end; the answer equals ``Engine.generate`` alone."""
+    from fastdecode.engine.batching import LocalCalls, Request
+    from fastdecode.engine.generate import Engine
+    from fastdecode.engine.loader import random_model
+    from fastdecode.engine.sampler import SamplingParams
+    from fastdecode.engine.tokenizer import Tokenizer
+    from fastdecode.models.config import ModelConfig
+    from fastdecode.serve.scheduler import Scheduler
+
+    class Recording(LocalCalls):
+        def __init__(self):
+            self.log = []
+
+        def prefill(self, engine, tokens, starts, lens, slots):
+            self.log.append("prefill")
+            return super().prefill(engine, tokens, starts, lens, slots)
+
+        def decode(self, engine, tokens, pos):
+            self.log.append("decode")
+            return super().decode(engine, tokens, pos)
+
+        def idle(self):
+            self.log.append("idle")
+
+        def stop(self):
+            self.log.append("stop")
+
+    model = random_model(ModelConfig.from_preset("tiny"), device="cpu", dtype=torch.float32, backend="torch",
+                         std=0.1, seed=3, max_seq_len=32)
+    tok = Tokenizer.synthetic(256)
+    prompt = torch.randint(1, 256, (5,)).tolist()
+    [want] = Engine(model, tok, max_batch=1, max_seq_len=32).generate([prompt], max_new_tokens=6,
+                                                                      sampling=SamplingParams(temperature=0))
+    link = Recording()
+    sched = Scheduler(Engine(model, tok, max_batch=2, max_seq_len=32), prefill_chunk=8, link=link).start()
+    time.sleep(2.5)  # two idle seconds at least
+    done, events = threading.Event(), []
+    sched.submit(Request(prompt, SamplingParams(temperature=0), max_new_tokens=6,
+                         on_event=lambda e: (events.append(e), e.finish_reason and done.set())))
+    assert done.wait(60)
+    sched.stop()
+    assert events[-1].finish_reason == "length" and [t for e in events for t in e.token_ids] == want.tokens
+    idle_before = link.log.index("prefill")
+    assert idle_before >= 2 and set(link.log[:idle_before]) == {"idle"}
+    calls = [c for c in link.log[idle_before:] if c != "idle"]
+    assert calls == ["prefill"] + ["decode"] * 5 + ["stop"]  # the prefill samples the first of the 6 tokens

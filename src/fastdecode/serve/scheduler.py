@@ -113,9 +113,8 @@ class Scheduler:
                 self._wake.clear()
                 self._take_inbox()
                 if not self.batcher.has_work:
-                    self._wake.wait(timeout=1.0)
-                    if self.link is not None and not self.batcher.has_work:
-                        self.link.idle()  # the followers wait in a broadcast: keep it short of its timeout
+                    if not self._wake.wait(timeout=1.0) and self.link is not None:  # a second with nothing to do:
+                        self.link.idle()  # the followers wait in a broadcast; keep it short of its timeout
                     continue
                 try:
                     self.batcher.step()
