@@ -340,3 +340,24 @@ def test_init_distributed_honours_the_device(monkeypatch):
     with pytest.raises(ValueError, match="sees no CUDA GPU"):
         tp.init_distributed("cuda")
     assert tp.init_distributed() == (1, 2, torch.device("cpu")) and seen == ["gloo", "gloo"]
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_torchrun_main_returns_the_signal_code_without_a_traceback(monkeypatch, capsys, sig, code):
+    """A signal to the launcher (Ctrl-C reaches torchrun with the ranks): elastic raises SignalException out of
+    ``run``; ``torchrun_main`` returns 128 + the signal (130: the CLI's code for Ctrl-C) and prints nothing (the CPU
+    CI saw its traceback and exit 1 after Ctrl-C to ``serve --tp 2``)."""
+    import signal
+
+    import torch.distributed.run as trun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from fastdecode.engine.tp import torchrun_main
+
+    def killed(_):
+        raise SignalException("got signal", sigval=getattr(signal, sig))
+
+    monkeypatch.setattr(trun, "run", killed)
+    assert torchrun_main(["--standalone", "--nproc-per-node=2", "-m", "fastdecode", "serve"]) == code
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""

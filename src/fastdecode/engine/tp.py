@@ -162,9 +162,13 @@ def torchrun_main(argv: list) -> int:
     """``torchrun`` (``torch.distributed.run``) on ``argv``, without its own failure report: ranks that end on a
     user error exit with ``USER_ERROR_EXIT`` after rank 0 printed one ``error: ...`` line, and then this returns
     that code and prints nothing more (torchrun would add its logs and a ChildFailedError traceback). Any
-    other failure (a crash, a signal) ends in one line naming the first rank that failed and its exit code."""
+    other failure (a crash, a signal) ends in one line naming the first rank that failed and its exit code.
+    A signal to the launcher itself (Ctrl-C reaches every process of the terminal's group: the ranks stop on
+    their own, ``serve`` rank 0 telling the others) returns 128 + the signal's number (130 for SIGINT, the CLI's
+    code for Ctrl-C) without elastic's traceback."""
     import signal
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -173,6 +177,8 @@ def torchrun_main(argv: list) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(parse_args(argv))
+    except SignalException as e:
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
