@@ -522,10 +522,12 @@ def test_smollm2_fp8_top1_agreement_and_quantize_round_trip(smollm2_text_ids, tm
     q = load(None, dtype=torch.float32, progress=False, max_seq_len=256, quant="fp8")
     start = int(torch.randint(0, len(ids) - 130, ()))
     rows = {r["format"]: r for r in compare(ref.model, {"fp8": q.model}, ids[start:start + 128], window=128)}
-    # measured on the whole text (1540 tokens): 0.91 agreement, perplexity +1.9%, KL 0.022 (docs/engine.md);
-    # a 127-token slice: binomial spread ~0.025
-    assert rows["fp8"]["top1_agreement"] >= 0.82
-    assert rows["fp8"]["perplexity"] < rows["reference"]["perplexity"] * 1.1
+    # measured on the whole text (1540 tokens): 0.91 agreement, perplexity +1.9%, KL 0.022 (docs/engine.md). Over
+    # the 59 slices starting every 24 tokens (session 48, CPU): agreement 0.819 at the lowest, perplexity ratio
+    # 1.017 median and 1.088 at the highest, KL 0.040 at most; the CPU CI's random slice at seed 858525917 gave
+    # 1.103 (the bound was 1.1, agreement 0.82). A wrong FP8 path gives agreement far below one half
+    assert rows["fp8"]["top1_agreement"] >= 0.78
+    assert rows["fp8"]["perplexity"] < rows["reference"]["perplexity"] * 1.15
     assert rows["fp8"]["mean_kl"] < 0.1
     # written and read back: the same model (tokenizer included), the same greedy tokens
     d = str(tmp_path / "smol-fp8")
