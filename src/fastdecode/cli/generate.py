@@ -166,9 +166,10 @@ def _stats(n_tokens: int, seconds: float) -> str:
     return f"[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / max(seconds, 1e-9):.1f} tokens/s]"
 
 
-def _start(args):
-    """(engine, sampling) for generate / chat, or the exit code when the command ends here: a --tp
-    relaunch under torchrun returned, or a user error (bad path, option, checkpoint) was printed."""
+def start_engine(args, **engine_kw):
+    """The engine of a command that loads one (generate, chat, serve; ``engine_kw`` as ``_engine``'s), or the exit
+    code when the command ends here: a --tp relaunch under torchrun returned, or a user error (bad path, option,
+    checkpoint) was printed."""
     from fastdecode.engine.tp import TPLoadError, maybe_relaunch
 
     try:
@@ -176,8 +177,20 @@ def _start(args):
         code = maybe_relaunch(args.tp, getattr(args, "argv", None))
         if code is not None:
             return code
-        return _engine(args), _sampling(args)
+        return _engine(args, **engine_kw)
     except (*USER_ERRORS, TPLoadError) as e:
+        end_tp()
+        return fail(e)
+
+
+def _start(args):
+    """(engine, sampling) for generate / chat, or the exit code when the command ends here (``start_engine``)."""
+    eng = start_engine(args)
+    if isinstance(eng, int):
+        return eng
+    try:
+        return eng, _sampling(args)
+    except USER_ERRORS as e:
         end_tp()
         return fail(e)
 

@@ -14,7 +14,7 @@ import re
 import sys
 
 from fastdecode.cli.common import USER_ERRORS, end_tp, fail, finite_float, int_at_least, positive_int, warn
-from fastdecode.cli.generate import _add_model_args, _check_args, _engine
+from fastdecode.cli.generate import _add_model_args, start_engine
 
 
 def _port(s: str) -> int:
@@ -52,21 +52,18 @@ def model_names(args, config_name: str) -> tuple[str, ...]:
 
 
 def cmd_serve(args) -> int:
-    from fastdecode.engine.tp import TPLoadError, maybe_relaunch, under_torchrun
+    from fastdecode.engine.tp import under_torchrun
     from fastdecode.serve.server import require_serve_deps, serve, slots_for_memory
 
     try:
         require_serve_deps()
-        _check_args(args)
-        code = maybe_relaunch(args.tp, getattr(args, "argv", None))  # --tp N: the same command under torchrun
-        if code is not None:
-            return code
-        eng = _engine(args, max_batch=lambda cfg, T, dtype: slots_for_memory(cfg, args.max_batch, T, dtype,
-                                                                             args.kv_memory),
-                      need_tokenizer=False)
-    except (*USER_ERRORS, TPLoadError) as e:
-        end_tp()
+    except USER_ERRORS as e:
         return fail(e)
+    eng = start_engine(args, max_batch=lambda cfg, T, dtype: slots_for_memory(cfg, args.max_batch, T, dtype,
+                                                                              args.kv_memory),
+                       need_tokenizer=False)  # --tp N: the same command under torchrun
+    if isinstance(eng, int):
+        return eng
     link = None
     if under_torchrun():  # rank 0 serves, the others make its model calls on their shards (serve.tp)
         from fastdecode.serve.tp import StepLink, follow

@@ -34,14 +34,14 @@ log = logging.getLogger("fastdecode.serve")
 
 
 KINDS = ("idle", "stop", "prefill", "decode")
-HEAD = 4  # [kind, rows, chunk length, 0]
+HEAD = 3  # [kind, rows, chunk length]
 
 
 class StepLink:
     """Rank 0's side (``prefill``, ``decode``, ``idle``, ``stop``: each one broadcast to the followers), and the
     channel the followers read (``receive``). The batcher's model calls on one device are ``LocalCalls``.
 
-    A message is one int64 tensor of a fixed length (one collective, nothing pickled): ``[kind, R, C, 0]`` then,
+    A message is one int64 tensor of a fixed length (one collective, nothing pickled): ``[kind, R, C]`` then,
     for a prefill, the R rows' starts, lengths and cache rows and the R x C tokens; for a decode step the R rows'
     tokens and positions. ``max_rows`` (the engine's slots) and ``max_tokens`` (the prefill chunk: a pass holds at
     most that many tokens, padding included) size it; every rank passes the same values (the same command line).
@@ -72,7 +72,7 @@ class StepLink:
         if rows > self.max_rows or rows * chunk > self.max_tokens or HEAD + body.numel() > self.buf.numel():
             raise ValueError(f"a {kind} of {rows} rows x {chunk} tokens exceeds the link's {self.max_rows} rows / "
                              f"{self.max_tokens} tokens")
-        self.buf[:HEAD] = torch.tensor([KINDS.index(kind), rows, chunk, 0])
+        self.buf[:HEAD] = torch.tensor([KINDS.index(kind), rows, chunk])
         self.buf[HEAD:HEAD + body.numel()] = body
         self._broadcast()
         self.sent += 1
