@@ -250,7 +250,18 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
         serve = ("--max-batch", "32", "--timeout", "110", *rows)  # the environment's Triton cache, warmed by run 1
         return [("bench startup", _fd("bench", "startup", "--runs", "cold", "warm", "--timeout", "110", *rows), 240),
                 ("bench startup serve eager", _fd("bench", "startup", "--runs", "warm", "warm", *serve), 240),
-                ("bench startup serve lazy", _fd("bench", "startup", "--graph-capture", "lazy", *serve), 120)]
+                ("bench startup serve lazy", _fd("bench", "startup", "--graph-capture", "lazy", *serve), 120),
+                ("bench startup dequantized", _fd("bench", "startup", "--runs", "warm", "warm", "--dequantize",
+                                                  "--timeout", "110", *rows), 240)]
+    if name == "small-dense":  # the embedded model as int4 (native) and dequantised to bf16 (--dequantize): the
+        # step of each, one process a row (each the process's first PDL graph), then each warm start-up twice
+        dec = ("bench", "decode", "--model", _embedded_gguf(), "--batch", "1", "--iters", "30", "--impl",
+               "fastdecode-graph", "--out", str(out / "decode_small_dense.json"))
+        up = ("bench", "startup", "--runs", "warm", "warm", "--timeout", "110", "--out",
+              str(out / "startup_dense.json"))
+        ways = (("int4", ()), ("dequantized", ("--dequantize",)))
+        return ([(f"decode embedded {w} {i}", _fd(*dec, *flag), 120) for i in (1, 2) for w, flag in ways]
+                + [(f"startup {w}", _fd(*up, *flag), 120) for w, flag in ways])
     if name == "startup-bytecode":  # session 37 by hand: the image has no bytecode for ours, Triton's, ...
         warm = ("bench", "startup", "--runs", "warm", "warm", "--timeout", "110", "--out")
         return [("bench startup warm", _fd(*warm, str(out / "startup_warm.json")), 240),
@@ -382,7 +393,10 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                         "fastdecode-graph-no-norm_gemm", "fastdecode-graph-no-int4_glu"), 240),
                 ("decode smollm2 bf16", _fd("bench", "decode", "--preset", "smollm2-135m", *small, "--impl",
                                             "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl",
-                                            "fastdecode-graph-no-weight_prefetch"), 240)]
+                                            "fastdecode-graph-no-weight_prefetch"), 240),
+                ("decode embedded dequantized", _fd("bench", "decode", "--model", _embedded_gguf(), "--dequantize",
+                                                    *small, "--impl", "fastdecode-graph", "fastdecode-graph-no-pdl"),
+                 240)]
     if name == "profile-small":  # the bf16 shapes, then the embedded GGUF itself (native int4: where its step's
         # extra time over the bf16 step goes, session 30)
         rows = ("--profile", "--impl", "fastdecode-graph-no-pdl", "fastdecode-graph")
@@ -411,7 +425,8 @@ WARM_TEST_FILES = ("test_int4_gpu.py", "test_int4_norm_linear.py", "test_attenti
                    "test_gemm_gpu.py", "test_norm_linear.py", "test_activation_quant.py")
 SUITES = ("tests", "warm-tests", "tune", "tune-int4", "tune-int4-fused", "kernels", "linear", "int4", "decode",
           "profile", "profile-switches", "hf", "serve",
-          "startup", "startup-bytecode", "overhead", "profile-small", "decode-small", "tp", "attention", "int4-norm",
+          "startup", "startup-bytecode", "overhead", "profile-small", "decode-small", "small-dense", "tp", "attention",
+          "int4-norm",
           "int4-small", "int4-8b-options", "step-tables", "int4-norm-pdl", "int4-diag", "int4-a8", "w8a16",
           "int8-producers", "test-bounds", "int4-packed",
           "l2-prefetch", "batch-rule")
@@ -919,7 +934,7 @@ def main(argv=None) -> int:
     not_in_all = ("tp", "tune", "tune-int4", "tune-int4-fused", "warm-tests", "int4-small", "int4-8b-options",
                   "step-tables", "int4-norm-pdl",
                   "int4-diag", "int4-a8", "profile-switches", "w8a16", "int8-producers", "test-bounds", "l2-prefetch",
-                  "batch-rule", "startup-bytecode", "int4-packed")
+                  "batch-rule", "startup-bytecode", "int4-packed", "small-dense")
     suites = [s for s in SUITES if s not in not_in_all or (s == "tp" and n_gpu >= 2)] \
         if "all" in a.suites else a.suites
     log = Log(out / "gpu_log.txt")

@@ -137,6 +137,19 @@ def test_bad_flags_refused_by_argparse(flag, value, no_load, capsys):
     assert f"error: argument {flag}: " in last and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "hi", "--dequantize", "--quant", "int4"], "cannot be combined with --quant int4"),
+    (["serve", "--dequantize", "--quant", "fp8"], "cannot be combined with --quant fp8"),
+    (["generate", "hi", "--dequantize", "--model", "llama-3.1-8b"], "--model llama-3.1-8b is not one"),
+    (["bench", "decode", "--dequantize"], "--model llama-3.1-8b is not one"),
+    (["bench", "decode", "--dequantize", "--model", "x.gguf", "--quant", "fp8"], "cannot be combined"),
+])
+def test_dequantize_only_for_gguf_without_quant(argv, says, no_load, capsys):
+    """``--dequantize`` (a GGUF's int4 weights loaded dense) is refused before loading for what it cannot apply to."""
+    assert cli.main(argv + ["--device", "cpu"]) == 2
+    _one_error(capsys.readouterr().err, "--dequantize", says)
+
+
 @pytest.mark.parametrize("value, says", [
     ("fused_attention=off", "unknown kernel switch 'fused_attention'; known: fused_norm"),
     ("int4_a8", "'int4_a8': write int4_a8=on or int4_a8=off"),

@@ -60,6 +60,33 @@ def test_bench_decode_tiny_cpu(tmp_path, capsys):
     assert (tmp_path / "d.b1.png").stat().st_size > 1000
 
 
+def test_dequantize_loads_the_gguf_dense_and_labels_the_rows(tmp_path, monkeypatch, capsys):
+    """``--dequantize``: generate and bench decode load the GGUF with ``gguf_native=False`` (its Q4_1 weights dense;
+    on CUDA they would run as int4), and the decode rows read ``quant: dequantized`` (distinct from the native rows,
+    whose key they would otherwise share); without the flag the loader decides (None)."""
+    from fastdecode.engine import loader
+
+    path = smollm2_path()
+    seen, real = [], loader.load
+
+    def spy(*a, **k):
+        seen.append(k.get("gguf_native", "missing"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(loader, "load", spy)
+    for flag in (["--dequantize"], []):
+        assert cli.main(["generate", "Hi", "--raw", "--max-new-tokens", "2", "--device", "cpu"] + flag) == 0
+    out = tmp_path / "decode.json"
+    for flag in (["--dequantize"], []):
+        assert cli.main(["bench", "decode", "--model", path, "--output-len", "2", "--iters", "1", "--warmup", "0",
+                         "--impl", "torch-eager", "--dtype", "float32", "--device", "cpu", "--out", str(out)]
+                        + flag) == 0
+    capsys.readouterr()
+    assert seen == [False, None, False, None]
+    rows = json.loads(out.read_text())
+    assert sorted(r["shape"]["quant"] for r in rows) == ["dequantized", "none"]
+
+
 def test_chat_two_turns(monkeypatch, capsys):
     smollm2_path()
     lines = iter(["What is the capital of France?", "/reset", "Say hi.", ""])

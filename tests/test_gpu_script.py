@@ -284,10 +284,23 @@ def test_a8_sweep_table_section_is_what_the_dispatcher_reads(tmp_path, monkeypat
 
 def test_decode_small_runs_the_embedded_model_and_its_bf16_shapes(gpu, tmp_path):
     steps = gpu.suite_commands("decode-small", tmp_path, 1)
-    assert [label for label, _, _ in steps] == ["decode embedded", "decode smollm2 bf16"]
+    assert [label for label, _, _ in steps] == ["decode embedded", "decode smollm2 bf16", "decode embedded dequantized"]
     assert steps[0][1][steps[0][1].index("--model") + 1].endswith(".gguf")
     assert "fastdecode-graph-no-int4_glu" in steps[0][1]  # the switch's ablation (on by default, session 31)
     assert steps[1][1][steps[1][1].index("--preset") + 1] == "smollm2-135m" and "peer-compile" in steps[1][1]
+    assert "--dequantize" in steps[2][1] and "--dequantize" not in steps[0][1]
+
+
+def test_small_dense_alternates_int4_and_dequantized_one_row_a_process(gpu, tmp_path):
+    """``small-dense``: the embedded step as int4 and dequantised, alternating, one process a row (each the first
+    PDL graph of its process: ``engine.cuda_graph.pdl_graphs_captured``), then a warm start-up of each."""
+    steps = gpu.suite_commands("small-dense", tmp_path, 1)
+    assert [label for label, _, _ in steps] == ["decode embedded int4 1", "decode embedded dequantized 1",
+                                                "decode embedded int4 2", "decode embedded dequantized 2",
+                                                "startup int4", "startup dequantized"]
+    for label, argv, _ in steps:
+        assert ("--dequantize" in argv) == label.startswith(("decode embedded dequantized", "startup dequantized"))
+        assert argv[argv.index("--model") + 1].endswith(".gguf") if "decode" in argv else "startup" in argv
 
 
 def test_profile_small_profiles_the_bf16_shapes_and_the_embedded_gguf(gpu, tmp_path):

@@ -276,9 +276,10 @@ def model_label(cfg, layers: Optional[int]) -> str:
     return cfg.name + (f"[{layers} layers]" if layers else "")
 
 
-def quant_label(quant: Optional[str], quant_head: Optional[str]) -> str:
-    """A row's ``shape.quant``: ``none`` / ``fp8`` / ``int4``, ``+head-<q>`` when the lm head is quantised too."""
-    return (quant or "none") + (f"+head-{quant_head}" if quant_head else "")
+def quant_label(quant: Optional[str], quant_head: Optional[str], dequantized: bool = False) -> str:
+    """A row's ``shape.quant``: ``none`` / ``fp8`` / ``int4``, ``+head-<q>`` when the lm head is quantised too;
+    ``dequantized``: a GGUF's int4 weights loaded dense (``--dequantize``)."""
+    return ("dequantized" if dequantized else quant or "none") + (f"+head-{quant_head}" if quant_head else "")
 
 
 class BenchModel(NamedTuple):
@@ -292,10 +293,11 @@ class BenchModel(NamedTuple):
 
 def build_bench_model(model_name: str, *, batch: int, max_seq: int, device=None, dtype=torch.bfloat16,
                       layers: Optional[int] = None, quant: Optional[str] = None, quant_head: Optional[str] = None,
-                      impls: Sequence[str] = ()) -> BenchModel:
+                      impls: Sequence[str] = (), gguf_native: Optional[bool] = None) -> BenchModel:
     """The model a decode benchmark runs: a preset with random weights (quantised as asked) or a checkpoint,
     tensor-parallel under torch.distributed; the KV cache checked against free memory (``KVCacheMemoryError``);
-    the compiled peer built too when one of ``impls`` is a peer row (its failure is kept in ``peer_error``)."""
+    the compiled peer built too when one of ``impls`` is a peer row (its failure is kept in ``peer_error``).
+    ``gguf_native``: as ``loader.load``'s (a checkpoint only)."""
     import torch.distributed as dist
 
     from fastdecode.models.quantize import check_head
@@ -336,12 +338,12 @@ def build_bench_model(model_name: str, *, batch: int, max_seq: int, device=None,
         from fastdecode.engine.tp import load_tp
 
         loaded = load_tp(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant,
-                         quant_head=quant_head)
+                         quant_head=quant_head, gguf_native=gguf_native)
         model, cfg = loaded.model, loaded.config
         check_kv_memory(model.config, batch, max_seq, dtype, device, fix=KV_FIX, group=kv_group)
     else:
         loaded = load(model_name, device=device, dtype=dtype, max_seq_len=max_seq, progress=False, quant=quant,
-                      quant_head=quant_head)
+                      quant_head=quant_head, gguf_native=gguf_native)
         model, cfg = loaded.model, loaded.config
         check_kv_memory(model.config, batch, max_seq, dtype, device, fix=KV_FIX)
         if want_peer:  # the format fastdecode runs (an int4 checkpoint is int4 without --quant)
@@ -352,12 +354,13 @@ def build_bench_model(model_name: str, *, batch: int, max_seq: int, device=None,
 def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len: int = 1, output_len: int = 128,
                  iters: int = 30, warmup: int = 3, impls: Sequence[str] = IMPLS, device=None,
                  dtype=torch.bfloat16, layers: Optional[int] = None, log=print, quant: Optional[str] = None,
-                 quant_head: Optional[str] = None) -> list[dict]:
+                 quant_head: Optional[str] = None, gguf_native: Optional[bool] = None) -> list[dict]:
     """Run the decode benchmark; returns JSON-ready rows (one per implementation).
 
     ``quant_head`` ("fp8" / "int4") quantises the lm head too; the rows' ``shape.quant`` then reads
     ``<quant>+head-<quant_head>`` (``none+head-int4`` for the head alone). The peers quantise their head the same
-    way (``bench.peers.build_peer``'s ``quant_head``; their rows' ``peer`` names it).
+    way (``bench.peers.build_peer``'s ``quant_head``; their rows' ``peer`` names it). ``gguf_native=False``: a GGUF's
+    int4 weights loaded dense (``--dequantize``; ``shape.quant`` reads ``dequantized``).
 
     Under torch.distributed (torchrun) the model is tensor-parallel over the world (every rank runs;
     the caller reports rank 0's rows)."""
@@ -370,7 +373,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
         raise ValueError(f"output_len must be >= 2 (one token from prefill, the rest from decode), got {output_len}")
     max_seq = input_len + output_len
     built = build_bench_model(model_name, batch=batch, max_seq=max_seq, device=device, dtype=dtype, layers=layers,
-                              quant=quant, quant_head=quant_head, impls=impls)
+                              quant=quant, quant_head=quant_head, impls=impls, gguf_native=gguf_native)
     model, cfg, device, tp = built.model, built.config, built.device, built.tp
     peer, peer_error = built.peer, built.peer_error
     cache = KVCache(model.config, batch, max_seq, dtype=dtype, device=device)
@@ -382,7 +385,7 @@ def bench_decode(model_name: str = "llama-3.1-8b", *, batch: int = 1, input_len:
     peak = peak_bandwidth(device)
     shape = {"model": model_label(cfg, layers), "batch": batch, "input_len": input_len,
              "output_len": output_len, "dtype": str(dtype).replace("torch.", ""),
-             "quant": quant_label(quant, quant_head), "tp": tp[1] if tp else 1}
+             "quant": quant_label(quant, quant_head, gguf_native is False), "tp": tp[1] if tp else 1}
     norm_gemm_applies = norm_gemm.applies(model, batch)  # the default switches, as built
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)

@@ -215,10 +215,10 @@ def kernel_rows(steps: Sequence[Sequence[tuple]]) -> list[dict]:
 def profile_decode(model_name: str = "llama-3.1-8b", *, impls: Sequence[str] = ("fastdecode-graph-no-pdl",),
                    batch: int = 1, input_len: int = 1, output_len: int = 128, steps: int = 20, device=None,
                    dtype=torch.bfloat16, layers: Optional[int] = None, quant: Optional[str] = None,
-                   quant_head: Optional[str] = None, log=print) -> list[dict]:
+                   quant_head: Optional[str] = None, gguf_native: Optional[bool] = None, log=print) -> list[dict]:
     """Profile the decode step of each of ``impls`` (``bench decode``'s rows, not the peers) at the mean position
     of the timed benchmark (``input_len + output_len // 2``); one record per impl with the family table
-    (``family_table``), the per-kernel rows and the environment. Needs CUDA."""
+    (``family_table``), the per-kernel rows and the environment. Needs CUDA. ``gguf_native``: as ``bench_decode``'s."""
     from fastdecode.bench.decode import PEER_IMPLS, DecodeRunner, build_bench_model, model_label, quant_label
     from fastdecode.bench.harness import env_info
     from fastdecode.engine.kv_cache import KVCache
@@ -235,14 +235,14 @@ def profile_decode(model_name: str = "llama-3.1-8b", *, impls: Sequence[str] = (
     max_seq = input_len + output_len
     position = input_len + output_len // 2
     built = build_bench_model(model_name, batch=batch, max_seq=max_seq, device=device, dtype=dtype, layers=layers,
-                              quant=quant, quant_head=quant_head)
+                              quant=quant, quant_head=quant_head, gguf_native=gguf_native)
     model = built.model
     cache = KVCache(model.config, batch, max_seq, dtype=dtype, device=built.device)
     fam_bytes = family_bytes(model, batch, cache.bytes_read([batch * (position + 1)]))
     tok = torch.zeros(batch, dtype=torch.long, device=built.device)
     pos = torch.full((batch,), position, dtype=torch.long, device=built.device)
     shape = {"model": model_label(built.config, layers), "batch": batch, "position": position,
-             "dtype": str(dtype).replace("torch.", ""), "quant": quant_label(quant, quant_head),
+             "dtype": str(dtype).replace("torch.", ""), "quant": quant_label(quant, quant_head, gguf_native is False),
              "tp": built.tp[1] if built.tp else 1}
     copy_bw = copy_bandwidth(built.device)  # this card's floor (module docstring)
     recs = []

@@ -82,7 +82,7 @@ def child(w0: float, t0: float, t1: float, argv: Sequence[str]) -> None:
     dtype = getattr(torch, cfg["dtype"]) if cfg.get("dtype") else None
     loaded = load(cfg.get("model"), device=device, dtype=dtype, backend=cfg.get("backend"),
                   max_seq_len=DEFAULT_MAX_SEQ_LEN, quant=cfg.get("quant"), quant_head=cfg.get("quant_head"),
-                  progress=False, timings=timings)
+                  gguf_native=False if cfg.get("dequantize") else None, progress=False, timings=timings)
     model = loaded.model
     max_seq_len = min(DEFAULT_MAX_SEQ_LEN, loaded.config.max_seq_len, model.rope_len)  # as generate's default
     eng = Engine(model, loaded.tokenizer, max_batch=cfg["max_batch"], max_seq_len=max_seq_len,
@@ -148,7 +148,8 @@ def run_child(cfg: dict, env: dict, timeout: float) -> dict:
 def _row(cfg: dict, run: str, cache: str, res: dict) -> dict:
     from fastdecode.bench.harness import make_row
 
-    shape = {"model": res.get("model") or cfg.get("model") or "default", "quant": cfg.get("quant"),
+    shape = {"model": res.get("model") or cfg.get("model") or "default",
+             "quant": "dequantized" if cfg.get("dequantize") else cfg.get("quant"),
              "device": cfg["device"].split(":")[0], "max_batch": cfg["max_batch"],
              "graph_capture": cfg["graph_capture"]}
     if "error" in res:
@@ -170,11 +171,12 @@ def _row(cfg: dict, run: str, cache: str, res: dict) -> dict:
 
 
 def bench_startup(model: Optional[str] = None, *, quant: Optional[str] = None, quant_head: Optional[str] = None,
-                  device=None, dtype: Optional[str] = None, backend: Optional[str] = None,
+                  dequantize: bool = False, device=None, dtype: Optional[str] = None, backend: Optional[str] = None,
                   runs: Optional[Sequence[str]] = None, max_batch: int = 1, graph_capture: str = "eager",
                   cuda_graph: bool = True, prompt: str = DEFAULT_PROMPT, timeout: float = 600.0,
                   log: Callable[[str], None] = lambda m: None) -> list[dict]:
-    """One result row per run (``runs``, default cold then warm on CUDA, one warm run on a CPU)."""
+    """One result row per run (``runs``, default cold then warm on CUDA, one warm run on a CPU). ``dequantize``: a
+    GGUF's int4 weights loaded dense (``generate --dequantize``; the rows' quant reads ``dequantized``)."""
     import torch
 
     device = str(device) if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -183,7 +185,8 @@ def bench_startup(model: Optional[str] = None, *, quant: Optional[str] = None, q
     bad = [r for r in runs if r not in RUNS]
     if bad:
         raise ValueError(f"runs must be among {RUNS}, got {bad[0]!r}")
-    cfg = {"model": model, "quant": quant, "quant_head": quant_head, "device": device, "dtype": dtype,
+    cfg = {"model": model, "quant": quant, "quant_head": quant_head, "dequantize": dequantize, "device": device,
+           "dtype": dtype,
            "backend": backend, "max_batch": max_batch, "graph_capture": graph_capture, "prompt": prompt,
            "no_cuda_graph": not cuda_graph}
     rows = []

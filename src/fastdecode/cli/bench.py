@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from fastdecode.cli.common import DTYPES, end_tp, fail, finish_tp, no_gpu
+from fastdecode.cli.common import DTYPES, check_dequantize, end_tp, fail, finish_tp, no_gpu
 from fastdecode.quant.formats import METHODS
 
 KERNELS_OUT = "benchmarks/results/norm_activation_quant.json"
@@ -129,6 +129,10 @@ def cmd_bench_decode(args) -> int:
     from fastdecode.engine.kv_cache import KVCacheMemoryError
     from fastdecode.engine.tp import init_distributed, maybe_relaunch, under_torchrun
 
+    try:
+        check_dequantize(args)
+    except ValueError as e:
+        return fail(e)
     code = maybe_relaunch(args.tp, getattr(args, "argv", None))  # --tp N outside torchrun: the same command under it
     if code is not None:
         return code
@@ -146,6 +150,7 @@ def cmd_bench_decode(args) -> int:
                                  iters=args.iters, warmup=args.warmup, impls=impls, device=args.device,
                                  dtype=getattr(torch, args.dtype), layers=args.layers,
                                  quant=getattr(args, "quant", None), quant_head=getattr(args, "quant_head", None),
+                                 gguf_native=False if getattr(args, "dequantize", False) else None,
                                  log=(lambda m: print(m, file=sys.stderr, flush=True)) if main else (lambda m: None))
     except KVCacheMemoryError as e:  # checked before the KV cache is allocated: not a CUDA out-of-memory traceback
         end_tp()
@@ -189,6 +194,7 @@ def _profile_decode(args, main: bool) -> int:
                               input_len=args.input_len, output_len=args.output_len, steps=args.profile_steps,
                               device=args.device, dtype=getattr(torch, args.dtype), layers=args.layers,
                               quant=args.quant, quant_head=args.quant_head,
+                              gguf_native=False if args.dequantize else None,
                               log=print if main else (lambda m: None))
     except (ValueError, RuntimeError) as e:
         end_tp()
@@ -233,6 +239,9 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
                    help="quantise the model: fp8 (W8A8) or int4 (W4A16, RTN group 128)")
     p.add_argument("--quant-head", default=None, choices=list(METHODS),
                    help="quantise the lm head too: fp8 (W8A8) or int4 (W4A16, RTN group 128)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="a GGUF's Q4_0/Q4_1 weights loaded dense in --dtype, not as int4 (as generate --dequantize); "
+                        "the rows' quant reads dequantized")
     p.add_argument("--tp", type=int, default=None, help="tensor parallelism over N GPUs (relaunches under torchrun)")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (big presets)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
@@ -367,7 +376,9 @@ def cmd_bench_startup(args) -> int:
 
     try:
         device = check_device(args.device)
-        rows = bench_startup(args.model, quant=args.quant, quant_head=args.quant_head, device=device,
+        check_dequantize(args)
+        rows = bench_startup(args.model, quant=args.quant, quant_head=args.quant_head, dequantize=args.dequantize,
+                             device=device,
                              dtype=args.dtype, backend=args.backend, runs=args.runs, max_batch=args.max_batch,
                              graph_capture=args.graph_capture, cuda_graph=not args.no_cuda_graph,
                              prompt=args.prompt, timeout=args.timeout,
@@ -390,6 +401,7 @@ def add_startup_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct (GGUF Q4_1: native int4 on CUDA)")
     p.add_argument("--quant", default=None, choices=list(METHODS), help="as generate --quant (default: as stored)")
     p.add_argument("--quant-head", default=None, choices=list(METHODS))
+    p.add_argument("--dequantize", action="store_true", help="as generate --dequantize (a GGUF's int4 weights dense)")
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--backend", default=None, choices=["auto", "triton", "torch"])

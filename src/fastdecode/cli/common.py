@@ -230,3 +230,13 @@ def run_command(args) -> int:
         except (OSError, ValueError):  # no real file descriptor (e.g. captured by pytest)
             pass
         return EXIT_BROKEN_PIPE
+
+
+def check_dequantize(args) -> None:
+    """``--dequantize``: GGUF files only (the embedded default is one), not with ``--quant``. ValueError."""
+    if not getattr(args, "dequantize", False):
+        return
+    if args.quant is not None:
+        raise ValueError(f"--dequantize loads dense weights; it cannot be combined with --quant {args.quant}")
+    if args.model is not None and not str(args.model).lower().endswith(".gguf"):
+        raise ValueError(f"--dequantize applies to GGUF files (Q4_0/Q4_1 weights); --model {args.model} is not one")

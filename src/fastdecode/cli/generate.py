@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from fastdecode.cli.common import (DTYPES, USER_ERRORS, add_kernels_arg, add_quant_head_arg, broadcast, check_device,
-                                   check_text, end_tp, fail, finish_tp, nonneg_int, positive_int, temperature, top_p,
-                                   warn)
+from fastdecode.cli.common import (DTYPES, USER_ERRORS, add_kernels_arg, add_quant_head_arg, broadcast,
+                                   check_dequantize, check_device, check_text, end_tp, fail, finish_tp, nonneg_int,
+                                   positive_int, temperature, top_p, warn)
 from fastdecode.quant.formats import METHODS
 
 
@@ -50,6 +50,10 @@ def _add_quant_tp_args(p: argparse.ArgumentParser) -> None:
                         "int4_a8=on: int8 activations at decode); quantised at load unless the checkpoint already "
                         "is (FP8, GPTQ, AWQ, GGUF Q4_0/Q4_1); default: as stored (GGUF Q4_0/Q4_1 run as int4 on "
                         "CUDA)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="a GGUF's Q4_0/Q4_1 weights dequantised to --dtype at load (as on the CPU), not run as int4: "
+                        "more memory, and faster where the decode step is bound by kernel launches rather than "
+                        "weight bytes (the embedded 135M model); GGUF only, not with --quant")
     add_quant_head_arg(p)
     p.add_argument("--tp", type=positive_int, default=None,
                    help="tensor parallelism over N GPUs (relaunches under torchrun; or run under torchrun yourself)")
@@ -86,6 +90,7 @@ def _check_args(args) -> None:
             raise ValueError(f"--backend triton: {reason}; use --backend torch, or {way}") from None
     if getattr(args, "prompt", None) is not None:
         check_text(args.prompt, "the prompt")
+    check_dequantize(args)
 
 
 def _engine(args, max_batch=1, need_tokenizer: bool = True):
@@ -99,7 +104,8 @@ def _engine(args, max_batch=1, need_tokenizer: bool = True):
 
     # the RoPE table: what was asked for (capped to the model's context below), else the default context
     kw = dict(backend=args.backend, max_seq_len=args.max_seq_len or DEFAULT_MAX_SEQ_LEN, quant=args.quant,
-              quant_head=getattr(args, "quant_head", None))
+              quant_head=getattr(args, "quant_head", None),
+              gguf_native=False if getattr(args, "dequantize", False) else None)
     t = time.perf_counter()
     if under_torchrun():
         from fastdecode.engine.tp import init_distributed, load_tp
