@@ -262,7 +262,8 @@ def test_gpu_script_startup_suite(tmp_path):
     gpu = load_script(Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py", "gpu_script_startup")
     assert "startup" in gpu.SUITES
     steps = gpu.suite_commands("startup", tmp_path, 1)
-    assert [s[0] for s in steps] == ["bench startup", "bench startup serve eager", "bench startup serve lazy"]
+    assert [s[0] for s in steps] == ["bench startup", "bench startup serve eager", "bench startup serve lazy",
+                                     "bench startup dequantized"]
     for label, argv, timeout in steps:
         assert argv[argv.index("bench") + 1] == "startup" and "--model" not in argv, label
         assert argv[argv.index("--out") + 1] == str(tmp_path / "startup.json") and 0 < timeout <= 240, label
@@ -270,6 +271,7 @@ def test_gpu_script_startup_suite(tmp_path):
         assert a.timeout * len(a.runs or ["warm"]) < timeout, label  # a hung run fails inside the step's limit
     assert steps[0][1][steps[0][1].index("--runs") + 1:][:2] == ["cold", "warm"]
     assert "lazy" in steps[2][1] and "32" in steps[1][1]
+    assert ["--dequantize" in argv for _, argv, _ in steps] == [False, False, False, True]
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -378,10 +378,9 @@ def cmd_bench_startup(args) -> int:
         device = check_device(args.device)
         check_dequantize(args)
         rows = bench_startup(args.model, quant=args.quant, quant_head=args.quant_head, dequantize=args.dequantize,
-                             device=device,
-                             dtype=args.dtype, backend=args.backend, runs=args.runs, max_batch=args.max_batch,
-                             graph_capture=args.graph_capture, cuda_graph=not args.no_cuda_graph,
-                             prompt=args.prompt, timeout=args.timeout,
+                             device=device, dtype=args.dtype, backend=args.backend, runs=args.runs,
+                             max_batch=args.max_batch, graph_capture=args.graph_capture,
+                             cuda_graph=not args.no_cuda_graph, prompt=args.prompt, timeout=args.timeout,
                              log=lambda m: print(m, file=sys.stderr, flush=True))
     except USER_ERRORS as e:
         return fail(e)
