@@ -205,3 +205,22 @@ def test_scheduler_sends_each_call_a_heartbeat_when_idle_and_stop():
     assert idle_before >= 2 and set(link.log[:idle_before]) == {"idle"}
     calls = [c for c in link.log[idle_before:] if c != "idle"]
     assert calls == ["prefill"] + ["decode"] * 5 + ["stop"]  # the prefill samples the first of the 6 tokens
+
+
+def test_bench_serve_tp2_on_the_cpu(tmp_path):
+    """``bench serve --tp 2``: relaunched under torchrun (two gloo ranks); every rank runs the references and the
+    static batches in step, rank 0 serves while rank 1 follows, and rank 0 alone writes the rows (``shape.tp`` 2).
+    In fp32 every served answer equals the prompt generated alone by the same TP engine (``wrong_text`` 0)."""
+    out = tmp_path / "serve.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "fastdecode", "bench", "serve", "--model", "tiny", "--device", "cpu",
+                        "--tp", "2", "--dtype", "float32", "--concurrency", "1", "3", "--duration", "1",
+                        "--input-len", "4", "--output-len", "6", "--max-batch", "2", "--prefill-chunk", "4",
+                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=START_TIMEOUT)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    rows = json.loads(out.read_text())
+    assert sorted((r["impl"], r["shape"]["concurrency"]) for r in rows) == [
+        ("fastdecode-serve", 1), ("fastdecode-serve", 3), ("fastdecode-static", 1), ("fastdecode-static", 3)]
+    for r in rows:
+        assert r["shape"]["tp"] == 2 and r["completed"] == r["requests"] >= 1 and r["failed"] == 0, r
+        assert r["impl"] == "fastdecode-static" or r["wrong_text"] == 0, r

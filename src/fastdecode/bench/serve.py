@@ -180,7 +180,13 @@ def bench_serve(model: Optional[str], *, concurrency: Sequence[int], duration: f
                 dtype: Optional[torch.dtype] = None, quant: Optional[str] = None, static: bool = True,
                 check: bool = True, log: Callable[[str], None] = lambda m: None) -> list[dict]:
     """Rows of the sweep (see the module docstring). ``model``: a preset (random weights, a synthetic tokenizer),
-    a checkpoint path or None (the embedded model)."""
+    a checkpoint path or None (the embedded model).
+
+    Under torch.distributed (``bench serve --tp N``: torchrun) every rank loads its shard and runs the references
+    and the static batches in step; then rank 0 serves (its model calls announced through ``serve.tp.StepLink``)
+    while the others follow, and rank 0 alone returns rows (``shape.tp``: N); the others return none."""
+    import torch.distributed as dist
+
     from fastdecode.engine.generate import Engine
     from fastdecode.engine.loader import load
     from fastdecode.engine.tokenizer import Tokenizer
@@ -195,7 +201,13 @@ def bench_serve(model: Optional[str], *, concurrency: Sequence[int], duration: f
         raise ValueError(f"duration must be > 0 seconds, got {duration}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     T = input_len + output_len
-    loaded = load(model, device=device, dtype=dtype, quant=quant, max_seq_len=max(T, 16), progress=False)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        from fastdecode.engine.tp import load_tp
+
+        loaded = load_tp(model, device=device, dtype=dtype, quant=quant, max_seq_len=max(T, 16), progress=False)
+    else:
+        loaded = load(model, device=device, dtype=dtype, quant=quant, max_seq_len=max(T, 16), progress=False)
     tok = loaded.tokenizer or Tokenizer.synthetic(loaded.config.vocab_size)
     engine = Engine(loaded.model, tok, max_batch=max_batch, max_seq_len=T)
     V = min(loaded.config.vocab_size, tok.vocab_size)
@@ -206,7 +218,7 @@ def bench_serve(model: Optional[str], *, concurrency: Sequence[int], duration: f
         refs = [engine.generate([p], max_new_tokens=output_len, ignore_eos=True)[0].text for p in prompts]
     shape = dict(model=loaded.config.name if model is None else model, dtype=str(engine.dtype).replace("torch.", ""),
                  quant=quant or "none", input_len=input_len, output_len=output_len, max_batch=engine.max_batch,
-                 prefill_chunk=prefill_chunk, device=device.type)
+                 prefill_chunk=prefill_chunk, device=device.type, **({"tp": world} if world > 1 else {}))
     rows = []
     if static:
         for c in concurrency:
@@ -216,8 +228,16 @@ def bench_serve(model: Optional[str], *, concurrency: Sequence[int], duration: f
             log(f"static   C={c:<4} {m['tokens_per_s']} tok/s, TTFT p50 {m['ttft_p50_ms']} ms, "
                 f"ITL p50 {m['itl_p50_ms']} ms")
     exact = engine.dtype == torch.float32  # see the module docstring
+    link = None
+    if world > 1:  # rank 0 serves; the others make its model calls on their shards until its scheduler stops
+        from fastdecode.serve.tp import StepLink, follow
+
+        link = StepLink(engine.max_batch, prefill_chunk)
+        if link.rank != 0:
+            follow(engine, link)
+            return []
     handle = start_in_thread(engine, model_names=("bench",), prefill_chunk=prefill_chunk,
-                             max_waiting=max(concurrency) + 16)
+                             max_waiting=max(concurrency) + 16, link=link)
     # the clients in a process of their own, as a server's clients are: in this one their HTTP parsing shared the
     # server's interpreter lock (32 streams of the tiny model on a 2-core CPU: 4.6k tok/s served with the clients
     # in process, 7.8-8.3k from another process, same server)

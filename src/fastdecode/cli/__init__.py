@@ -7,7 +7,8 @@
     fastdecode eval-accuracy            perplexity / top-1 agreement / KL of quantised formats    cli/checkpoint.py
     fastdecode info                     versions, GPUs, backends, default model                   cli/info.py
     fastdecode selfcheck                every kernel against its reference (CPU: Triton interpreter)
-    fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode|serve       cli/bench.py
+    fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode|hf          cli/bench.py
+    fastdecode bench serve|startup      the server under load; start-up phase by phase            cli/bench_apps.py
     fastdecode tune linear|int4|int4-fused  GEMM launch configs measured on this GPU, as data     cli/bench.py
 
 Shared argument types, validators and the ``error:`` reporting: ``cli/common.py``. Each sub-parser sets

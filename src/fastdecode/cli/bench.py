@@ -2,7 +2,8 @@
 line on a machine without one), the decode benchmark (``bench decode``: ``fastdecode.bench.decode``, also on
 the CPU), the serving benchmark (``bench serve``: ``fastdecode.bench.serve``, also on the CPU), transformers'
 ``generate``, plain and patched (``bench hf``: ``fastdecode.bench.hf``, also on the CPU) and the start-up of
-``generate`` phase by phase (``bench startup``: ``fastdecode.bench.startup``, also on the CPU).
+``generate`` phase by phase (``bench startup``: ``fastdecode.bench.startup``, also on the CPU); the last two's
+commands are in ``cli.bench_apps``.
 
     fastdecode bench norm|silu|quant|kernels (alias all)|linear|int4|allreduce|decode|serve|hf|startup
     fastdecode tune linear|int4|int4-fused   measure GEMM launch configs on this GPU, write them as data
@@ -12,30 +13,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
 
 import torch
 
-from fastdecode.cli.common import DTYPES, check_dequantize, end_tp, fail, finish_tp, no_gpu
+from fastdecode.cli.bench_apps import add_app_parsers
+from fastdecode.cli.common import DTYPES, check_dequantize, end_tp, fail, finish_tp, no_gpu, write_rows
 from fastdecode.quant.formats import METHODS
 
 KERNELS_OUT = "benchmarks/results/norm_activation_quant.json"
 PROFILE_OUT = "benchmarks/results/profile_decode.json"
 
-
-
-def _write_rows(rows: list, out_arg: Optional[str], default_out: str, device: torch.device, **merge_kw) -> str:
-    """Merge ``rows`` into ``--out`` (default ``default_out`` on CUDA, no file on a CPU; '' writes nothing) and say
-    so on stderr; returns the path written, or ''."""
-    from fastdecode.bench.harness import merge_rows
-
-    out = out_arg if out_arg is not None else (default_out if device.type == "cuda" else "")
-    if out:
-        merged = merge_rows(rows, out, **merge_kw)
-        print(f"wrote {out} ({len(rows)} rows, {len(merged)} in the file)", file=sys.stderr)
-    elif out_arg is None:
-        print("a CPU run writes no results file unless --out names one", file=sys.stderr)
-    return out
 
 # ----------------------------------------------------------------------------- kernel benchmarks, tuners (GPU)
 
@@ -201,7 +188,7 @@ def _profile_decode(args, main: bool) -> int:
         return fail(e)
     finish_tp()
     if main:
-        _write_rows(recs, args.out, PROFILE_OUT, torch.device("cuda"))
+        write_rows(recs, args.out, PROFILE_OUT, torch.device("cuda"))
     return 0
 
 
@@ -255,65 +242,6 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, nargs="?", const="", help="write a PNG (default: next to --out)")
 
 
-# ----------------------------------------------------------------------------- bench serve
-
-
-def cmd_bench_serve(args) -> int:
-    """``fastdecode bench serve``: the concurrency sweep (``fastdecode.bench.serve``), the table on stdout, the rows
-    merged into the results file (default ``benchmarks/results/serve.json`` on CUDA, none on a CPU), the plot."""
-    from fastdecode.bench.harness import print_table
-    from fastdecode.bench.serve import DEFAULT_OUT, bench_serve, plot_rows, row_key
-    from fastdecode.cli.common import USER_ERRORS, check_device
-    from fastdecode.serve.server import require_serve_deps
-
-    try:
-        require_serve_deps()
-        device = check_device(args.device)
-        rows = bench_serve(args.model, concurrency=args.concurrency, duration=args.duration,
-                           input_len=args.input_len, output_len=args.output_len, max_batch=args.max_batch,
-                           prefill_chunk=args.prefill_chunk, device=device,
-                           dtype=getattr(torch, args.dtype) if args.dtype else None, quant=args.quant,
-                           static=not args.no_static, check=not args.no_check,
-                           log=lambda m: print(m, file=sys.stderr, flush=True))
-    except USER_ERRORS as e:
-        return fail(e)
-    print_table(rows, ("impl", "shape", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                       "completed", "failed", "wrong_text", "differs_from_alone", "common_prefix"))
-    out = _write_rows(rows, args.out, DEFAULT_OUT, device, key=row_key)
-    if args.plot is not None:
-        path = args.plot or (out.rsplit(".", 1)[0] + ".png" if out else "serve.png")
-        plot_rows(rows, path)
-        print(f"wrote {path}", file=sys.stderr)
-    bad = sum(r.get("failed", 0) + r.get("wrong_text", 0) for r in rows)
-    if bad:
-        print(f"error: {bad} requests failed or answered wrong text", file=sys.stderr)
-        return 1
-    return 0
-
-
-def add_serve_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="a preset (random weights, synthetic tokenizer: llama-3.1-8b, smollm2-135m, tiny), a "
-                        "checkpoint path, or nothing for the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64],
-                   help="concurrent clients (one run each)")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds each run sends requests")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-batch", type=int, default=32, help="the server's KV slots")
-    p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--quant", default=None, choices=list(METHODS))
-    p.add_argument("--dtype", default=None, choices=DTYPES, help="default: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--device", default=None)
-    p.add_argument("--no-static", action="store_true", help="skip the static-batch baseline")
-    p.add_argument("--no-check", action="store_true",
-                   help="do not compare each answer with the prompt generated alone (greedy)")
-    p.add_argument("--out", default=None,
-                   help="JSON result file (default: benchmarks/results/serve.json on CUDA, no file on a CPU); rows of "
-                        "the same impl, shape and GPU are replaced, the others kept; '' writes nothing")
-    p.add_argument("--plot", default=None, nargs="?", const="", help="write a PNG (default: next to --out)")
-
-
 # ----------------------------------------------------------------------------- bench hf
 
 
@@ -338,7 +266,7 @@ def cmd_bench_hf(args) -> int:
     except USER_ERRORS as e:
         return fail(e)
     print_table(rows, ("impl", "ms_per_step", "tokens_per_s", "speedup_vs_plain", "tbps", "tokens_match_plain"))
-    _write_rows(rows, args.out, DEFAULT_OUT, device)
+    write_rows(rows, args.out, DEFAULT_OUT, device)
     return 1 if any("error" in r for r in rows) else 0
 
 
@@ -362,64 +290,6 @@ def add_hf_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
                    help="JSON result file (default: benchmarks/results/hf.json on CUDA, no file on a CPU); rows of "
                         "the same op, impl and shape are replaced, the others kept; '' writes nothing")
-
-
-# ----------------------------------------------------------------------------- bench startup
-
-
-def cmd_bench_startup(args) -> int:
-    """``fastdecode bench startup``: the start-up of ``generate`` phase by phase, each run in a fresh process
-    (``fastdecode.bench.startup``); the table on stdout, the rows merged into ``--out`` (default
-    ``benchmarks/results/startup.json`` on CUDA, none on a CPU). Exit code 1 when a run failed."""
-    from fastdecode.bench.startup import DEFAULT_OUT, bench_startup, print_phases
-    from fastdecode.cli.common import USER_ERRORS, check_device
-
-    try:
-        device = check_device(args.device)
-        check_dequantize(args)
-        rows = bench_startup(args.model, quant=args.quant, quant_head=args.quant_head, dequantize=args.dequantize,
-                             device=device, dtype=args.dtype, backend=args.backend, runs=args.runs,
-                             max_batch=args.max_batch, graph_capture=args.graph_capture,
-                             cuda_graph=not args.no_cuda_graph, prompt=args.prompt, timeout=args.timeout,
-                             log=lambda m: print(m, file=sys.stderr, flush=True))
-    except USER_ERRORS as e:
-        return fail(e)
-    print_phases(rows)
-    _write_rows(rows, args.out, DEFAULT_OUT, device)
-    errors = [r for r in rows if "error" in r]
-    for r in errors:
-        print(f"error: {r['impl']}: {r['error']}", file=sys.stderr)
-    return 1 if errors else 0
-
-
-def add_startup_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from fastdecode.bench.startup import DEFAULT_PROMPT, RUNS
-
-    p.add_argument("--model", default=None,
-                   help="a .gguf file, a HF directory, a preset (random weights) or nothing for the embedded "
-                        "SmolLM2-135M-Instruct (GGUF Q4_1: native int4 on CUDA)")
-    p.add_argument("--quant", default=None, choices=list(METHODS), help="as generate --quant (default: as stored)")
-    p.add_argument("--quant-head", default=None, choices=list(METHODS))
-    p.add_argument("--dequantize", action="store_true", help="as generate --dequantize (a GGUF's int4 weights dense)")
-    p.add_argument("--device", default=None, help="default: cuda when available")
-    p.add_argument("--dtype", default=None, choices=DTYPES, help="default: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--backend", default=None, choices=["auto", "triton", "torch"])
-    p.add_argument("--runs", nargs="+", default=None, choices=list(RUNS),
-                   help="fresh processes in turn: cold (an empty temporary Triton cache), warm (that cache as the "
-                        "runs before left it; alone: the environment's own) (default: cold warm on CUDA, warm on "
-                        "a CPU)")
-    p.add_argument("--max-batch", type=int, default=1,
-                   help="the engine's KV slots: one CUDA graph per batch bucket up to it (generate: 1; serve: 32)")
-    p.add_argument("--graph-capture", default="eager", choices=["eager", "lazy"],
-                   help="eager: every bucket at start-up; lazy: each on first use (the first token's decode "
-                        "bucket only)")
-    p.add_argument("--no-cuda-graph", action="store_true", help="an eager engine (no graphs)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the chat prompt of the first token")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
-    p.add_argument("--out", default=None,
-                   help="JSON result file (default: benchmarks/results/startup.json on CUDA, no file on a CPU); "
-                        "rows of the same impl (cold-cache / warm-cache) and shape are replaced, the others kept; "
-                        "'' writes nothing")
 
 
 # ----------------------------------------------------------------------------- wiring
@@ -463,13 +333,6 @@ def add_parsers(subparsers) -> None:
     d = bsub.add_parser("decode", help="decode latency / tokens/s ablation (random-weight presets)")
     add_decode_arguments(d)
     d.set_defaults(func=cmd_bench_decode)
-    sv = bsub.add_parser("serve", help="the OpenAI server under a concurrency sweep vs one static batch (CPU too)",
-                         description="Throughput (tok/s), time to first token and inter-token latency (p50 / p99) "
-                         "of `fastdecode serve` (in process) for each --concurrency, beside the same engine "
-                         "driven with one static batch; every answer checked against the prompt generated alone. "
-                         "Exit code 1 when a request failed or, in fp32, answered wrong text. Needs fastdecode[serve].")
-    add_serve_bench_arguments(sv)
-    sv.set_defaults(func=cmd_bench_serve)
     hf = bsub.add_parser("hf", help="transformers generate, plain and patched by fastdecode (CPU too)",
                          description="HF generate on a random-weight Llama of a preset's shapes: plain, plain + "
                          "torch.compile (static cache), patched by fastdecode.integrations.transformers.apply, "
@@ -477,14 +340,7 @@ def add_parsers(subparsers) -> None:
                          "as the baseline. Exit code 1 when a variant failed.")
     add_hf_bench_arguments(hf)
     hf.set_defaults(func=cmd_bench_hf)
-    st = bsub.add_parser("startup", help="start-up time of generate, phase by phase, in fresh processes (CPU too)",
-                         description="Load the model as `fastdecode generate` does and generate one token, in a fresh "
-                         "process per run, timing each phase: imports, CUDA init, checkpoint parsing, int4 "
-                         "repacking, copies to the device, kernel warm-up (Triton compiles), CUDA graph capture "
-                         "per batch bucket, the first token. Exit code 1 when a run failed.")
-    add_startup_bench_arguments(st)
-    st.set_defaults(func=cmd_bench_startup)
-
+    add_app_parsers(bsub)  # serve, startup (cli.bench_apps)
     t = subparsers.add_parser("tune", help="measure launch configs on this GPU and write them as data")
     t.add_argument("what", choices=["linear", "int4", "int4-fused"],
                    help="int4-fused: the fused int4 ops' own table sections (the norm, the residual add, SiLU-and-mul "

@@ -240,3 +240,17 @@ def check_dequantize(args) -> None:
         raise ValueError(f"--dequantize loads dense weights; it cannot be combined with --quant {args.quant}")
     if args.model is not None and not str(args.model).lower().endswith(".gguf"):
         raise ValueError(f"--dequantize applies to GGUF files (Q4_0/Q4_1 weights); --model {args.model} is not one")
+
+
+def write_rows(rows: list, out_arg: Optional[str], default_out: str, device: torch.device, **merge_kw) -> str:
+    """Merge ``rows`` into ``--out`` (default ``default_out`` on CUDA, no file on a CPU; '' writes nothing) and say
+    so on stderr; returns the path written, or ''."""
+    from fastdecode.bench.harness import merge_rows
+
+    out = out_arg if out_arg is not None else (default_out if device.type == "cuda" else "")
+    if out:
+        merged = merge_rows(rows, out, **merge_kw)
+        print(f"wrote {out} ({len(rows)} rows, {len(merged)} in the file)", file=sys.stderr)
+    elif out_arg is None:
+        print("a CPU run writes no results file unless --out names one", file=sys.stderr)
+    return out

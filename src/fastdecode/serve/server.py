@@ -87,12 +87,13 @@ class ServerHandle:
 
 def start_in_thread(engine: Engine, *, model_names: tuple[str, ...], host: str = "127.0.0.1", port: int = 0,
                     prefill_chunk: int = 512, max_waiting: int = 256, log_level: str = "warning",
-                    timeout: float = 30.0) -> ServerHandle:
-    """The server on a background thread (port 0: a free port); returns once it accepts connections."""
+                    timeout: float = 30.0, link=None) -> ServerHandle:
+    """The server on a background thread (port 0: a free port); returns once it accepts connections. ``link``:
+    rank 0's ``serve.tp.StepLink`` under tensor parallelism (``stop()`` then ends the followers too)."""
     from fastdecode.serve.app import create_app
 
     require_serve_deps()
-    scheduler = Scheduler(engine, prefill_chunk=prefill_chunk, max_waiting=max_waiting).start()
+    scheduler = Scheduler(engine, prefill_chunk=prefill_chunk, max_waiting=max_waiting, link=link).start()
     server = _uvicorn_server(create_app(scheduler, model_names), host, port, log_level)
     server.install_signal_handlers = lambda: None  # not the main thread (older uvicorn calls this)
     t = threading.Thread(target=server.run, name="fastdecode-http", daemon=True)
