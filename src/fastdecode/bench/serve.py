@@ -190,7 +190,9 @@ def bench_serve(model: Optional[str], *, concurrency: Sequence[int], duration: f
     from fastdecode.engine.generate import Engine
     from fastdecode.engine.loader import load
     from fastdecode.engine.tokenizer import Tokenizer
+    from fastdecode.engine.tp import load_tp
     from fastdecode.serve.server import start_in_thread
+    from fastdecode.serve.tp import lead_or_follow
 
     for name, v in (("input_len", input_len), ("output_len", output_len), ("max_batch", max_batch)):
         if v < 1:
@@ -202,12 +204,8 @@ def bench_serve(model: Optional[str], *, concurrency: Sequence[int], duration: f
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     T = input_len + output_len
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        from fastdecode.engine.tp import load_tp
-
-        loaded = load_tp(model, device=device, dtype=dtype, quant=quant, max_seq_len=max(T, 16), progress=False)
-    else:
-        loaded = load(model, device=device, dtype=dtype, quant=quant, max_seq_len=max(T, 16), progress=False)
+    loaded = (load_tp if world > 1 else load)(model, device=device, dtype=dtype, quant=quant, max_seq_len=max(T, 16),
+                                              progress=False)
     tok = loaded.tokenizer or Tokenizer.synthetic(loaded.config.vocab_size)
     engine = Engine(loaded.model, tok, max_batch=max_batch, max_seq_len=T)
     V = min(loaded.config.vocab_size, tok.vocab_size)
@@ -228,14 +226,9 @@ def bench_serve(model: Optional[str], *, concurrency: Sequence[int], duration: f
             log(f"static   C={c:<4} {m['tokens_per_s']} tok/s, TTFT p50 {m['ttft_p50_ms']} ms, "
                 f"ITL p50 {m['itl_p50_ms']} ms")
     exact = engine.dtype == torch.float32  # see the module docstring
-    link = None
-    if world > 1:  # rank 0 serves; the others make its model calls on their shards until its scheduler stops
-        from fastdecode.serve.tp import StepLink, follow
-
-        link = StepLink(engine.max_batch, prefill_chunk)
-        if link.rank != 0:
-            follow(engine, link)
-            return []
+    leads, link = lead_or_follow(engine, prefill_chunk)  # under TP rank 0 serves, the others follow until it stops
+    if not leads:
+        return []
     handle = start_in_thread(engine, model_names=("bench",), prefill_chunk=prefill_chunk,
                              max_waiting=max(concurrency) + 16, link=link)
     # the clients in a process of their own, as a server's clients are: in this one their HTTP parsing shared the

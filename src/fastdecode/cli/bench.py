@@ -17,7 +17,7 @@ import sys
 import torch
 
 from fastdecode.cli.bench_apps import add_app_parsers
-from fastdecode.cli.common import DTYPES, check_dequantize, end_tp, fail, finish_tp, no_gpu, write_rows
+from fastdecode.cli.common import DTYPES, check_dequantize, end_tp, fail, finish_tp, gguf_native, no_gpu, write_rows
 from fastdecode.quant.formats import METHODS
 
 KERNELS_OUT = "benchmarks/results/norm_activation_quant.json"
@@ -137,7 +137,7 @@ def cmd_bench_decode(args) -> int:
                                  iters=args.iters, warmup=args.warmup, impls=impls, device=args.device,
                                  dtype=getattr(torch, args.dtype), layers=args.layers,
                                  quant=getattr(args, "quant", None), quant_head=getattr(args, "quant_head", None),
-                                 gguf_native=False if getattr(args, "dequantize", False) else None,
+                                 gguf_native=gguf_native(args),
                                  log=(lambda m: print(m, file=sys.stderr, flush=True)) if main else (lambda m: None))
     except KVCacheMemoryError as e:  # checked before the KV cache is allocated: not a CUDA out-of-memory traceback
         end_tp()
@@ -181,7 +181,7 @@ def _profile_decode(args, main: bool) -> int:
                               input_len=args.input_len, output_len=args.output_len, steps=args.profile_steps,
                               device=args.device, dtype=getattr(torch, args.dtype), layers=args.layers,
                               quant=args.quant, quant_head=args.quant_head,
-                              gguf_native=False if args.dequantize else None,
+                              gguf_native=gguf_native(args),
                               log=print if main else (lambda m: None))
     except (ValueError, RuntimeError) as e:
         end_tp()

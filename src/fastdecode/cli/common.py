@@ -242,6 +242,12 @@ def check_dequantize(args) -> None:
         raise ValueError(f"--dequantize applies to GGUF files (Q4_0/Q4_1 weights); --model {args.model} is not one")
 
 
+def gguf_native(args) -> Optional[bool]:
+    """``loader.load``'s ``gguf_native`` for a command's ``--dequantize``: False (dense), else None (the loader's
+    default)."""
+    return False if getattr(args, "dequantize", False) else None
+
+
 def write_rows(rows: list, out_arg: Optional[str], default_out: str, device: torch.device, **merge_kw) -> str:
     """Merge ``rows`` into ``--out`` (default ``default_out`` on CUDA, no file on a CPU; '' writes nothing) and say
     so on stderr; returns the path written, or ''."""

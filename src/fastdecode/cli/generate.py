@@ -16,8 +16,8 @@ import time
 import torch
 
 from fastdecode.cli.common import (DTYPES, USER_ERRORS, add_kernels_arg, add_quant_head_arg, broadcast,
-                                   check_dequantize, check_device, check_text, end_tp, fail, finish_tp, nonneg_int,
-                                   positive_int, temperature, top_p, warn)
+                                   check_dequantize, check_device, check_text, end_tp, fail, finish_tp, gguf_native,
+                                   nonneg_int, positive_int, temperature, top_p, warn)
 from fastdecode.quant.formats import METHODS
 
 
@@ -105,7 +105,7 @@ def _engine(args, max_batch=1, need_tokenizer: bool = True):
     # the RoPE table: what was asked for (capped to the model's context below), else the default context
     kw = dict(backend=args.backend, max_seq_len=args.max_seq_len or DEFAULT_MAX_SEQ_LEN, quant=args.quant,
               quant_head=getattr(args, "quant_head", None),
-              gguf_native=False if getattr(args, "dequantize", False) else None)
+              gguf_native=gguf_native(args))
     t = time.perf_counter()
     if under_torchrun():
         from fastdecode.engine.tp import init_distributed, load_tp

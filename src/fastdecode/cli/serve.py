@@ -52,8 +52,8 @@ def model_names(args, config_name: str) -> tuple[str, ...]:
 
 
 def cmd_serve(args) -> int:
-    from fastdecode.engine.tp import under_torchrun
     from fastdecode.serve.server import require_serve_deps, serve, slots_for_memory
+    from fastdecode.serve.tp import lead_or_follow
 
     try:
         require_serve_deps()
@@ -64,15 +64,10 @@ def cmd_serve(args) -> int:
                        need_tokenizer=False)  # --tp N: the same command under torchrun
     if isinstance(eng, int):
         return eng
-    link = None
-    if under_torchrun():  # rank 0 serves, the others make its model calls on their shards (serve.tp)
-        from fastdecode.serve.tp import StepLink, follow
-
-        link = StepLink(eng.max_batch, args.prefill_chunk)
-        if link.rank != 0:
-            follow(eng, link)
-            end_tp()  # rank 0's "stop" was the last message: no barrier (on Ctrl-C torchrun may end rank 0 first)
-            return 0
+    leads, link = lead_or_follow(eng, args.prefill_chunk)  # under --tp rank 0 serves, the others follow (serve.tp)
+    if not leads:
+        end_tp()  # rank 0's "stop" was the last message: no barrier (on Ctrl-C torchrun may end rank 0 first)
+        return 0
     if eng.tokenizer is None:
         from fastdecode.engine.tokenizer import Tokenizer
 

@@ -98,14 +98,15 @@ class _Seq:
 
 
 class LocalCalls:
-    """The batcher's model calls, made in this process. Under tensor parallelism rank 0's batcher takes
-    ``fastdecode.serve.tp.StepLink`` instead, which announces each call to the other ranks first."""
+    """The batcher's model calls, made in this process, on host tensors (token ids, positions) that they move to the
+    engine's device. Under tensor parallelism rank 0's batcher takes ``fastdecode.serve.tp.StepLink`` instead, which
+    announces each call to the other ranks first (the host tensors as they are: no copy back from the GPU)."""
 
     def prefill(self, engine: Engine, tokens: torch.Tensor, starts, lens, slots) -> torch.Tensor:
-        return prefill_rows(engine.model, tokens, starts, lens, slots, engine.cache)
+        return prefill_rows(engine.model, tokens.to(engine.device), starts, lens, slots, engine.cache)
 
     def decode(self, engine: Engine, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return engine.decode(tokens, pos)
+        return engine.decode(tokens.to(engine.device), pos.to(engine.device))
 
 
 class ContinuousBatcher:
@@ -211,7 +212,7 @@ class ContinuousBatcher:
         plan = self.prefill_plan()
         longest = max(c for _, c in plan)
         rows = [seq.req.prompt[seq.pos:seq.pos + c] + [0] * (longest - c) for seq, c in plan]
-        tokens = torch.tensor(rows, dtype=torch.long, device=self.engine.device)
+        tokens = torch.tensor(rows, dtype=torch.long)  # on the host: the calls move it (LocalCalls)
         logits = self.calls.prefill(self.engine, tokens, [seq.pos for seq, _ in plan], [c for _, c in plan],
                                     [seq.slot for seq, _ in plan])  # [rows, V]
         done = []
@@ -243,9 +244,8 @@ class ContinuousBatcher:
                 tokens[s], pos[s] = seq.last, seq.pos
             else:  # in prefill: its next chunk writes this position before reading it
                 pos[s] = min(seq.pos, T - 1)
-        dev = self.engine.device
-        logits = self.calls.decode(self.engine, torch.tensor(tokens, dtype=torch.long, device=dev),
-                                   torch.tensor(pos, dtype=torch.long, device=dev))
+        logits = self.calls.decode(self.engine, torch.tensor(tokens, dtype=torch.long),
+                                   torch.tensor(pos, dtype=torch.long))  # host tensors (LocalCalls)
         self.steps += 1
         picked = self._sample(rows, logits[[s.slot for s in rows]]).tolist()
         for seq, tok in zip(rows, picked):

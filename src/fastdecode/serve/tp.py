@@ -1,9 +1,9 @@
 """Tensor-parallel serving (``fastdecode serve --tp N``): rank 0 runs the HTTP server, the scheduler and the
 batcher; every other rank makes the same model calls on its shard, in the same order, as rank 0 tells it.
 
-    link = StepLink(slots, prefill_chunk)   # every rank, at the same point (a collective: it makes a group)
-    if rank == 0: serve(engine, ..., link=link)   # the batcher's model calls go through link.prefill / decode
-    else:         follow(engine, link)           # until rank 0 sends "stop"
+    leads, link = lead_or_follow(engine, prefill_chunk)   # every rank, at the same point (it makes a group)
+    if leads: serve(engine, ..., link=link)   # rank 0 (or no TP: link None); its model calls go through the link
+    # else: this rank followed rank 0's calls (``follow``) until rank 0 sent "stop"
 
 Each model call of the batcher (a prefill pass, a decode step) is one message from rank 0, sent just before rank 0
 makes the call: its inputs (token ids, positions, cache rows) as one int64 tensor broadcast on a gloo group of its
@@ -68,7 +68,7 @@ class StepLink:
     def send(self, kind: str, rows: int = 0, chunk: int = 0, *parts: torch.Tensor) -> None:
         if self.rank != 0:
             raise RuntimeError(f"only rank 0 sends the step plan (this is rank {self.rank})")
-        body = torch.cat([p.reshape(-1).to("cpu", torch.long) for p in parts]) if parts else self.buf[:0]
+        body = torch.cat([p.reshape(-1).to("cpu", torch.long) for p in parts]) if parts else self.buf[:0]  # host
         if rows > self.max_rows or rows * chunk > self.max_tokens or HEAD + body.numel() > self.buf.numel():
             raise ValueError(f"a {kind} of {rows} rows x {chunk} tokens exceeds the link's {self.max_rows} rows / "
                              f"{self.max_tokens} tokens")
@@ -112,7 +112,7 @@ def follow(engine, link: StepLink, on_message: Optional[Callable] = None) -> int
     calls made. ``on_message(msg)`` (tests) sees each message first."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops on Ctrl-C and then tells us
-    dev, calls = engine.device, 0
+    calls = 0
     while True:
         msg = link.receive()
         if on_message is not None:
@@ -125,11 +125,24 @@ def follow(engine, link: StepLink, on_message: Optional[Callable] = None) -> int
         try:
             with torch.no_grad():
                 if kind == "prefill":
-                    tokens, starts, lens, slots = msg[1:]
-                    link.local.prefill(engine, tokens.to(dev), starts, lens, slots)
+                    link.local.prefill(engine, *msg[1:])
                 else:  # decode
-                    tokens, pos = msg[1:]
-                    link.local.decode(engine, tokens.to(dev), pos.to(dev))
+                    link.local.decode(engine, *msg[1:])
         except Exception:  # rank 0 saw the same error and ended that step's requests
             log.error("serve: rank %d: a %s call failed", link.rank, kind, exc_info=True)
         calls += 1
+
+
+def lead_or_follow(engine, prefill_chunk: int) -> tuple[bool, Optional[StepLink]]:
+    """Where a command serves ``engine`` (``serve``, ``bench serve``): outside torch.distributed ``(True, None)``;
+    under it, on every rank at the same point, rank 0 gets ``(True, its StepLink)`` and every other rank makes rank
+    0's model calls (``follow``) until rank 0 stops, then gets ``(False, None)``."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return True, None
+    link = StepLink(engine.max_batch, prefill_chunk)
+    if link.rank == 0:
+        return True, link
+    follow(engine, link)
+    return False, None
