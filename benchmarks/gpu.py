@@ -253,15 +253,18 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                 ("bench startup serve lazy", _fd("bench", "startup", "--graph-capture", "lazy", *serve), 120),
                 ("bench startup dequantized", _fd("bench", "startup", "--runs", "warm", "warm", "--dequantize",
                                                   "--timeout", "110", *rows), 240)]
-    if name == "small-dense":  # the embedded model as int4 (native) and dequantised to bf16 (--dequantize): the
-        # step of each, one process a row (each the process's first PDL graph), then each warm start-up twice
-        dec = ("bench", "decode", "--model", _embedded_gguf(), "--batch", "1", "--iters", "30", "--impl",
-               "fastdecode-graph", "--out", str(out / "decode_small_dense.json"))
+    if name == "small-dense":  # the embedded model as int4 (native) and dequantised to bf16 (--dequantize), and
+        # dequantised with the attention and wo in one kernel (attn_wo): the step of each, one process a row (each
+        # the process's first PDL graph), alternating; then each format's warm start-up twice
+        dec = ("bench", "decode", "--model", _embedded_gguf(), "--batch", "1", "--iters", "30", "--out",
+               str(out / "decode_small_dense.json"))
         up = ("bench", "startup", "--runs", "warm", "warm", "--timeout", "110", "--out",
               str(out / "startup_dense.json"))
-        ways = (("int4", ()), ("dequantized", ("--dequantize",)))
-        return ([(f"decode embedded {w} {i}", _fd(*dec, *flag), 120) for i in (1, 2) for w, flag in ways]
-                + [(f"startup {w}", _fd(*up, *flag), 120) for w, flag in ways])
+        ways = (("int4", (), "fastdecode-graph"), ("dequantized", ("--dequantize",), "fastdecode-graph"),
+                ("dequantized attn_wo", ("--dequantize",), "fastdecode-graph-with-attn_wo"))
+        return ([(f"decode embedded {w} {i}", _fd(*dec, *flag, "--impl", impl), 120) for i in (1, 2)
+                 for w, flag, impl in ways]
+                + [(f"startup {w}", _fd(*up, *flag), 120) for w, flag, _ in ways[:2]])
     if name == "startup-bytecode":  # session 37 by hand: the image has no bytecode for ours, Triton's, ...
         warm = ("bench", "startup", "--runs", "warm", "warm", "--timeout", "110", "--out")
         return [("bench startup warm", _fd(*warm, str(out / "startup_warm.json")), 240),
@@ -393,7 +396,8 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                                         "fastdecode-graph-no-norm_gemm", "fastdecode-graph-no-int4_glu"), 240),
                 ("decode smollm2 bf16", _fd("bench", "decode", "--preset", "smollm2-135m", *small, "--impl",
                                             "peer-compile", "fastdecode-graph", "fastdecode-graph-no-pdl",
-                                            "fastdecode-graph-no-weight_prefetch"), 240),
+                                            "fastdecode-graph-no-weight_prefetch", "fastdecode-graph-with-attn_wo"),
+                 240),
                 ("decode embedded dequantized", _fd("bench", "decode", "--model", _embedded_gguf(), "--dequantize",
                                                     *small, "--impl", "fastdecode-graph", "fastdecode-graph-no-pdl"),
                  240)]

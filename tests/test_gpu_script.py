@@ -292,15 +292,19 @@ def test_decode_small_runs_the_embedded_model_and_its_bf16_shapes(gpu, tmp_path)
 
 
 def test_small_dense_alternates_int4_and_dequantized_one_row_a_process(gpu, tmp_path):
-    """``small-dense``: the embedded step as int4 and dequantised, alternating, one process a row (each the first
-    PDL graph of its process: ``engine.cuda_graph.pdl_graphs_captured``), then a warm start-up of each."""
+    """``small-dense``: the embedded step as int4, dequantised, and dequantised with ``attn_wo``, alternating, one
+    process a row (each the first PDL graph of its process: ``engine.cuda_graph.pdl_graphs_captured``), then a warm
+    start-up of the two formats."""
     steps = gpu.suite_commands("small-dense", tmp_path, 1)
-    assert [label for label, _, _ in steps] == ["decode embedded int4 1", "decode embedded dequantized 1",
-                                                "decode embedded int4 2", "decode embedded dequantized 2",
-                                                "startup int4", "startup dequantized"]
+    ways = ["int4", "dequantized", "dequantized attn_wo"]
+    assert [label for label, _, _ in steps] == ([f"decode embedded {w} {i}" for i in (1, 2) for w in ways]
+                                                + ["startup int4", "startup dequantized"])
     for label, argv, _ in steps:
         assert ("--dequantize" in argv) == label.startswith(("decode embedded dequantized", "startup dequantized"))
         assert argv[argv.index("--model") + 1].endswith(".gguf") if "decode" in argv else "startup" in argv
+        if "decode" in argv:
+            impl = argv[argv.index("--impl") + 1]
+            assert impl == ("fastdecode-graph-with-attn_wo" if "attn_wo" in label else "fastdecode-graph")
 
 
 def test_profile_small_profiles_the_bf16_shapes_and_the_embedded_gguf(gpu, tmp_path):

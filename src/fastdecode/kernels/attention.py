@@ -291,40 +291,16 @@ def _kv_tile(k_base, v_base, n, n_mask, i, h_mask, d, d_mask, stride_kt, stride_
 
 
 @triton.jit
-def _rope_decode_attention_kernel(
-    qkv_ptr, rope_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, o_part_ptr, lse_ptr, lock_ptr, q8_ptr, s8_ptr, sum8_ptr,
-    scale,
-    stride_qkv, stride_rope_t,
-    stride_kb, stride_kh, stride_kt,
-    stride_vb, stride_vh, stride_vt,
-    stride_ob, stride_oh, stride_q8, stride_s8, T, pf_ptr, pf_bytes, pf_chunk,
-    HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, USE_DOT: tl.constexpr, LOG2E: tl.constexpr, OUT_INT8: tl.constexpr,
-    USE_PDL: tl.constexpr, L2_PF: tl.constexpr, PF_LANES: tl.constexpr,
-):
-    """``_rope_kv_write_kernel`` and ``_decode_attention_kernel`` in one program per (sequence, kv head, split),
-    with ``seq_len = pos + 1``: the split whose range holds ``pos`` rotates this kv head's new k, writes k and v
-    to the caches at ``pos`` and takes the new token's score and value from registers; every split rotates
-    its GROUP query heads itself; the cached positions ``[start, min(end, pos))`` come from the caches.
-
-    Rotation and rounding as the two kernels: q rounded to qkv's dtype, k and v to the cache's, then fp32
-    scores, softmax and accumulation. Heads are kept as their two rotation halves (``s = q1 . k1 + q2 . k2``),
-    so nothing is concatenated in registers.
-
-    PDL: the program reads ``pos`` and its first cache tile before ``pdl_wait()``. That is within
-    ``kernels.pdl``'s contract: neither the previous kernel (the qkv GEMM, or the q / k norm) writes them; the
-    positions below ``pos`` were written by earlier steps (or the prefill), and ``pos`` by a kernel before the
-    previous one, both complete when this kernel starts (the previous one started only after its own wait).
-
-    L2_PF (sm_90+): first of all, each thread prefetches its share of the byte range ``[pf_ptr, + pf_bytes)`` (the
-    next GEMV's weight: wo) into L2 (``kernels.prefetch``); weights are never written by the step's kernels.
-    """
-    b = tl.program_id(0)
-    hkv = tl.program_id(1)
-    split = tl.program_id(2)
-    if L2_PF:
-        l2_prefetch_range(pf_ptr, pf_bytes, pf_chunk, (b * HKV + hkv) * NUM_SPLITS + split, PF_LANES)
+def _rope_attend(qkv_ptr, rope_ptr, pos_ptr, k_ptr, v_ptr, b, hkv, split, scale, stride_qkv, stride_rope_t,
+                 stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, T,
+                 HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 USE_DOT: tl.constexpr, LOG2E: tl.constexpr, USE_PDL: tl.constexpr):
+    """The body of ``_rope_decode_attention_kernel`` (its docstring) for program (b, hkv, split), up to the output:
+    RoPE, the KV write of the new token (by the split that owns it), the PDL wait after the first cache tile's
+    loads, and the online softmax over the split's positions. Returns ``(acc, m, l, heads, g_mask, d, d_mask)``:
+    the unnormalised fp32 rows [BLOCK_G, BLOCK_D] of query heads ``heads``, their running max and sum (base 2),
+    and the masks of the valid heads and columns."""
     b64 = b.to(tl.int64)
     D: tl.constexpr = 2 * HALF
 
@@ -404,7 +380,49 @@ def _rope_decode_attention_kernel(
                  + tl.sum(q2.to(tl.float32)[:, None, :] * k2.to(tl.float32)[None, :, :], axis=2))
         m, l, alpha, p = _softmax_update(m, l, s, s_mask, qk_scale)
         acc = _pv(acc, alpha, p, v, USE_DOT)
+    return acc, m, l, heads, g_mask, d, d_mask
 
+
+@triton.jit
+def _rope_decode_attention_kernel(
+    qkv_ptr, rope_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, o_part_ptr, lse_ptr, lock_ptr, q8_ptr, s8_ptr, sum8_ptr,
+    scale,
+    stride_qkv, stride_rope_t,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh, stride_q8, stride_s8, T, pf_ptr, pf_bytes, pf_chunk,
+    HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, USE_DOT: tl.constexpr, LOG2E: tl.constexpr, OUT_INT8: tl.constexpr,
+    USE_PDL: tl.constexpr, L2_PF: tl.constexpr, PF_LANES: tl.constexpr,
+):
+    """``_rope_kv_write_kernel`` and ``_decode_attention_kernel`` in one program per (sequence, kv head, split),
+    with ``seq_len = pos + 1``: the split whose range holds ``pos`` rotates this kv head's new k, writes k and v
+    to the caches at ``pos`` and takes the new token's score and value from registers; every split rotates
+    its GROUP query heads itself; the cached positions ``[start, min(end, pos))`` come from the caches.
+
+    Rotation and rounding as the two kernels: q rounded to qkv's dtype, k and v to the cache's, then fp32
+    scores, softmax and accumulation. Heads are kept as their two rotation halves (``s = q1 . k1 + q2 . k2``),
+    so nothing is concatenated in registers.
+
+    PDL: the program reads ``pos`` and its first cache tile before ``pdl_wait()``. That is within
+    ``kernels.pdl``'s contract: neither the previous kernel (the qkv GEMM, or the q / k norm) writes them; the
+    positions below ``pos`` were written by earlier steps (or the prefill), and ``pos`` by a kernel before the
+    previous one, both complete when this kernel starts (the previous one started only after its own wait).
+
+    L2_PF (sm_90+): first of all, each thread prefetches its share of the byte range ``[pf_ptr, + pf_bytes)`` (the
+    next GEMV's weight: wo) into L2 (``kernels.prefetch``); weights are never written by the step's kernels.
+    """
+    b = tl.program_id(0)
+    hkv = tl.program_id(1)
+    split = tl.program_id(2)
+    if L2_PF:
+        l2_prefetch_range(pf_ptr, pf_bytes, pf_chunk, (b * HKV + hkv) * NUM_SPLITS + split, PF_LANES)
+    b64 = b.to(tl.int64)
+    acc, m, l, heads, g_mask, d, d_mask = _rope_attend(
+        qkv_ptr, rope_ptr, pos_ptr, k_ptr, v_ptr, b, hkv, split, scale, stride_qkv, stride_rope_t, stride_kb,
+        stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, T, HQ, HKV, GROUP, BLOCK_G, HALF, BLOCK_HALF, BLOCK_D,
+        BLOCK_N, NUM_SPLITS, USE_DOT, LOG2E, USE_PDL)
     _store_split(acc, m, l, o_ptr, o_part_ptr, lse_ptr, b64, heads, split, HQ, stride_ob, stride_oh, g_mask, d,
                  d_mask, q8_ptr, s8_ptr, sum8_ptr, stride_q8, stride_s8, BLOCK_G, BLOCK_D, NUM_SPLITS, OUT_INT8)
     if MERGE_IN_KERNEL and NUM_SPLITS > 1:

@@ -9,6 +9,9 @@ activation itself (``ops.int4_a8.rope_decode_attention_int8``). Off (ablation): 
 
 ``l2_prefetch`` (opt-in, ``Attention.attend``): the fused kernel also prefetches wo's weight (``wo_prefetch``) into L2
 while the qkv GEMV drains and the attention itself leaves the memory bus idle (``fastdecode.kernels.prefetch``).
+
+``attn_wo`` (opt-in; ``models.norm_gemm``'s path): ``attend_add_wo`` takes wo and its residual add into the same
+kernel (``ops.attention_wo``), where wo is a dense ``Linear`` and one split serves the cache (``wo_fusable``).
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from typing import Optional
 
 import torch
 
+from fastdecode.models.qk_norm import norm_qk_rows
 from fastdecode.ops.attention import (
     decode_attention, decode_attention_ref, rope_decode_attention, rope_decode_attention_ref, rope_kv_write,
     rope_kv_write_ref,
 )
+from fastdecode.ops.attention_wo import applies as attention_wo_applies
+from fastdecode.ops.attention_wo import rope_attention_add_linear_
 from fastdecode.ops.int4_a8 import rope_decode_attention_int8, rope_decode_attention_int8_ref
 
 
@@ -57,3 +63,24 @@ def decode_attend(qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor
         return decode_attention_ref(q, k_cache, v_cache, seq_lens, scale)
     q = rope_kv_write(qkv, rope, input_pos, k_cache, v_cache, n_heads, backend=backend)
     return decode_attention(q, k_cache, v_cache, seq_lens, scale, backend=backend)
+
+
+def wo_fusable(attn, batch: int, k_cache: torch.Tensor) -> bool:
+    """Whether ``attend_add_wo`` serves the block's ``attn`` at ``batch`` sequences over ``k_cache`` [B, Hkv, T, D]:
+    RoPE fused into the attention (``fused_rope``), a dense wo (``Linear``; an int4 or FP8 wo keeps its own kernel)
+    and one split of the context (``ops.attention_wo.applies``)."""
+    from fastdecode.models.llama import Linear
+
+    return attn.fused_rope and type(attn.wo) is Linear and attention_wo_applies(batch, attn.n_heads, k_cache[:batch])
+
+
+def attend_add_wo(attn, h: torch.Tensor, qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, input_pos: torch.Tensor, backend: str) -> None:
+    """``h += wo(attn.attend(qkv, ...))`` in one kernel (``ops.attention_wo``): h [B, 1, dim] (the residual stream,
+    contiguous), qkv [B, 1, (Hq + 2 Hkv) * D]; writes k / v at input_pos. Where ``wo_fusable``."""
+    B = qkv.shape[0]
+    qkv = qkv.view(B, -1)
+    if attn.q_norm is not None:
+        qkv = norm_qk_rows(qkv, attn.q_norm, attn.k_norm, attn.n_heads, attn.n_kv_heads, backend)
+    rope_attention_add_linear_(h.view(B, -1), qkv, rope, input_pos, k_cache[:B], v_cache[:B], attn.wo.weight,
+                               attn.wo.bias, n_q_heads=attn.n_heads, scale=attn.scale, backend=backend)

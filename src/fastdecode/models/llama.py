@@ -95,14 +95,14 @@ from fastdecode.quant.formats import method_of
 
 MODEL_BACKENDS = ("auto", "triton", "torch", "ref")
 KERNELS = ("fused_norm", "fused_act", "fused_down", "skinny_gemm", "fused_allreduce", "int4_gemm", "fused_rope",
-           "norm_gemm", "int4_a8", "fp8_a16", "fp8_a16_all", "l2_prefetch", "int4_glu")
+           "norm_gemm", "int4_a8", "fp8_a16", "fp8_a16_all", "l2_prefetch", "int4_glu", "attn_wo")
 # switches off by default (``bench decode``'s ``-with-<switch>`` rows turn them on): a new kernel waits here until a
 # GPU has measured it (norm_gemm for int4 blocks did, sessions 17-18); int4_a8 also changes the numbers (int8
 # activations), so it would stay a choice even when it wins; fp8_a16 is on since session 25: W8A16 wqkv, wo and w2 were
 # faster than W8A8 in every H100 step measured (3300.7 against 3495.7 us, benchmarks/NOTES.md), with a perplexity
 # closer to the unquantised model's; fp8_a16_all (w13 too) was slower there; int4_glu is on since session 31 (the
 # embedded Q4_1 step on an H100: -7.7, -10.4 and -10.3 us in three processes; for small K only, models.norm_gemm)
-OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16_all", "l2_prefetch")
+OPT_IN_KERNELS: tuple[str, ...] = ("int4_a8", "fp8_a16_all", "l2_prefetch", "attn_wo")
 
 
 def _lead(x) -> tuple:
@@ -433,8 +433,8 @@ class Transformer(nn.Module):
 
     def set_kernels(self, **flags: bool) -> None:
         """Switch fused kernels on/off (ablation): ``fused_norm``, ``fused_act``, ``fused_down``, ``skinny_gemm``,
-        ``fused_allreduce``, ``int4_gemm``, ``fused_rope``, ``norm_gemm`` (``models.norm_gemm``); those
-        in ``OPT_IN_KERNELS`` start off.
+        ``fused_allreduce``, ``int4_gemm``, ``fused_rope``, ``norm_gemm`` (``models.norm_gemm``), ``attn_wo``
+        (``ops.attention_wo``, on that path); those in ``OPT_IN_KERNELS`` start off.
 
         Off means the unfused PyTorch ops (norm, activation), cuBLAS (GEMMs), NCCL/gloo all-reduce then the norm,
         dequantise + cuBLAS (``Int4Linear``), RoPE + KV write in its own kernel. Also re-derives where FP8
