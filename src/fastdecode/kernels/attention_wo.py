@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from fastdecode.kernels.attention import LOG2E, _rope_attend
-from fastdecode.kernels.host import next_pow2
+from fastdecode.kernels.host import cdiv, next_pow2
 from fastdecode.kernels.pdl import launch_kwargs
 from fastdecode.kernels.prefetch import l2_prefetch_range, prefetch_plan
 
@@ -94,7 +94,7 @@ def launch_rope_attention_wo(qkv, rope, input_pos, k_cache, v_cache, weight, bia
     Hkv, D = k_cache.shape[1], k_cache.shape[3]
     N = weight.shape[0]
     bn = config["BN"]
-    nb = triton.cdiv(N, bn)
+    nb = cdiv(N, bn)
     half = D // 2
     block_half = max(16, next_pow2(half)) if config["USE_DOT"] else next_pow2(half)
     lanes = 32 * config["num_warps"]
