@@ -11,7 +11,7 @@ activation itself (``ops.int4_a8.rope_decode_attention_int8``). Off (ablation): 
 while the qkv GEMV drains and the attention itself leaves the memory bus idle (``fastdecode.kernels.prefetch``).
 
 ``attn_wo`` (opt-in; ``models.norm_gemm``'s path): ``attend_add_wo`` takes wo and its residual add into the same
-kernel (``ops.attention_wo``), where wo is a dense ``Linear`` and one split serves the cache (``wo_fusable``).
+kernel (``ops.attention_wo``), where wo is a dense ``Linear`` (``wo_fusable``) and one split serves the cache.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from fastdecode.ops.attention import (
     decode_attention, decode_attention_ref, rope_decode_attention, rope_decode_attention_ref, rope_kv_write,
     rope_kv_write_ref,
 )
-from fastdecode.ops.attention_wo import applies as attention_wo_applies
 from fastdecode.ops.attention_wo import rope_attention_add_linear_
 from fastdecode.ops.int4_a8 import rope_decode_attention_int8, rope_decode_attention_int8_ref
 
@@ -65,13 +64,13 @@ def decode_attend(qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor
     return decode_attention(q, k_cache, v_cache, seq_lens, scale, backend=backend)
 
 
-def wo_fusable(attn, batch: int, k_cache: torch.Tensor) -> bool:
-    """Whether ``attend_add_wo`` serves the block's ``attn`` at ``batch`` sequences over ``k_cache`` [B, Hkv, T, D]:
-    RoPE fused into the attention (``fused_rope``), a dense wo (``Linear``; an int4 or FP8 wo keeps its own kernel)
-    and one split of the context (``ops.attention_wo.applies``)."""
+def wo_fusable(attn) -> bool:
+    """Whether ``attend_add_wo`` serves the block's ``attn`` (where ``ops.attention_wo.applies`` to the step's batch
+    and cache): RoPE fused into the attention (``fused_rope``) and a dense wo (``Linear``; an int4 or FP8 wo keeps
+    its own kernel)."""
     from fastdecode.models.llama import Linear
 
-    return attn.fused_rope and type(attn.wo) is Linear and attention_wo_applies(batch, attn.n_heads, k_cache[:batch])
+    return attn.fused_rope and type(attn.wo) is Linear
 
 
 def attend_add_wo(attn, h: torch.Tensor, qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,

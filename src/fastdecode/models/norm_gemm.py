@@ -67,7 +67,8 @@ rms; a replayed step equals the eager step exactly).
 weight bytes into L2 (``fastdecode.models.decode_attention.wo_prefetch``).
 
 ``attn_wo`` (opt-in; this path only): a block whose wo is dense takes the attention and wo's residual add as one
-kernel (``ops.attention_wo``; ``models.decode_attention.wo_fusable``): 4 kernels a dense block instead of 5. Not
+kernel (``ops.attention_wo``, where it ``applies``; ``models.decode_attention.wo_fusable``): 4 kernels a dense
+block instead of 5. Not
 measured on a GPU yet, so off by default.
 """
 
@@ -77,6 +78,7 @@ import torch
 
 from fastdecode.models.decode_attention import attend_add_wo, wo_fusable
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref
+from fastdecode.ops.attention_wo import applies as attention_wo_applies
 from fastdecode.ops.int4_norm_linear import int4_add_linear_, int4_rms_norm_linear
 from fastdecode.ops.norm_linear import add_linear_, fold_norm_weight, rms_norm_linear
 from fastdecode.ops.w8a16 import add_linear_w8a16_, rms_norm_linear_w8a16
@@ -256,12 +258,13 @@ def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens
     B = tokens.shape[0]
     be = model.backend
     h = model._embed(tokens.view(B, 1))  # [B, 1, dim]: the residual stream, a fresh tensor updated in place
-    attn_wo = model.kernels["attn_wo"]
+    # the attention and wo's residual add as one kernel (opt-in) where one split serves the cache
+    attn_wo = model.kernels["attn_wo"] and attention_wo_applies(B, model.layers[0].attention.n_heads, cache.k[0][:B])
     for i, layer in enumerate(model.layers):
         wqkv, wo, w13, w2 = _projections(layer)
         a, f = layer.attention, layer.feed_forward
         qkv = _norm_linear(h, layer.attention_norm, wqkv, be)
-        if attn_wo and wo_fusable(a, B, cache.k[i]):  # the attention and wo's residual add in one kernel
+        if attn_wo and wo_fusable(a):  # the attention and wo's residual add in one kernel
             attend_add_wo(a, h, qkv, model.rope, cache.k[i], cache.v[i], input_pos, be)
         else:
             _add_linear(h, a.attend(qkv, model.rope, cache.k[i], cache.v[i], input_pos, seq_lens, be), wo, be)
