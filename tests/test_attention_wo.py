@@ -163,13 +163,17 @@ def test_bad_arguments():
         torch.testing.assert_close(h, h0, atol=0, rtol=0)  # nothing written when rejected
 
 
-def test_applies_where_one_split_serves():
+def test_applies_where_one_split_serves_a_small_wo():
     """One split of the context (the split-KV heuristic's pick): the bench's 1 in / 128 out cache of 129 positions
-    takes the op, a long cache keeps the two kernels."""
+    takes the op, a long cache keeps the two kernels; so does a wo over ``MAX_WO_BYTES`` (the 8B's)."""
     k_short = torch.empty(1, 3, 129, 64, device=DEV, dtype=torch.bfloat16)
     k_long = torch.empty(1, 3, 8192, 64, device=DEV, dtype=torch.bfloat16)
-    assert applies(1, 9, k_short)
-    assert not applies(1, 9, k_long)
+    wo = torch.empty(576, 576, device="meta", dtype=torch.bfloat16)
+    assert applies(1, 9, k_short, wo)
+    assert not applies(1, 9, k_long, wo)
+    k_8b = torch.empty(1, 8, 129, 128, device=DEV, dtype=torch.bfloat16)
+    assert applies(1, 32, k_8b, torch.empty(2048, 2048, device="meta", dtype=torch.bfloat16))
+    assert not applies(1, 32, k_8b, torch.empty(4096, 4096, device="meta", dtype=torch.bfloat16))
 
 
 # ----------------------------------------------------------------------------- the attn_wo switch in the model
@@ -240,7 +244,7 @@ def test_switch_keeps_two_kernels_over_a_long_cache(monkeypatch):
     m.set_kernels(attn_wo=True)
     cfg = m.config
     cache = KVCache(cfg, 2, 500, dtype=torch.float32, device=DEV)
-    assert not applies(2, cfg.n_heads, cache.k[0])
+    assert not applies(2, cfg.n_heads, cache.k[0], m.layers[0].attention.wo.weight)
     toks = torch.randint(0, cfg.vocab_size, (2, 5), device=DEV)
     m.prefill(toks[:, :4], cache)
     m.decode(toks[:, 4], torch.tensor([4, 4], device=DEV), cache)

@@ -258,8 +258,10 @@ def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens
     B = tokens.shape[0]
     be = model.backend
     h = model._embed(tokens.view(B, 1))  # [B, 1, dim]: the residual stream, a fresh tensor updated in place
-    # the attention and wo's residual add as one kernel (opt-in) where one split serves the cache
-    attn_wo = model.kernels["attn_wo"] and attention_wo_applies(B, model.layers[0].attention.n_heads, cache.k[0][:B])
+    # the attention and wo's residual add as one kernel (opt-in) where one split serves the cache and wo is small
+    a0 = model.layers[0].attention
+    attn_wo = (model.kernels["attn_wo"] and wo_fusable(a0)
+               and attention_wo_applies(B, a0.n_heads, cache.k[0][:B], a0.wo.weight))
     for i, layer in enumerate(model.layers):
         wqkv, wo, w13, w2 = _projections(layer)
         a, f = layer.attention, layer.feed_forward

@@ -22,7 +22,8 @@ rounding (the sums over K in another order than the GEMV kernel's). The KV cache
 
 Where it applies (``applies``): one split of the context (the split-KV heuristic of
 ``ops.attention.decode_attention_config`` would pick one: caches of at most ``MIN_TOKENS_PER_SPLIT`` positions, as the
-``bench decode`` of 1 in / 128 out has); a longer cache keeps the two kernels, whose split-KV spreads it over SMs.
+``bench decode`` of 1 in / 128 out has), and a wo of at most ``MAX_WO_BYTES``; a longer cache keeps the two kernels,
+whose split-KV spreads it over SMs, and so does a larger wo, whose GEMV spreads its bytes over every SM.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ from fastdecode.ops.norm_linear import add_linear_, add_linear_ref, check_residu
 
 #: the most rows of wo one block adds (a program's GEMV tile is BN x 128)
 MAX_BLOCK_N = 128
+#: the largest wo ``applies`` takes (bytes; Llama-3.2-1B's bf16 wo is 8 MB): at the 8B's 33.5 MB each block's last
+#: program would read 1 MB of wo alone (BN 128 rows of K 4096), where wo's own GEMV spreads it over every SM. A
+#: bound of the design, not measured
+MAX_WO_BYTES = 8 << 20
 
 
 def _block_n(B: int, Hkv: int, N: int, device: torch.device) -> int:
@@ -54,10 +59,13 @@ def _block_n(B: int, Hkv: int, N: int, device: torch.device) -> int:
     return max(16, min(MAX_BLOCK_N, next_pow2(-(-N * B * Hkv // sms))))
 
 
-def applies(B: int, n_q_heads: int, k_cache: torch.Tensor) -> bool:
-    """Whether the decode step of ``B`` sequences takes this op over a cache ``k_cache`` [B, Hkv, T, D]: where the
-    split-KV heuristic picks one split (module docstring)."""
+def applies(B: int, n_q_heads: int, k_cache: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the decode step of ``B`` sequences takes this op over a cache ``k_cache`` [B, Hkv, T, D] with wo's
+    ``weight``: where the split-KV heuristic picks one split and wo has at most ``MAX_WO_BYTES`` (module
+    docstring)."""
     _, Hkv, T, D = k_cache.shape
+    if weight.numel() * weight.element_size() > MAX_WO_BYTES:
+        return False
     cfg = decode_attention_config(B, n_q_heads, Hkv, T, D, k_cache.dtype, k_cache.device)
     return cfg["NUM_SPLITS"] == 1
 
@@ -154,4 +162,4 @@ def rope_attention_add_linear_ref(residual, qkv, rope, input_pos, k_cache, v_cac
     return add_linear_ref(residual, o.reshape(B, -1), weight, bias)
 
 
-__all__ = ["MAX_BLOCK_N", "applies", "rope_attention_add_linear_", "rope_attention_add_linear_ref"]
+__all__ = ["MAX_BLOCK_N", "MAX_WO_BYTES", "applies", "rope_attention_add_linear_", "rope_attention_add_linear_ref"]
