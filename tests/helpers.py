@@ -376,6 +376,28 @@ def w8a16_ptx(num_warps: int = 4, num_stages: int = 1, aligned: bool = False, **
     return sm90_ptx(*w8a16_job(num_warps, num_stages, aligned, **consts))
 
 
+_KERNEL_PTX = r"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+a = json.loads(sys.argv[1])
+kernel = getattr(importlib.import_module(a["module"]), a["kernel"])
+sig = {**a["sig"], **{k: "constexpr" for k in a["consts"]}}
+cc = triton.compile(ASTSource(kernel, sig, a["consts"]), target=GPUTarget("cuda", 90, 32), options=a["options"])
+sys.stdout.write(cc.asm["ptx"])
+"""
+
+
+def kernel_ptx_job(module: str, kernel: str, sig: dict, consts: dict, num_warps: int = 4,
+                   num_stages: int = 1) -> tuple:
+    """``sm90_ptx``'s (snippet, argument) for the sm_90 PTX of ``module.kernel`` with the argument types ``sig``
+    (name -> ``"*bf16"``, ``"i32"``, ...) and the constexprs ``consts`` (``sm90_ptx_ahead`` runs several at once)."""
+    return _KERNEL_PTX, json.dumps({"module": module, "kernel": kernel, "sig": sig, "consts": consts,
+                                    "options": {"num_warps": num_warps, "num_stages": num_stages}})
+
+
 def bulk_prefetches(ptx: str) -> tuple[int, int]:
     """(bulk L2 prefetches before the PDL wait, in all) of a kernel's PTX: the ``L2_SLAB`` / ``L2_PF`` prefetches
     (``fastdecode.kernels.prefetch``), which must come before ``griddepcontrol.wait`` and never in a loop."""

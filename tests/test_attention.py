@@ -424,38 +424,30 @@ def test_prefetch_plan_covers_the_range_in_16_byte_chunks():
         assert chunk * threads >= n and (chunk - 16) * threads < max(n, 16)  # covered, the chunk no larger
 
 
-_ATTN_PTX = r"""
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from fastdecode.kernels.attention import _rope_decode_attention_kernel
+def _attn_ptx_job(pf: bool) -> tuple:
+    """The fused attention kernel at Llama-3.1-8B's heads (32 q / 8 kv, D 128, bf16), PDL, with or without
+    L2_PF."""
+    from helpers import kernel_ptx_job
 
-a = json.loads(sys.argv[1])
-ptrs = {"qkv_ptr": "*bf16", "rope_ptr": "*fp32", "pos_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16",
-        "o_ptr": "*bf16", "o_part_ptr": "*fp32", "lse_ptr": "*fp32", "lock_ptr": "*i32", "q8_ptr": "*bf16",
-        "s8_ptr": "*bf16", "sum8_ptr": "*bf16"}
-ints = ["stride_qkv", "stride_rope_t", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh", "stride_vt",
-        "stride_ob", "stride_oh", "stride_q8", "stride_s8", "T"]
-sig = {**ptrs, "scale": "fp32", **{n: "i32" for n in ints}, "pf_ptr": "*u8", "pf_bytes": "i64", "pf_chunk": "i32"}
-consts = dict(HQ=32, HKV=8, GROUP=4, BLOCK_G=16, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=1,
-              MERGE_IN_KERNEL=False, USE_DOT=True, LOG2E=1.4426950408889634, OUT_INT8=False, USE_PDL=True,
-              L2_PF=a["pf"], PF_LANES=128)
-sig.update({k: "constexpr" for k in consts})
-cc = triton.compile(ASTSource(_rope_decode_attention_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                    options={"num_warps": 4, "num_stages": 1})
-sys.stdout.write(cc.asm["ptx"])
-"""
+    ptrs = {"qkv_ptr": "*bf16", "rope_ptr": "*fp32", "pos_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16",
+            "o_ptr": "*bf16", "o_part_ptr": "*fp32", "lse_ptr": "*fp32", "lock_ptr": "*i32", "q8_ptr": "*bf16",
+            "s8_ptr": "*bf16", "sum8_ptr": "*bf16"}
+    ints = ["stride_qkv", "stride_rope_t", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh",
+            "stride_vt", "stride_ob", "stride_oh", "stride_q8", "stride_s8", "T"]
+    sig = {**ptrs, "scale": "fp32", **{n: "i32" for n in ints}, "pf_ptr": "*u8", "pf_bytes": "i64",
+           "pf_chunk": "i32"}
+    consts = dict(HQ=32, HKV=8, GROUP=4, BLOCK_G=16, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=1,
+                  MERGE_IN_KERNEL=False, USE_DOT=True, LOG2E=1.4426950408889634, OUT_INT8=False, USE_PDL=True,
+                  L2_PF=pf, PF_LANES=128)
+    return kernel_ptx_job("fastdecode.kernels.attention", "_rope_decode_attention_kernel", sig, consts)
 
 
 @pytest.fixture(scope="module")
 def attention_ptx_ahead():
     """Both L2_PF compiles at once (``helpers.sm90_ptx_ahead``)."""
-    import json
-
     from helpers import sm90_ptx_ahead
 
-    sm90_ptx_ahead([(_ATTN_PTX, json.dumps({"pf": pf})) for pf in (True, False)])
+    sm90_ptx_ahead([_attn_ptx_job(pf) for pf in (True, False)])
 
 
 @pytest.mark.parametrize("pf", [True, False])
@@ -463,15 +455,6 @@ def test_sm90_attention_prefetches_before_the_pdl_wait(attention_ptx_ahead, pf):
     """Compiled ahead of time for sm_90 (8B heads, PDL): with L2_PF every thread issues one bulk L2 prefetch
     (``cp.async.bulk.prefetch.L2.global``) before ``griddepcontrol.wait``, so it runs while the qkv GEMV drains;
     without it there is none."""
-    import json
-    import re
+    from helpers import bulk_prefetches, sm90_ptx
 
-    from helpers import sm90_ptx
-
-    ptx = sm90_ptx(_ATTN_PTX, json.dumps({"pf": pf}))
-    head = ptx[:ptx.index("griddepcontrol.wait")]
-    n = len(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx))
-    if pf:
-        assert n == 1 and "cp.async.bulk.prefetch.L2.global" in head
-    else:
-        assert n == 0
+    assert bulk_prefetches(sm90_ptx(*_attn_ptx_job(pf))) == ((1, 1) if pf else (0, 0))

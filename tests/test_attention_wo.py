@@ -276,52 +276,38 @@ def test_gpu_graph_step_equals_the_step_without_it(B):
         pos += 1
 
 
-_WO_PTX = r"""
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from fastdecode.kernels.attention_wo import _rope_attention_wo_kernel
+def _wo_ptx_job(pf: bool) -> tuple:
+    """The kernel at SmolLM2's heads (9 q / 3 kv, D 64, bf16), PDL, BN 16, with or without L2_PF."""
+    from helpers import kernel_ptx_job
 
-a = json.loads(sys.argv[1])
-ptrs = {"qkv_ptr": "*bf16", "rope_ptr": "*fp32", "pos_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16",
-        "w_ptr": "*bf16", "bias_ptr": "*bf16", "h_ptr": "*bf16", "o_ptr": "*fp32", "lock_ptr": "*i32"}
-ints = ["stride_qkv", "stride_rope_t", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh", "stride_vt",
-        "stride_wn", "stride_hb", "T", "N"]
-sig = {**ptrs, "scale": "fp32", **{n: "i32" for n in ints}, "pf_ptr": "*u8", "pf_row_bytes": "i32", "pf_chunk": "i32"}
-consts = dict(HQ=9, HKV=3, GROUP=3, BLOCK_G=16, HALF=32, BLOCK_HALF=32, BLOCK_D=64, BLOCK_N=64, USE_DOT=True,
-              LOG2E=1.4426950408889634, BN=16, BLOCK_K=128, HAS_BIAS=False, USE_PDL=True, L2_PF=a["pf"], PF_LANES=128)
-sig.update({k: "constexpr" for k in consts})
-cc = triton.compile(ASTSource(_rope_attention_wo_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                    options={"num_warps": 4, "num_stages": 1})
-sys.stdout.write(cc.asm["ptx"])
-"""
+    ptrs = {"qkv_ptr": "*bf16", "rope_ptr": "*fp32", "pos_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16",
+            "w_ptr": "*bf16", "bias_ptr": "*bf16", "h_ptr": "*bf16", "o_ptr": "*fp32", "lock_ptr": "*i32"}
+    ints = ["stride_qkv", "stride_rope_t", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh",
+            "stride_vt", "stride_wn", "stride_hb", "T", "N"]
+    sig = {**ptrs, "scale": "fp32", **{n: "i32" for n in ints}, "pf_ptr": "*u8", "pf_row_bytes": "i32",
+           "pf_chunk": "i32"}
+    consts = dict(HQ=9, HKV=3, GROUP=3, BLOCK_G=16, HALF=32, BLOCK_HALF=32, BLOCK_D=64, BLOCK_N=64, USE_DOT=True,
+                  LOG2E=1.4426950408889634, BN=16, BLOCK_K=128, HAS_BIAS=False, USE_PDL=True, L2_PF=pf, PF_LANES=128)
+    return kernel_ptx_job("fastdecode.kernels.attention_wo", "_rope_attention_wo_kernel", sig, consts)
 
 
 @pytest.fixture(scope="module")
 def wo_ptx_ahead():
     """Both L2_PF compiles at once (``helpers.sm90_ptx_ahead``)."""
-    import json
-
     from helpers import sm90_ptx_ahead
 
-    sm90_ptx_ahead([(_WO_PTX, json.dumps({"pf": pf})) for pf in (True, False)])
+    sm90_ptx_ahead([_wo_ptx_job(pf) for pf in (True, False)])
 
 
 @pytest.mark.parametrize("pf", [True, False])
 def test_sm90_prefetch_before_the_wait_and_one_acq_rel_counter(wo_ptx_ahead, pf):
-    """Compiled ahead of time for sm_90 (SmolLM2's heads, PDL): with L2_PF one bulk L2 prefetch (of the block's wo
-    rows) before ``griddepcontrol.wait``, none without; one acquire-release atomic on the counter, after the wait."""
-    import json
+    """Compiled ahead of time for sm_90: with L2_PF one bulk L2 prefetch (of the block's wo rows), before
+    ``griddepcontrol.wait``, none without; one acquire-release atomic on the counter, after the wait."""
     import re
 
-    from helpers import sm90_ptx
+    from helpers import bulk_prefetches, sm90_ptx
 
-    ptx = sm90_ptx(_WO_PTX, json.dumps({"pf": pf}))
-    wait = ptx.index("griddepcontrol.wait")
-    n = len(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx))
-    assert n == (1 if pf else 0)
-    if pf:
-        assert "cp.async.bulk.prefetch.L2.global" in ptx[:wait]
-    atoms = re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)
-    assert len(atoms) == 1 and ptx.index("atom.global.gpu.acq_rel.add") > wait
+    ptx = sm90_ptx(*_wo_ptx_job(pf))
+    assert bulk_prefetches(ptx) == ((1, 1) if pf else (0, 0))
+    atoms = [m.start() for m in re.finditer(r"atom\.global\.gpu\.acq_rel\.add", ptx)]
+    assert len(atoms) == 1 and atoms[0] > ptx.index("griddepcontrol.wait")
