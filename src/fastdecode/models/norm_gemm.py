@@ -68,8 +68,7 @@ weight bytes into L2 (``fastdecode.models.decode_attention.wo_prefetch``).
 
 ``attn_wo`` (opt-in; this path only): a block whose wo is dense takes the attention and wo's residual add as one
 kernel (``ops.attention_wo``, where it ``applies``; ``models.decode_attention.wo_fusable``): 4 kernels a dense
-block instead of 5. Not
-measured on a GPU yet, so off by default.
+block instead of 5. Not measured on a GPU yet, so off by default.
 """
 
 from __future__ import annotations

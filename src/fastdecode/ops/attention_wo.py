@@ -90,7 +90,8 @@ def _rope_attention_add_linear_op(
             cfg = {**decode_attention_config(B, n_q_heads, Hkv, T, D, qkv.dtype, qkv.device, 1), "BN": bn}
             scratch = split_k_partials(qkv.device, B * nb * n_q_heads * D)
             # its wo rows into L2 before the PDL wait where the GEMVs' weight-slab policy has them prefetch theirs
-            pf = l2_prefetch_bytes(weight) if weight_prefetch_enabled(residual, weight) else None
+            pf = l2_prefetch_bytes(weight) if weight.is_contiguous() and weight_prefetch_enabled(residual, weight) \
+                else None
             launch_rope_attention_wo(qkv, rope, input_pos, k_cache, v_cache, weight, bias, residual, scratch, locks,
                                      n_q_heads, scale, cfg, pdl=pdl_enabled(qkv), prefetch=pf)
             return
