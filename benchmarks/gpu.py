@@ -253,14 +253,15 @@ def suite_commands(name: str, out: Path, n_gpu: int, formats=("bf16", "fp8", "in
                 ("bench startup serve lazy", _fd("bench", "startup", "--graph-capture", "lazy", *serve), 120),
                 ("bench startup dequantized", _fd("bench", "startup", "--runs", "warm", "warm", "--dequantize",
                                                   "--timeout", "110", *rows), 240)]
-    if name == "small-dense":  # the embedded model as int4 (native) and dequantised to bf16 (--dequantize), and
-        # dequantised with the attention and wo in one kernel (attn_wo): the step of each, one process a row (each
-        # the process's first PDL graph), alternating; then each format's warm start-up twice
+    if name == "small-dense":  # the embedded model as int4 (native) and dequantised to bf16 (--dequantize), each
+        # also with the attention and wo in one kernel (attn_wo): the step of each, one process a row (each the
+        # process's first PDL graph), alternating, twice (~200 s); then each format's warm start-up twice
         dec = ("bench", "decode", "--model", _embedded_gguf(), "--batch", "1", "--iters", "30", "--out",
                str(out / "decode_small_dense.json"))
         up = ("bench", "startup", "--runs", "warm", "warm", "--timeout", "110", "--out",
               str(out / "startup_dense.json"))
         ways = (("int4", (), "fastdecode-graph"), ("dequantized", ("--dequantize",), "fastdecode-graph"),
+                ("int4 attn_wo", (), "fastdecode-graph-with-attn_wo"),
                 ("dequantized attn_wo", ("--dequantize",), "fastdecode-graph-with-attn_wo"))
         return ([(f"decode embedded {w} {i}", _fd(*dec, *flag, "--impl", impl), 120) for i in (1, 2)
                  for w, flag, impl in ways]

@@ -202,9 +202,10 @@ def _count_fused(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["fp32", "int4"])
 def test_switch_fuses_dense_blocks_and_keeps_the_step(monkeypatch, fmt):
-    """On (``set_kernels(attn_wo=True)``), each dense block of the norm_gemm step takes the fused op (an int4 wo
-    keeps its own kernel), and the logits and caches are those of the step without it (fp32: to the summation
-    order; int4: exactly, nothing changes). Off by default; the unfused step (norm_gemm off) never takes it."""
+    """On (``set_kernels(attn_wo=True)``), each block of the norm_gemm step takes the fused op (a dense wo, or a
+    W4A16 int4 one), and the logits and caches are those of the step without it (fp32: to the summation order;
+    int4 (bf16): to a bf16 rounding of the residual). Off by default; the unfused step (norm_gemm off) never takes
+    it."""
     from fastdecode.engine.kv_cache import KVCache
     from fastdecode.models import norm_gemm
 
@@ -219,7 +220,7 @@ def test_switch_fuses_dense_blocks_and_keeps_the_step(monkeypatch, fmt):
     caches = [KVCache(cfg, 2, 40, dtype=dtype, device=DEV) for _ in range(2)]
     for c, model in zip(caches, (m, plain)):
         model.prefill(toks[:, :4], c)
-    tol = dict(atol=1e-4, rtol=1e-4) if fmt == "fp32" else dict(atol=0, rtol=0)
+    tol = dict(atol=1e-4, rtol=1e-4) if fmt == "fp32" else dict(atol=2e-2, rtol=2e-2)
     for use_norm_gemm in (True, False):
         m.set_kernels(norm_gemm=use_norm_gemm)
         plain.set_kernels(norm_gemm=use_norm_gemm)
@@ -228,7 +229,7 @@ def test_switch_fuses_dense_blocks_and_keeps_the_step(monkeypatch, fmt):
             pos = torch.tensor([t, t - 2], device=DEV)
             calls.clear()
             got = m.decode(toks[:, t], pos, caches[0])
-            assert len(calls) == (cfg.n_layers if use_norm_gemm and fmt == "fp32" else 0)
+            assert len(calls) == (cfg.n_layers if use_norm_gemm else 0)
             want = plain.decode(toks[:, t], pos, caches[1])
             torch.testing.assert_close(got, want, **tol)
             torch.testing.assert_close(caches[0].k, caches[1].k, **tol)
@@ -276,38 +277,117 @@ def test_gpu_graph_step_equals_the_step_without_it(B):
         pos += 1
 
 
-def _wo_ptx_job(pf: bool) -> tuple:
-    """The kernel at SmolLM2's heads (9 q / 3 kv, D 64, bf16), PDL, BN 16, with or without L2_PF."""
+def _wo_ptx_job(pf: bool, int4: bool = False) -> tuple:
+    """The kernel at SmolLM2's heads (9 q / 3 kv, D 64, bf16), PDL, BN 16, with or without L2_PF; a dense wo, or
+    (``int4``) its GGUF's Q4_1 form (min mode, groups of 32)."""
     from helpers import kernel_ptx_job
 
     ptrs = {"qkv_ptr": "*bf16", "rope_ptr": "*fp32", "pos_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16",
-            "w_ptr": "*bf16", "bias_ptr": "*bf16", "h_ptr": "*bf16", "o_ptr": "*fp32", "lock_ptr": "*i32"}
+            "w_ptr": "*i32" if int4 else "*bf16", "s_ptr": "*bf16", "zm_ptr": "*bf16", "bias_ptr": "*bf16",
+            "h_ptr": "*bf16", "o_ptr": "*fp32", "lock_ptr": "*i32"}
     ints = ["stride_qkv", "stride_rope_t", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh",
-            "stride_vt", "stride_wn", "stride_hb", "T", "N"]
+            "stride_vt", "stride_wn", "stride_sn", "stride_hb", "T", "N"]
     sig = {**ptrs, "scale": "fp32", **{n: "i32" for n in ints}, "pf_ptr": "*u8", "pf_row_bytes": "i32",
            "pf_chunk": "i32"}
     consts = dict(HQ=9, HKV=3, GROUP=3, BLOCK_G=16, HALF=32, BLOCK_HALF=32, BLOCK_D=64, BLOCK_N=64, USE_DOT=True,
-                  LOG2E=1.4426950408889634, BN=16, BLOCK_K=128, HAS_BIAS=False, USE_PDL=True, L2_PF=pf, PF_LANES=128)
+                  LOG2E=1.4426950408889634, BN=16, BLOCK_K=128, HAS_BIAS=False, W_INT4=int4, GS=32 if int4 else 1,
+                  ZERO_MODE=2 if int4 else 0, USE_PDL=True, L2_PF=pf, PF_LANES=128)
     return kernel_ptx_job("fastdecode.kernels.attention_wo", "_rope_attention_wo_kernel", sig, consts)
+
+
+WO_PTX_CASES = [(True, False), (False, False), (True, True)]
 
 
 @pytest.fixture(scope="module")
 def wo_ptx_ahead():
-    """Both L2_PF compiles at once (``helpers.sm90_ptx_ahead``)."""
+    """The compiles at once (``helpers.sm90_ptx_ahead``)."""
     from helpers import sm90_ptx_ahead
 
-    sm90_ptx_ahead([_wo_ptx_job(pf) for pf in (True, False)])
+    sm90_ptx_ahead([_wo_ptx_job(*c) for c in WO_PTX_CASES])
 
 
-@pytest.mark.parametrize("pf", [True, False])
-def test_sm90_prefetch_before_the_wait_and_one_acq_rel_counter(wo_ptx_ahead, pf):
-    """Compiled ahead of time for sm_90: with L2_PF one bulk L2 prefetch (of the block's wo rows), before
-    ``griddepcontrol.wait``, none without; one acquire-release atomic on the counter, after the wait."""
+@pytest.mark.parametrize("pf,int4", WO_PTX_CASES)
+def test_sm90_prefetch_before_the_wait_and_one_acq_rel_counter(wo_ptx_ahead, pf, int4):
+    """Compiled ahead of time for sm_90 (dense and int4 wo): with L2_PF one bulk L2 prefetch (of the block's wo
+    rows), before ``griddepcontrol.wait``, none without; one acquire-release atomic on the counter, after the wait."""
     import re
 
     from helpers import bulk_prefetches, sm90_ptx
 
-    ptx = sm90_ptx(*_wo_ptx_job(pf))
+    ptx = sm90_ptx(*_wo_ptx_job(pf, int4))
     assert bulk_prefetches(ptx) == ((1, 1) if pf else (0, 0))
     atoms = [m.start() for m in re.finditer(r"atom\.global\.gpu\.acq_rel\.add", ptx)]
     assert len(atoms) == 1 and atoms[0] > ptx.index("griddepcontrol.wait")
+
+
+# ----------------------------------------------------------------------------- an int4 wo (W4A16)
+
+
+def _packed(N, K, mode, gs, act_order=False, sdt=torch.bfloat16):
+    from fastdecode.ops.int4_format import prepack
+
+    G = K // gs
+    q = torch.randint(0, 16, (N, K), device=DEV)
+    scales = (torch.rand(N, G, device=DEV) * 0.02 + 0.005).to(sdt)
+    zeros = torch.randint(0, 16, (N, G), device=DEV) if mode == "zero" else None
+    mins = (-torch.rand(N, G, device=DEV) * 0.1).to(sdt) if mode == "min" else None
+    g_idx = torch.randperm(K, device=DEV) // gs if act_order else None
+    return prepack(q, scales, group_size=gs, zeros=zeros, mins=mins, g_idx=g_idx)
+
+
+# (B, Hq, Hkv, T, D, N, block_n, zero mode, group size): SmolLM2's heads with its GGUF's Q4_1 (min, groups of 32;
+# K 576: the last 256-column tile half padding), GPTQ-style zeros at g128, symmetric per channel, fp16
+INT4_CASES = [
+    (1, 9, 3, 129, 64, 576, None, "min", 32, torch.bfloat16),
+    (2, 4, 2, 40, 64, 96, 32, "zero", 128, torch.bfloat16),
+    (2, 8, 2, 30, 32, 64, 16, "sym", 256, torch.float16),
+    (3, 6, 2, 50, 64, 130, 64, "min", 64, torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", INT4_CASES, ids=str)
+def test_int4_wo_matches_ref(case):
+    """wo as an ``Int4Weight``: the attention output (as the reference's, rounded to the activation dtype) times the
+    exact fp32 dequantised weight (the kernel does not round it to the activation dtype, as the int4 GEMV's FMA
+    kernel does not; ``int4_add_linear_ref`` does), plus the bias, into the residual; the caches as for a dense
+    wo."""
+    from fastdecode.ops.int4_format import dequantize_int4
+
+    B, Hq, Hkv, T, D, N, block_n, mode, gs, dtype = case
+    qkv, rope, pos, k, v, _, b, h = _inputs(B, Hq, Hkv, T, D, N, dtype, bias=True)
+    packed = _packed(N, Hq * D, mode, gs, sdt=dtype)
+    k2, v2 = k.clone(), v.clone()
+    o = rope_decode_attention_ref(qkv, rope, pos, k2, v2, Hq).reshape(B, -1)
+    want = (o.float() @ dequantize_int4(packed, torch.float32).t() + b.float() + h.float()).to(dtype)
+    rope_attention_add_linear_(h, qkv, rope, pos, k, v, packed, b, n_q_heads=Hq, block_n=block_n, backend="triton")
+    assert_close(h, want)
+    _check_caches(k, v, k2, v2, pos)
+
+
+def test_int4_wo_equals_the_two_ops():
+    """What rope_decode_attention then int4_add_linear_ compute, up to the order of the fp32 sums."""
+    from fastdecode.ops.int4_norm_linear import int4_add_linear_
+
+    B, Hq, Hkv, T, D, N = 2, 9, 3, 70, 64, 576
+    qkv, rope, pos, k, v, _, _, h = _inputs(B, Hq, Hkv, T, D, N, torch.bfloat16)
+    packed = _packed(N, Hq * D, "min", 32)
+    k2, v2, h2 = k.clone(), v.clone(), h.clone()
+    rope_attention_add_linear_(h, qkv, rope, pos, k, v, packed, n_q_heads=Hq, backend="triton")
+    o = rope_decode_attention(qkv, rope, pos, k2, v2, Hq, num_splits=1, backend="triton")
+    int4_add_linear_(h2, o.reshape(B, -1), packed, backend="triton")
+    assert_close(h, h2)
+
+
+def test_int4_wo_refusals():
+    B, Hq, Hkv, T, D, N = 2, 4, 2, 20, 64, 64
+    qkv, rope, pos, k, v, _, _, h = _inputs(B, Hq, Hkv, T, D, N, torch.bfloat16)
+    call = rope_attention_add_linear_
+    with pytest.raises(ValueError, match="act-order"):
+        call(h, qkv, rope, pos, k, v, _packed(N, Hq * D, "zero", 64, act_order=True), n_q_heads=Hq)
+    with pytest.raises(ValueError):  # K of the weight is not Hq * D
+        call(h, qkv, rope, pos, k, v, _packed(N, Hq * D + 256, "sym", 64), n_q_heads=Hq)
+    q32, r32, h32 = qkv.float(), rope, h.float()
+    with pytest.raises(ValueError):  # W4A16: a 16-bit activation
+        call(h32, q32, r32, pos, k.float(), v.float(), _packed(N, Hq * D, "sym", 64), n_q_heads=Hq)
+    packed = _packed(N, Hq * D, "sym", 64)
+    assert applies(1, Hq, k[:1], packed)  # the packed words' bytes against MAX_WO_BYTES

@@ -292,11 +292,11 @@ def test_decode_small_runs_the_embedded_model_and_its_bf16_shapes(gpu, tmp_path)
 
 
 def test_small_dense_alternates_int4_and_dequantized_one_row_a_process(gpu, tmp_path):
-    """``small-dense``: the embedded step as int4, dequantised, and dequantised with ``attn_wo``, alternating, one
-    process a row (each the first PDL graph of its process: ``engine.cuda_graph.pdl_graphs_captured``), then a warm
-    start-up of the two formats."""
+    """``small-dense``: the embedded step as int4 and dequantised, each with and without ``attn_wo``, alternating,
+    one process a row (each the first PDL graph of its process: ``engine.cuda_graph.pdl_graphs_captured``), then a
+    warm start-up of the two formats."""
     steps = gpu.suite_commands("small-dense", tmp_path, 1)
-    ways = ["int4", "dequantized", "dequantized attn_wo"]
+    ways = ["int4", "dequantized", "int4 attn_wo", "dequantized attn_wo"]
     assert [label for label, _, _ in steps] == ([f"decode embedded {w} {i}" for i in (1, 2) for w in ways]
                                                 + ["startup int4", "startup dequantized"])
     for label, argv, _ in steps:

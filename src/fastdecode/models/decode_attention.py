@@ -11,7 +11,7 @@ activation itself (``ops.int4_a8.rope_decode_attention_int8``). Off (ablation): 
 while the qkv GEMV drains and the attention itself leaves the memory bus idle (``fastdecode.kernels.prefetch``).
 
 ``attn_wo`` (opt-in; ``models.norm_gemm``'s path): ``attend_add_wo`` takes wo and its residual add into the same
-kernel (``ops.attention_wo``), where wo is a dense ``Linear`` (``wo_fusable``) and one split serves the cache.
+kernel (``ops.attention_wo``), where wo is dense or W4A16 int4 (``wo_fusable``) and one split serves the cache.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from fastdecode.models.int4 import Int4Linear
 from fastdecode.models.qk_norm import norm_qk_rows
 from fastdecode.ops.attention import (
     decode_attention, decode_attention_ref, rope_decode_attention, rope_decode_attention_ref, rope_kv_write,
@@ -64,13 +65,20 @@ def decode_attend(qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor
     return decode_attention(q, k_cache, v_cache, seq_lens, scale, backend=backend)
 
 
+def wo_weight(attn):
+    """What ``attend_add_wo`` passes as wo's weight: a dense ``Linear``'s tensor, an ``Int4Linear``'s packed weight."""
+    return attn.wo.packed if isinstance(attn.wo, Int4Linear) else attn.wo.weight
+
+
 def wo_fusable(attn) -> bool:
     """Whether ``attend_add_wo`` serves the block's ``attn`` (where ``ops.attention_wo.applies`` to the step's batch
-    and cache): RoPE fused into the attention (``fused_rope``) and a dense wo (``Linear``; an int4 or FP8 wo keeps
-    its own kernel)."""
+    and cache): RoPE fused into the attention (``fused_rope``), and wo dense (``Linear``) or W4A16 int4 on the int4
+    kernels (``Int4Linear`` without act-order, not W4A8, ``int4_gemm`` on); an FP8 wo keeps its own kernel."""
     from fastdecode.models.llama import Linear
 
-    return attn.fused_rope and type(attn.wo) is Linear
+    wo = attn.wo
+    int4 = isinstance(wo, Int4Linear) and wo.perm is None and not wo.act_int8 and wo.impl is None
+    return attn.fused_rope and (type(wo) is Linear or int4)
 
 
 def attend_add_wo(attn, h: torch.Tensor, qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
@@ -81,5 +89,5 @@ def attend_add_wo(attn, h: torch.Tensor, qkv: torch.Tensor, rope: torch.Tensor, 
     qkv = qkv.view(B, -1)
     if attn.q_norm is not None:
         qkv = norm_qk_rows(qkv, attn.q_norm, attn.k_norm, attn.n_heads, attn.n_kv_heads, backend)
-    rope_attention_add_linear_(h.view(B, -1), qkv, rope, input_pos, k_cache[:B], v_cache[:B], attn.wo.weight,
+    rope_attention_add_linear_(h.view(B, -1), qkv, rope, input_pos, k_cache[:B], v_cache[:B], wo_weight(attn),
                                attn.wo.bias, n_q_heads=attn.n_heads, scale=attn.scale, backend=backend)

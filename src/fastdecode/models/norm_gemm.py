@@ -66,8 +66,8 @@ rms; a replayed step equals the eager step exactly).
 ``l2_prefetch`` (opt-in; ``Attention.attend``, on this path and the unfused one): the attention kernel prefetches wo's
 weight bytes into L2 (``fastdecode.models.decode_attention.wo_prefetch``).
 
-``attn_wo`` (opt-in; this path only): a block whose wo is dense takes the attention and wo's residual add as one
-kernel (``ops.attention_wo``, where it ``applies``; ``models.decode_attention.wo_fusable``): 4 kernels a dense
+``attn_wo`` (opt-in; this path only): a block whose wo is dense or W4A16 int4 takes the attention and wo's residual
+add as one kernel (``ops.attention_wo``, where it ``applies``; ``models.decode_attention.wo_fusable``): 4 kernels a
 block instead of 5. Not measured on a GPU yet, so off by default.
 """
 
@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdecode.models.decode_attention import attend_add_wo, wo_fusable
+from fastdecode.models.decode_attention import attend_add_wo, wo_fusable, wo_weight
 from fastdecode.ops.activation import silu_and_mul, silu_and_mul_ref
 from fastdecode.ops.attention_wo import applies as attention_wo_applies
 from fastdecode.ops.int4_norm_linear import int4_add_linear_, int4_rms_norm_linear
@@ -260,7 +260,7 @@ def decode(model, tokens: torch.Tensor, input_pos: torch.Tensor, cache, seq_lens
     # the attention and wo's residual add as one kernel (opt-in) where one split serves the cache and wo is small
     a0 = model.layers[0].attention
     attn_wo = (model.kernels["attn_wo"] and wo_fusable(a0)
-               and attention_wo_applies(B, a0.n_heads, cache.k[0][:B], a0.wo.weight))
+               and attention_wo_applies(B, a0.n_heads, cache.k[0][:B], wo_weight(a0)))
     for i, layer in enumerate(model.layers):
         wqkv, wo, w13, w2 = _projections(layer)
         a, f = layer.attention, layer.feed_forward

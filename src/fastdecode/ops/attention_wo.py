@@ -42,6 +42,9 @@ from fastdecode.ops.attention import (
     _check_fused_args, _num_sms, decode_attention_config, rope_decode_attention, rope_decode_attention_ref,
 )
 from fastdecode.ops.gemm import check_bias
+from fastdecode.ops.int4 import _zm, check_x
+from fastdecode.ops.int4_format import Int4Weight
+from fastdecode.ops.int4_norm_linear import int4_add_linear_, int4_add_linear_ref
 from fastdecode.ops.norm_linear import add_linear_, add_linear_ref, check_residual
 
 #: the most rows of wo one block adds (a program's GEMV tile is BN x 128)
@@ -59,23 +62,33 @@ def _block_n(B: int, Hkv: int, N: int, device: torch.device) -> int:
     return max(16, min(MAX_BLOCK_N, next_pow2(-(-N * B * Hkv // sms))))
 
 
-def applies(B: int, n_q_heads: int, k_cache: torch.Tensor, weight: torch.Tensor) -> bool:
+def applies(B: int, n_q_heads: int, k_cache: torch.Tensor, weight) -> bool:
     """Whether the decode step of ``B`` sequences takes this op over a cache ``k_cache`` [B, Hkv, T, D] with wo's
-    ``weight``: where the split-KV heuristic picks one split and wo has at most ``MAX_WO_BYTES`` (module
-    docstring)."""
+    ``weight`` (a tensor or an ``Int4Weight``): where the split-KV heuristic picks one split and wo's weight (an int4
+    wo's packed words) has at most ``MAX_WO_BYTES`` (module docstring)."""
     _, Hkv, T, D = k_cache.shape
-    if weight.numel() * weight.element_size() > MAX_WO_BYTES:
+    w = weight.qweight if isinstance(weight, Int4Weight) else weight
+    if w.numel() * w.element_size() > MAX_WO_BYTES:
         return False
     cfg = decode_attention_config(B, n_q_heads, Hkv, T, D, k_cache.dtype, k_cache.device)
     return cfg["NUM_SPLITS"] == 1
 
 
+def _int4(weight, scales, zm, group_size: int, zero_mode: str, K: int) -> Int4Weight:
+    """The ``Int4Weight`` the registered op's tensors describe (``weight``: its packed words)."""
+    return Int4Weight(weight, scales, zm if zero_mode == "zero" else None, zm if zero_mode == "min" else None,
+                      group_size, zero_mode, k=K)
+
+
 @define_op("rope_attention_add_linear_", mutates_args=("residual", "k_cache", "v_cache"))
 def _rope_attention_add_linear_op(
     residual: torch.Tensor, qkv: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], n_q_heads: int, scale: float,
-    block_n: int, backend: str,
+    v_cache: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor], zm: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor], n_q_heads: int, scale: float, block_n: int, group_size: int, zero_mode: str,
+    backend: str,
 ) -> None:
+    """weight: wo dense, or (``scales`` given) an int4 wo's packed words, with its zeros / mins ``zm``."""
+    K = n_q_heads * k_cache.shape[3]
     if backend == "triton":
         from fastdecode.kernels.attention_wo import launch_rope_attention_wo
         from fastdecode.ops._tuned import split_k_locks, split_k_partials
@@ -89,25 +102,33 @@ def _rope_attention_add_linear_op(
         if locks is not None:
             cfg = {**decode_attention_config(B, n_q_heads, Hkv, T, D, qkv.dtype, qkv.device, 1), "BN": bn}
             scratch = split_k_partials(qkv.device, B * nb * n_q_heads * D)
-            # its wo rows into L2 before the PDL wait where the GEMVs' weight-slab policy has them prefetch theirs
-            pf = l2_prefetch_bytes(weight) if weight.is_contiguous() and weight_prefetch_enabled(residual, weight) \
-                else None
+            # its wo rows into L2 before the PDL wait where the GEMVs' weight-slab policy has them prefetch theirs (by
+            # default a small dense weight at one token; an int4 weight only where the policy is forced on)
+            pf_on = weight_prefetch_enabled(residual, weight if scales is None else None)
+            pf = l2_prefetch_bytes(weight) if weight.is_contiguous() and pf_on else None
+            int4 = None if scales is None else (scales, zm, group_size, zero_mode)
             launch_rope_attention_wo(qkv, rope, input_pos, k_cache, v_cache, weight, bias, residual, scratch, locks,
-                                     n_q_heads, scale, cfg, pdl=pdl_enabled(qkv), prefetch=pf)
+                                     n_q_heads, scale, cfg, pdl=pdl_enabled(qkv), prefetch=pf, int4=int4)
             return
         # inside a CUDA-graph capture before any counters exist (``ops._tuned.split_k_locks``): the two ops
         warn_once("fastdecode: rope_attention_add_linear_'s counters were not allocated before CUDA-graph capture; "
                   "this capture runs the attention and wo as two kernels (run one step before capturing)")
         o = rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_q_heads, scale, num_splits=1,
                                   backend="triton")
-        add_linear_(residual, o.reshape(B, -1), weight, bias, backend="triton")
+        if scales is None:
+            add_linear_(residual, o.reshape(B, -1), weight, bias, backend="triton")
+        else:
+            int4_add_linear_(residual, o.reshape(B, -1), _int4(weight, scales, zm, group_size, zero_mode, K), bias,
+                             backend="triton")
         return
-    residual.copy_(rope_attention_add_linear_ref(residual, qkv, rope, input_pos, k_cache, v_cache, weight, bias,
-                                                 n_q_heads, scale))
+    w = weight if scales is None else _int4(weight, scales, zm, group_size, zero_mode, K)
+    residual.copy_(rope_attention_add_linear_ref(residual, qkv, rope, input_pos, k_cache, v_cache, w, bias, n_q_heads,
+                                                 scale))
 
 
 @_rope_attention_add_linear_op.register_fake
-def _(residual, qkv, rope, input_pos, k_cache, v_cache, weight, bias, n_q_heads, scale, block_n, backend):
+def _(residual, qkv, rope, input_pos, k_cache, v_cache, weight, scales, zm, bias, n_q_heads, scale, block_n,
+      group_size, zero_mode, backend):
     return None
 
 
@@ -126,30 +147,44 @@ def rope_attention_add_linear_(residual, qkv, rope, input_pos, k_cache, v_cache,
 
     qkv, rope, input_pos, k_cache, v_cache, n_q_heads, scale: as ``ops.attention.rope_decode_attention`` (the whole
     context is one split, whatever its length); weight: wo, (N, n_q_heads * D), qkv's dtype, unit stride in its
-    last dimension; bias: (N,) or None; residual: (B, N), qkv's dtype, contiguous. ``block_n``: rows of wo a
-    program adds (a power of two, 16 to ``MAX_BLOCK_N``; default: about one program per SM). Where the GEMVs'
-    weight-slab prefetch is on (``ops._common.weight_prefetch_enabled``: by default one token and a small bf16 /
-    fp16 weight), the programs prefetch their block's rows of wo into L2 before their PDL wait.
+    last dimension, or an ``Int4Weight`` of that shape without act-order (qkv bf16 / fp16; W4A16, the weight
+    dequantised exactly in fp32 as the int4 GEMV's FMA kernel does, within a rounding of ``dequantize_int4``);
+    bias: (N,) or None; residual: (B, N), qkv's dtype, contiguous.
+    ``block_n``: rows of wo a program adds (a power of two, 16 to ``MAX_BLOCK_N``; default: about one program per
+    SM). Where the GEMVs' weight-slab prefetch is on (``ops._common.weight_prefetch_enabled``: by default one token
+    and a small bf16 / fp16 dense weight), the programs prefetch their block's rows of wo into L2 before their PDL
+    wait.
     """
     B, D, scale = _check_fused_args(qkv, rope, input_pos, k_cache, v_cache, n_q_heads, scale, None, None)
-    check_tensor("weight", weight, dtypes=(qkv.dtype,), ndim=2)
     K = n_q_heads * D
-    if weight.shape[1] != K:
-        raise ValueError(f"weight must have n_q_heads * head_dim = {K} columns (the attention output), got "
-                         f"{tuple(weight.shape)}")
-    if weight.shape[1] > 1 and weight.stride(1) != 1:
-        raise ValueError(f"weight must have unit stride in its last dimension, got strides {weight.stride()}")
+    packed = weight if isinstance(weight, Int4Weight) else None
+    if packed is not None:
+        check_x("qkv (an int4 wo's activation dtype)", qkv[:, :K], packed)
+        if packed.perm is not None:
+            raise ValueError("an act-order int4 wo (perm) is not supported: its columns would need the attention "
+                             "output permuted")
+        weight = packed.qweight
+    else:
+        check_tensor("weight", weight, dtypes=(qkv.dtype,), ndim=2)
+        if weight.shape[1] != K:
+            raise ValueError(f"weight must have n_q_heads * head_dim = {K} columns (the attention output), got "
+                             f"{tuple(weight.shape)}")
+        if weight.shape[1] > 1 and weight.stride(1) != 1:
+            raise ValueError(f"weight must have unit stride in its last dimension, got strides {weight.stride()}")
     N = weight.shape[0]
     bias = check_bias(bias, N, (qkv.dtype,))
     check_residual(residual, (B, N), qkv.dtype)
-    check_same_device(qkv=qkv, weight=weight, bias=bias, residual=residual)
+    check_same_device(qkv=qkv, weight=weight, bias=bias, residual=residual,
+                      scales=packed.scales if packed is not None else None)
     _check_block_n(block_n)
     be = resolve_backend(backend, qkv.device, "rope_attention_add_linear_")
     if B > 0 and N == 0:  # nothing to add; the caches are still written
         rope_decode_attention(qkv, rope, input_pos, k_cache, v_cache, n_q_heads, scale, backend=backend)
     elif B > 0:
-        _rope_attention_add_linear_op(residual, qkv, rope, input_pos, k_cache, v_cache, weight, bias, n_q_heads,
-                                      float(scale), block_n or 0, be)
+        scales, zm = (packed.scales, _zm(packed)) if packed is not None else (None, None)
+        gs, mode = (packed.group_size, packed.zero_mode) if packed is not None else (0, "")
+        _rope_attention_add_linear_op(residual, qkv, rope, input_pos, k_cache, v_cache, weight, scales, zm, bias,
+                                      n_q_heads, float(scale), block_n or 0, gs, mode, be)
     return residual
 
 
@@ -160,6 +195,8 @@ def rope_attention_add_linear_ref(residual, qkv, rope, input_pos, k_cache, v_cac
     B, D = qkv.shape[0], k_cache.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     o = rope_decode_attention_ref(qkv, rope, input_pos, k_cache, v_cache, n_q_heads, scale)
+    if isinstance(weight, Int4Weight):
+        return int4_add_linear_ref(residual, o.reshape(B, -1), weight, bias)
     return add_linear_ref(residual, o.reshape(B, -1), weight, bias)
 
 
