@@ -12,7 +12,7 @@ Program (b, hkv, nb) of a grid (B, Hkv, NB):
 3. a counter per (b, nb): the last of the Hkv programs to arrive (acquire-release atomics, as the split-K GEMMs'
    last program) holds every head's output, reads the whole row from L2 and adds ``o @ wo[rows].T (+ bias)`` to the
    residual's rows ``[nb * BN, + BN)``: fp32 sums, one rounding, as ``ops.norm_linear.add_linear_`` (W_INT4: wo a
-   packed int4 weight, dequantised exactly in fp32 as the int4 GEMV's FMA path does). It resets the counter for the
+   packed int4 weight, dequantised in fp32 as the int4 GEMV's FMA path does). It resets the counter for the
    next launch on the stream.
 
 Each kv head's attention is computed NB times (once for each block of wo's rows): the price of not waiting for a
@@ -33,7 +33,7 @@ def _int4_rows(o_row, qw_ptr, s_ptr, zm_ptr, rows, r_mask, stride_qw, stride_sn,
                ZERO_MODE: tl.constexpr, BN: tl.constexpr):
     """W_INT4: ``sum_k o[k] * W[n, k]`` for the rows ``rows`` of a packed int4 weight (``ops.int4_format``: tiles of
     256 columns, 32 words a row a tile, nibble p of word j holding column 32 p + j; scales, and zeros (ZERO_MODE 1,
-    uint8) or mins (2) per group of GS columns; 0: symmetric, q - 8), each weight dequantised exactly in fp32, not
+    uint8) or mins (2) per group of GS columns; 0: symmetric, q - 8), each weight dequantised in fp32, not
     rounded to the activation dtype, as the int4 GEMV's FMA path computes it (``kernels.int4``); o's row from L2
     (``.cg``) -> [BN] fp32."""
     p = tl.arange(0, 8)

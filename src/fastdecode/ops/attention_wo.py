@@ -148,7 +148,7 @@ def rope_attention_add_linear_(residual, qkv, rope, input_pos, k_cache, v_cache,
     qkv, rope, input_pos, k_cache, v_cache, n_q_heads, scale: as ``ops.attention.rope_decode_attention`` (the whole
     context is one split, whatever its length); weight: wo, (N, n_q_heads * D), qkv's dtype, unit stride in its
     last dimension, or an ``Int4Weight`` of that shape without act-order (qkv bf16 / fp16; W4A16, the weight
-    dequantised exactly in fp32 as the int4 GEMV's FMA kernel does, within a rounding of ``dequantize_int4``);
+    dequantised in fp32 as the int4 GEMV's FMA kernel does, not rounded to the activation dtype);
     bias: (N,) or None; residual: (B, N), qkv's dtype, contiguous.
     ``block_n``: rows of wo a program adds (a power of two, 16 to ``MAX_BLOCK_N``; default: about one program per
     SM). Where the GEMVs' weight-slab prefetch is on (``ops._common.weight_prefetch_enabled``: by default one token
