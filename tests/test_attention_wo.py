@@ -224,12 +224,15 @@ def test_switch_fuses_dense_blocks_and_keeps_the_step(monkeypatch, fmt):
     for use_norm_gemm in (True, False):
         m.set_kernels(norm_gemm=use_norm_gemm)
         plain.set_kernels(norm_gemm=use_norm_gemm)
-        assert norm_gemm.applies(m, 2) == use_norm_gemm
+        fused = norm_gemm.applies(m, 2)
+        # int4: the fused step where the int4 table gives every projection an fma tile (norm_gemm._supported; the
+        # heuristics do at these shapes on a CPU; a GPU's tables may not)
+        assert fused == use_norm_gemm if fmt == "fp32" or DEV == "cpu" else not fused or use_norm_gemm
         for t in ((4, 5) if use_norm_gemm else (6, 7)):
             pos = torch.tensor([t, t - 2], device=DEV)
             calls.clear()
             got = m.decode(toks[:, t], pos, caches[0])
-            assert len(calls) == (cfg.n_layers if use_norm_gemm else 0)
+            assert len(calls) == (cfg.n_layers if fused else 0)
             want = plain.decode(toks[:, t], pos, caches[1])
             torch.testing.assert_close(got, want, **tol)
             torch.testing.assert_close(caches[0].k, caches[1].k, **tol)
