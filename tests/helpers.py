@@ -130,6 +130,18 @@ def random_int4(fmt: str, N: int, K: int, g: int, dtype, device, g_idx=None):
     return Q.prepack(q, s, group_size=g, g_idx=g_idx, **kw).to(device)
 
 
+def decode_positions_and_caches(B: int, Hkv: int, T: int, D: int, dtype, device) -> tuple:
+    """A decode step's positions ``[B]`` (0 and T - 1 among them) and random k / v caches ``[B, Hkv, T, D]``, views
+    into buffers with a spare sequence and spare positions, as the engine passes them."""
+    pos = torch.randint(0, T, (B,), device=device)
+    pos[0] = 0
+    if B > 1:
+        pos[1] = T - 1
+    k = torch.randn(B + 1, Hkv, T + 3, D, device=device).to(dtype)[:B, :, :T]
+    v = torch.randn(B + 1, Hkv, T + 3, D, device=device).to(dtype)[:B, :, :T]
+    return pos, k, v
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill an output buffer with NaN (or 0xFF bytes for FP8: NaN too) so unwritten elements fail."""
     if t.dtype == FP8:

@@ -11,7 +11,7 @@ from fastdecode.ops.attention import (
     decode_attention, decode_attention_config, decode_attention_ref, rope_decode_attention, rope_decode_attention_ref,
     rope_kv_write, rope_kv_write_ref,
 )
-from helpers import TOLERANCES, assert_close, poison_, precompile_calls
+from helpers import TOLERANCES, assert_close, decode_positions_and_caches, poison_, precompile_calls
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16: tl.dot on bf16 is wrong under the interpreter; the kernel uses its broadcast path there
@@ -228,13 +228,7 @@ def _fused_inputs(B, Hq, Hkv, T, D, dtype):
     """qkv, rope, positions (0 and T - 1 among them), and random caches with one spare sequence and spare
     positions (views, as the engine passes them)."""
     qkv, rope, _, _, _ = _rope_inputs(B, Hq, Hkv, T, D, dtype)
-    pos = torch.randint(0, T, (B,), device=DEV)
-    pos[0] = 0
-    if B > 1:
-        pos[1] = T - 1
-    k = torch.randn(B + 1, Hkv, T + 3, D, device=DEV).to(dtype)[:B, :, :T]
-    v = torch.randn(B + 1, Hkv, T + 3, D, device=DEV).to(dtype)[:B, :, :T]
-    return qkv, rope, pos, k, v
+    return (qkv, rope, *decode_positions_and_caches(B, Hkv, T, D, dtype, DEV))
 
 
 # (B, Hq, Hkv, T, D, num_splits): MHA, GQA 3 over 4 splits, Llama-3 heads in one split, MQA, odd half (D 80),

@@ -10,7 +10,7 @@ import torch
 from fastdecode.ops.attention import rope_decode_attention, rope_decode_attention_ref
 from fastdecode.ops.attention_wo import applies, rope_attention_add_linear_, rope_attention_add_linear_ref
 from fastdecode.ops.norm_linear import add_linear_
-from helpers import assert_close
+from helpers import assert_close, decode_positions_and_caches
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -34,12 +34,7 @@ def _inputs(B, Hq, Hkv, T, D, N, dtype, bias=False):
     qkv = torch.randn(B, (Hq + 2 * Hkv) * D, device=DEV).to(dtype)
     ang = torch.arange(T + 2, device=DEV)[:, None].float() * torch.rand(half, device=DEV)[None, :]
     rope = torch.stack([ang.cos(), ang.sin()], dim=-1)  # [T + 2, D/2, 2] fp32
-    pos = torch.randint(0, T, (B,), device=DEV)
-    pos[0] = 0
-    if B > 1:
-        pos[1] = T - 1
-    k = torch.randn(B + 1, Hkv, T + 3, D, device=DEV).to(dtype)[:B, :, :T]
-    v = torch.randn(B + 1, Hkv, T + 3, D, device=DEV).to(dtype)[:B, :, :T]
+    pos, k, v = decode_positions_and_caches(B, Hkv, T, D, dtype, DEV)
     w = (torch.randn(N, Hq * D, device=DEV) / math.sqrt(Hq * D)).to(dtype)
     b = torch.randn(N, device=DEV).to(dtype) if bias else None
     h = torch.randn(B, N, device=DEV).to(dtype)

@@ -188,8 +188,8 @@ def rope_attention_add_linear_(residual, qkv, rope, input_pos, k_cache, v_cache,
     return residual
 
 
-def rope_attention_add_linear_ref(residual, qkv, rope, input_pos, k_cache, v_cache, weight, bias=None,
-                                  n_q_heads: int = 1, scale: Optional[float] = None) -> torch.Tensor:
+def rope_attention_add_linear_ref(residual, qkv, rope, input_pos, k_cache, v_cache, weight, bias, n_q_heads: int,
+                                  scale: Optional[float] = None) -> torch.Tensor:
     """Reference of :func:`rope_attention_add_linear_` (out of place; writes the caches): the two references
     composed."""
     B, D = qkv.shape[0], k_cache.shape[3]
